@@ -1,0 +1,55 @@
+"""Messages, sampling parameters and configuration shared by every conveyor process.
+
+This is the only package the frontend, the engine core and the workers all import. It never
+imports torch.
+"""
+
+from protocol.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    check_engine_config,
+    load_model_config,
+)
+from protocol.messages import (
+    Abort,
+    CachedRequestData,
+    EngineCoreInput,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from protocol.sampling_params import SamplingParams
+
+__all__ = [
+    "Abort",
+    "CacheConfig",
+    "CachedRequestData",
+    "ConfigError",
+    "EngineConfig",
+    "EngineCoreInput",
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "EngineCoreRequest",
+    "FinishReason",
+    "Logprobs",
+    "ModelConfig",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "ParallelConfig",
+    "SamplingParams",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "check_engine_config",
+    "load_model_config",
+]

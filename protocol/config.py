@@ -1,0 +1,143 @@
+"""The one frozen configuration tree, shared by every process.
+
+Each component receives only the part it uses. Values learned later (the number of KV blocks the
+workers can hold) arrive through ``msgspec.structs.replace``, never by mutation. The structs are
+msgspec Structs so the tree can be sent to another process as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+Policy = Literal["stall-free", "prefill-first", "orca", "static"]
+QueueOrder = Literal["fcfs", "priority"]
+
+POLICIES: tuple[str, ...] = ("stall-free", "prefill-first", "orca", "static")
+
+
+class ConfigError(ValueError):
+    """A configuration value or model directory that cannot work; the message says which."""
+
+
+class ModelConfig(msgspec.Struct, frozen=True):
+    model: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    # "auto" = float32 on CPU, bfloat16 on CUDA; otherwise a torch dtype name.
+    dtype: str = "auto"
+    seed: int = 0
+
+
+class CacheConfig(msgspec.Struct, frozen=True):
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    # CPU: bytes of KV cache per worker. CUDA: fraction of free memory after profiling.
+    kv_cache_memory: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
+    # Learned from the workers at start-up; None until then.
+    num_blocks: int | None = None
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True):
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 4096
+    # A prefill chunk of one request is capped at this many tokens per step (0 = no cap), so one
+    # long prompt cannot take the whole budget from other prompts waiting behind it.
+    long_prefill_token_threshold: int = 0
+    policy: Policy = "stall-free"
+    queue_order: QueueOrder = "fcfs"
+    async_scheduling: bool = False
+
+
+class ParallelConfig(msgspec.Struct, frozen=True):
+    tensor_parallel_size: int = 1
+
+
+class EngineConfig(msgspec.Struct, frozen=True):
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    # "auto" = CUDA when available, else CPU.
+    device: str = "auto"
+
+
+def _as_id_tuple(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)  # type: ignore[union-attr]
+
+
+def load_model_config(
+    model: str | os.PathLike[str],
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    seed: int = 0,
+) -> ModelConfig:
+    """Read what the engine needs from a local Hugging Face model directory (no torch)."""
+    path = Path(model)
+    if not path.is_dir():
+        raise ConfigError(f"model directory not found: {path}")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{path} has no config.json; is it a Hugging Face model directory?")
+    hf = json.loads(config_file.read_text())
+    architectures = hf.get("architectures") or []
+    if not architectures:
+        raise ConfigError(f"{config_file} names no architecture")
+    eos = _as_id_tuple(hf.get("eos_token_id"))
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        eos = _as_id_tuple(json.loads(gen_file.read_text()).get("eos_token_id")) or eos
+    derived_len = int(hf.get("max_position_embeddings") or 2048)
+    if max_model_len is None:
+        max_model_len = derived_len
+    elif not 1 <= max_model_len <= derived_len:
+        raise ConfigError(
+            f"max_model_len {max_model_len} must be between 1 and the model's {derived_len}"
+        )
+    return ModelConfig(
+        model=str(path.resolve()),
+        architecture=architectures[0],
+        vocab_size=int(hf["vocab_size"]),
+        max_model_len=max_model_len,
+        eos_token_ids=eos,
+        dtype=dtype,
+        seed=seed,
+    )
+
+
+def check_engine_config(config: EngineConfig) -> None:
+    """Reject combinations that cannot run, with a message naming the values."""
+    sched, cache = config.scheduler, config.cache
+    if sched.policy not in POLICIES:
+        raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {sched.policy!r}")
+    if sched.max_num_seqs < 1:
+        raise ConfigError("max_num_seqs must be at least 1")
+    if sched.max_num_batched_tokens < 1:
+        raise ConfigError("max_num_batched_tokens must be at least 1")
+    if sched.max_model_len > config.model.max_model_len:
+        raise ConfigError(
+            f"scheduler max_model_len {sched.max_model_len} exceeds the model's "
+            f"{config.model.max_model_len}"
+        )
+    if sched.policy in ("orca", "static", "prefill-first") and (
+        sched.max_num_batched_tokens < sched.max_model_len
+    ):
+        # These policies never chunk a prompt, so the budget must hold the longest one.
+        raise ConfigError(
+            f"policy {sched.policy!r} runs whole prompts: max_num_batched_tokens "
+            f"({sched.max_num_batched_tokens}) must be >= max_model_len ({sched.max_model_len})"
+        )
+    if cache.block_size < 1 or cache.block_size & (cache.block_size - 1):
+        raise ConfigError(f"block_size must be a power of two, got {cache.block_size}")

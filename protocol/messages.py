@@ -1,0 +1,136 @@
+"""Wire messages between the frontend, the engine core and the workers.
+
+Shared by every process. Structs only: no behaviour, no tensors, no pickle. Messages on the hot
+path are ``array_like`` (no field names on the wire), ``omit_defaults`` and ``gc=False`` (they hold
+no reference cycles, so the cyclic collector need not track them).
+
+Request ids: frontends name requests with strings (``request_id``). The engine core gives each
+request an integer ``req_id`` on arrival, unique for the life of the engine; everything between the
+engine core and the workers uses that integer, which keeps a 256-request decode step at a few
+hundred bytes of ids instead of several KB of strings.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+from protocol.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+# ---------------------------------------------------------------- frontend -> engine core
+
+
+class EngineCoreRequest(msgspec.Struct, tag=1, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    # Tokens that end generation unless ignore_eos; from the model's generation config.
+    eos_token_ids: list[int] = []
+
+
+class Abort(msgspec.Struct, tag=2, array_like=True, gc=False):
+    request_ids: list[str]
+
+
+EngineCoreInput = Union[EngineCoreRequest, Abort]
+
+
+# ---------------------------------------------------------------- engine core -> frontend
+
+
+class Logprobs(msgspec.Struct, array_like=True, gc=False):
+    """Log-probabilities for a run of generated tokens, one row per token.
+
+    Row i holds the sampled token first, then the top-k alternatives in descending order.
+    ``ranks[i]`` is the sampled token's rank in the full distribution (1 = most likely).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    # The stop token id that ended the request, or an error message for finish_reason "error".
+    stop_reason: int | str | None = None
+    logprobs: Logprobs | None = None
+    num_cached_tokens: int = 0
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    # Counters are cumulative since the engine started, so a lost message loses nothing.
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    step_num_prefill_tokens: int = 0
+    step_num_decode_tokens: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    outputs: list[EngineCoreOutput]
+    timestamp: float = 0.0
+    scheduler_stats: SchedulerStats | None = None
+
+
+# ---------------------------------------------------------------- engine core -> workers
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request the workers have not seen: sent once, in full."""
+
+    req_id: int
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Requests the workers already mirror, as parallel lists (one entry per request).
+
+    ``new_block_ids[i]`` are appended to the request's block table, unless the request is in
+    ``resumed_token_ids``: it was preempted and is starting over, so its block table is replaced
+    by ``new_block_ids[i]`` and its token history by the ids given there (prompt + outputs).
+    """
+
+    req_ids: list[int] = []
+    new_block_ids: list[list[int]] = []
+    num_computed_tokens: list[int] = []
+    num_scheduled_tokens: list[int] = []
+    resumed_token_ids: dict[int, list[int]] = {}
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData] = []
+    scheduled_cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
+    total_num_scheduled_tokens: int = 0
+    # Requests that ended (finished or aborted) since the previous step: drop their mirrors.
+    finished_req_ids: list[int] = []
+    # Requests preempted since the previous step: keep the mirror, drop them from the batch.
+    preempted_req_ids: list[int] = []
+
+
+# ---------------------------------------------------------------- worker rank 0 -> engine core
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One sampled token per request whose prompt was complete this step, in ``req_ids`` order."""
+
+    step_id: int
+    req_ids: list[int] = []
+    sampled_token_ids: list[int] = []
+    logprobs: Logprobs | None = None

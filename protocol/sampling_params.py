@@ -1,0 +1,91 @@
+"""Sampling parameters: built by the frontend, carried to the engine and the workers.
+
+Shared by every process. Validation runs in ``__post_init__`` so a bad value is rejected where the
+object is made (the offline API, the HTTP layer) and again if a malformed one arrives on the wire
+(msgspec turns the ValueError into a ValidationError on decode).
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+# A cap that keeps one request from asking the frontend to fan out unbounded work.
+MAX_N = 16
+# Top-k alternatives per token; the sampler sorts the full vocabulary row at most once per token.
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
+    """How to pick each next token and when to stop.
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0`` mean
+    "off". ``max_tokens=None`` means "until the context is full".
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Keep the stop string in the returned text (the frontend applies it).
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        problem = find_sampling_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def find_sampling_problem(p: SamplingParams) -> str | None:
+    """Return a human-readable reason the parameters are invalid, or None if they are fine."""
+    if not 1 <= p.n <= MAX_N:
+        return f"n must be between 1 and {MAX_N}, got {p.n}"
+    if not _finite(p.temperature) or p.temperature < 0:
+        return f"temperature must be a finite number >= 0, got {p.temperature}"
+    if not _finite(p.top_p) or not 0.0 < p.top_p <= 1.0:
+        return f"top_p must be in (0, 1], got {p.top_p}"
+    if p.top_k < 0:
+        return f"top_k must be >= 0 (0 disables it), got {p.top_k}"
+    if not _finite(p.min_p) or not 0.0 <= p.min_p <= 1.0:
+        return f"min_p must be in [0, 1], got {p.min_p}"
+    if p.max_tokens is not None and p.max_tokens < 1:
+        return f"max_tokens must be at least 1, got {p.max_tokens}"
+    if p.min_tokens < 0:
+        return f"min_tokens must be >= 0, got {p.min_tokens}"
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        return f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})"
+    if any(not s for s in p.stop):
+        return "stop strings must be non-empty"
+    if any(t < 0 for t in p.stop_token_ids):
+        return "stop_token_ids must be non-negative token ids"
+    if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
+        return f"logprobs must be between 0 and {MAX_LOGPROBS}, got {p.logprobs}"
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        if not _finite(value) or not -2.0 <= value <= 2.0:
+            return f"{name} must be in [-2, 2], got {value}"
+    if not _finite(p.repetition_penalty) or p.repetition_penalty <= 0:
+        return f"repetition_penalty must be > 0, got {p.repetition_penalty}"
+    if p.seed is not None and not -(2**63) <= p.seed < 2**63:
+        return "seed must fit in a signed 64-bit integer"
+    return None

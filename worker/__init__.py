@@ -1,0 +1,1 @@
+"""Workers: models, KV cache tensors, attention, sampling. The only package that touches tensors."""

@@ -1,0 +1,1 @@
+"""Attention backends: the only request-aware op in the model."""
