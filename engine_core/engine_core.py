@@ -1,0 +1,127 @@
+"""The engine core: one step is schedule -> execute -> update.
+
+Runs in the engine-core process. Sockets, threads and polling live in the process wrapper around
+this class; here a request arrives as a message, a step returns messages, and a bad request is
+answered with an error output instead of an exception, so one client cannot stop the engine for
+everyone.
+"""
+
+from __future__ import annotations
+
+import time
+
+from msgspec.structs import replace
+
+from engine_core.executor import Executor
+from engine_core.request import Request
+from engine_core.scheduler import Scheduler
+from protocol import (
+    EngineConfig,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ModelRunnerOutput,
+)
+
+
+class EngineCore:
+    """Owns the scheduler and drives the executor one step at a time."""
+
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+        self.config = config
+        self.executor = executor
+        num_blocks = executor.determine_num_blocks()
+        executor.initialize_cache(num_blocks)
+        self.scheduler = Scheduler(config.scheduler, replace(config.cache, num_blocks=num_blocks))
+        self._next_req_id = 0
+        # In-flight requests by (client_index, request_id): a frontend names its requests with
+        # strings that are unique only among its own.
+        self._requests: dict[tuple[int, str], Request] = {}
+
+    def add_request(
+        self, request: EngineCoreRequest, client_index: int = 0
+    ) -> EngineCoreOutputs | None:
+        """Queue a request; a request that cannot run comes back at once as an error output."""
+        problem = self._find_problem(request, client_index)
+        if problem is not None:
+            output = EngineCoreOutput(request.request_id, [], "error", problem)
+            return EngineCoreOutputs([output], time.monotonic())
+        scheduled = Request(
+            self._next_req_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            max_model_len=self.config.scheduler.max_model_len,
+            request_id=request.request_id,
+            client_index=client_index,
+            eos_token_ids=request.eos_token_ids,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+        )
+        self._next_req_id += 1
+        self._requests[(client_index, request.request_id)] = scheduled
+        self.scheduler.add_request(scheduled)
+        return None
+
+    def _find_problem(self, request: EngineCoreRequest, client_index: int) -> str | None:
+        prompt = request.prompt_token_ids
+        max_model_len = self.config.scheduler.max_model_len
+        vocab_size = self.config.model.vocab_size
+        if not prompt:
+            return "the prompt is empty"
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            return f"prompt token ids must be in [0, {vocab_size})"
+        if len(prompt) >= max_model_len:
+            return (
+                f"the prompt has {len(prompt)} tokens; it must be shorter than "
+                f"max_model_len ({max_model_len}) to leave room for output"
+            )
+        if (client_index, request.request_id) in self._requests:
+            return f"request_id {request.request_id!r} is already in flight"
+        return None
+
+    def abort_requests(self, request_ids: list[str], client_index: int = 0) -> None:
+        """Abort by the client's ids; unknown or already finished ids are ignored."""
+        req_ids = []
+        for request_id in request_ids:
+            # Forget the name now, so the client may reuse it before the abort output goes out.
+            request = self._requests.pop((client_index, request_id), None)
+            if request is not None:
+                req_ids.append(request.req_id)
+        self.scheduler.abort_requests(req_ids)
+
+    def step(self) -> dict[int, EngineCoreOutputs]:
+        """Run one step; outputs keyed by client_index."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            # Nothing for the workers; outputs of aborted requests still go out.
+            runner_output = ModelRunnerOutput(step_id=scheduler_output.step_id)
+        else:
+            runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._forget_finished(outputs)
+        return outputs
+
+    def _forget_finished(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        requests = self._requests
+        for client_index, client_outputs in outputs.items():
+            for output in client_outputs.outputs:
+                if output.finish_reason is None:
+                    continue
+                key = (client_index, output.request_id)
+                request = requests.get(key)
+                # The name may already belong to a newer request (aborted, then reused).
+                if request is not None and request.is_finished:
+                    del requests[key]
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a step would do something: requests to run or outputs to deliver."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_outputs()
+
+    def check_all_free(self) -> None:
+        """AssertionError unless no request is left and every KV block is free."""
+        self.scheduler.check_all_free()
+        if self._requests:
+            raise AssertionError(f"{len(self._requests)} request ids still mapped")
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

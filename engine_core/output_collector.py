@@ -1,0 +1,90 @@
+"""Per-client outputs of one step: sampled tokens, and the endings the model did not decide.
+
+Runs in the engine-core process. Each frontend (``client_index``) gets one ``EngineCoreOutputs``
+per step with an entry for each of its requests that sampled a token, and one final entry for
+each request that was aborted or failed since the previous step.
+"""
+
+from __future__ import annotations
+
+from engine_core.request import Request, RequestStatus
+from protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    Logprobs,
+    ModelRunnerOutput,
+    SchedulerStats,
+)
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class OutputCollector:
+    """Outputs gathered for each client until ``take`` hands them out."""
+
+    def __init__(self) -> None:
+        self._by_client: dict[int, list[EngineCoreOutput]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._by_client)
+
+    def add_final(self, request: Request) -> None:
+        """The one output of a request that ended without a sampled token (abort, error)."""
+        output = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+        self._by_client.setdefault(request.client_index, []).append(output)
+
+    def add_sampled(
+        self, requests: dict[int, Request], runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Append each sampled token to its request and record it; returns those now finished.
+
+        A token for a request that is no longer running (aborted after the step was scheduled)
+        is dropped. Runs for every running request every step, hence the local names.
+        """
+        finished: list[Request] = []
+        by_client = self._by_client
+        logprobs = runner_output.logprobs
+        sampled = runner_output.sampled_token_ids
+        for i, req_id in enumerate(runner_output.req_ids):
+            request = requests.get(req_id)
+            if request is None or request.status is not _RUNNING:
+                continue
+            token = sampled[i]
+            request.all_token_ids.append(token)
+            output = EngineCoreOutput(request.request_id, [token])
+            output.num_cached_tokens = request.num_cached_tokens
+            if request.check_stop():
+                finished.append(request)
+                output.finish_reason = request.status.finish_reason
+                output.stop_reason = request.stop_reason
+            if logprobs is not None and request.sampling_params.logprobs is not None:
+                output.logprobs = _logprobs_row(logprobs, i)
+            client_outputs = by_client.get(request.client_index)
+            if client_outputs is None:
+                by_client[request.client_index] = [output]
+            else:
+                client_outputs.append(output)
+        return finished
+
+    def take(self, stats: SchedulerStats, timestamp: float) -> dict[int, EngineCoreOutputs]:
+        """Everything gathered, one message per client, and start empty again."""
+        by_client, self._by_client = self._by_client, {}
+        return {
+            client_index: EngineCoreOutputs(outputs, timestamp, stats)
+            for client_index, outputs in by_client.items()
+        }
+
+
+def _logprobs_row(logprobs: Logprobs, row: int) -> Logprobs:
+    # The runner sends one row per sampled token, in req_ids order.
+    return Logprobs(
+        token_ids=[logprobs.token_ids[row]],
+        logprobs=[logprobs.logprobs[row]],
+        ranks=[logprobs.ranks[row]],
+    )

@@ -1,0 +1,271 @@
+"""The token-budget scheduler: who runs how many tokens each step, and what came of it.
+
+Runs in the engine-core process. A request is two counters (``num_tokens``, ``num_computed_tokens``);
+each step has a token budget and a width cap. A policy (``engine_core/policies``) decides the order
+of two moves, serving running requests and admitting waiting ones; this class carries them out:
+it allocates blocks, preempts by recompute when they run out, builds the diff the workers apply
+(``SchedulerOutput``) and folds the sampled tokens back in (``update_from_output``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.output_collector import OutputCollector
+from engine_core.policies import make_policy
+from engine_core.request import Request, RequestStatus
+from engine_core.request_queue import make_request_queue, priority_key
+from engine_core.step_plan import StepPlan
+from protocol import (
+    CacheConfig,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    SchedulerConfig,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+_RUNNING = RequestStatus.RUNNING
+_POOL_TOO_SMALL = "needs more KV cache blocks than the whole pool holds"
+
+
+class Scheduler:
+    """Decides each step's batch under a token budget and a width cap; implements SchedulingStep."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        if cache_config.num_blocks is None:
+            raise ValueError("cache_config.num_blocks must be set (learned from the workers)")
+        self.config = scheduler_config
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.policy = make_policy(scheduler_config.policy)
+        self.waiting = make_request_queue(scheduler_config.queue_order)
+        # In admission order: the last one is the newest (the FCFS preemption victim).
+        self.running: list[Request] = []
+        # Every unfinished request, waiting or running.
+        self.requests: dict[int, Request] = {}
+        threshold = scheduler_config.long_prefill_token_threshold
+        self._chunk_cap = threshold if threshold > 0 else scheduler_config.max_num_batched_tokens
+        self._by_priority = scheduler_config.queue_order == "priority"
+        # Requests the workers mirror: sent as new, not yet sent as finished.
+        self._worker_req_ids: set[int] = set()
+        # Waiting for the next step that reaches the workers.
+        self._finished_req_ids: list[int] = []
+        self._preempted_req_ids: list[int] = []
+        self._outputs = OutputCollector()
+        self._plan = StepPlan(0)
+        self._step_id = 0
+        self._num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        if request.req_id in self.requests:
+            raise ValueError(f"req_id {request.req_id} is already scheduled")
+        request.status = RequestStatus.WAITING
+        self.requests[request.req_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, req_ids: Iterable[int]) -> None:
+        """End the given requests; unknown or already finished ids are ignored."""
+        aborted = {req_id: self.requests[req_id] for req_id in req_ids if req_id in self.requests}
+        if not aborted:
+            return
+        if any(r.status is _RUNNING for r in aborted.values()):
+            self.running = [r for r in self.running if r.req_id not in aborted]
+        self.waiting.remove_requests([r for r in aborted.values() if r.status is not _RUNNING])
+        for request in aborted.values():
+            self._end(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_pending_outputs(self) -> bool:
+        """Outputs of aborted or failed requests wait for the next ``update_from_output``."""
+        return bool(self._outputs)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        self._step_id += 1
+        self._plan = StepPlan(self.config.max_num_batched_tokens)
+        self.policy.schedule(self)
+        output = self._plan.to_output(self._step_id)
+        for new_request in output.scheduled_new_reqs:
+            self._worker_req_ids.add(new_request.req_id)
+        # A step with no tokens is not executed: its ids wait for one that reaches the workers.
+        if output.total_num_scheduled_tokens > 0:
+            output.finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
+            output.preempted_req_ids, self._preempted_req_ids = self._preempted_req_ids, []
+        return output
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._plan.num_preemptions
+
+    def schedule_running(self) -> None:
+        plan, kv, cap = self._plan, self.kv_cache_manager, self._chunk_cap
+        for request in list(self.running):  # a copy: preemption removes from self.running
+            budget = plan.token_budget
+            if budget <= 0:
+                break
+            if request.status is not _RUNNING:  # preempted earlier in this loop
+                continue
+            # Comparisons rather than min(): this runs for every running request every step.
+            num_tokens = len(request.all_token_ids) - request.num_computed_tokens
+            if num_tokens > cap:
+                num_tokens = cap
+            if num_tokens > budget:
+                num_tokens = budget
+            elif num_tokens <= 0:  # its last token is not back yet: nothing to compute
+                continue
+            new_block_ids = kv.allocate_slots(request, num_tokens)
+            if new_block_ids is None:
+                new_block_ids = self._allocate_or_preempt(request, num_tokens)
+                if new_block_ids is None:
+                    continue
+            plan.add_cached(request, num_tokens, new_block_ids)
+
+    def admit_waiting(self, *, whole_prompts: bool, reserve_outputs: bool = False) -> int:
+        num_admitted = 0
+        while (
+            self.waiting
+            and self._plan.token_budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            if self._try_admit(request, whole_prompts, reserve_outputs):
+                num_admitted += 1
+            elif not request.is_finished:  # head-of-line: nobody overtakes the head
+                break
+        return num_admitted
+
+    def _try_admit(self, request: Request, whole_prompt: bool, reserve_outputs: bool) -> bool:
+        kv = self.kv_cache_manager
+        hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
+        num_needed = request.num_tokens - num_hit_tokens
+        if whole_prompt and num_needed > self.config.max_num_batched_tokens:
+            # This policy never chunks, and no step can hold it: waiting would never end.
+            self._fail_waiting(
+                request,
+                f"needs {num_needed} tokens in one step; policy {self.config.policy!r} does not "
+                f"chunk and max_num_batched_tokens is {self.config.max_num_batched_tokens}",
+            )
+            return False
+        if whole_prompt and num_needed > self._plan.token_budget:
+            return False
+        num_tokens = num_needed if whole_prompt else min(num_needed, self._chunk_cap)
+        num_tokens = min(num_tokens, self._plan.token_budget)
+        num_reserved = request.max_tokens - request.num_output_tokens if reserve_outputs else 0
+        new_block_ids = kv.allocate_slots(
+            request, num_tokens, hit_block_ids, num_hit_tokens, num_reserved
+        )
+        if new_block_ids is None:
+            if not self.running:  # the whole pool is free and still too small: never fits
+                self._fail_waiting(request, _POOL_TOO_SMALL)
+            return False
+        self.waiting.pop()
+        request.status = _RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        self.running.append(request)
+        # A request that held no blocks gets its whole table here, as the workers need it.
+        if request.req_id in self._worker_req_ids:
+            self._plan.add_cached(request, num_tokens, new_block_ids, resumed=True)
+        else:
+            self._plan.add_new(request, num_tokens, new_block_ids)
+        return True
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int) -> list[int] | None:
+        """Preempt until the request's blocks fit; None if the request itself had to go."""
+        while True:
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_tokens)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = max(self.running, key=priority_key) if self._by_priority else self.running[-1]
+            if victim is request and len(self.running) == 1:
+                # Alone with the whole pool and still short: recomputing would never end.
+                self.running.clear()
+                self._end(request, RequestStatus.FINISHED_ERROR, _POOL_TOO_SMALL)
+                return None
+            self._preempt(victim)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._plan.discard(request)
+        # Free before the reset: the KV manager reads num_computed_tokens to keep what is valid.
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._plan.num_preemptions += 1
+        self._num_preemptions += 1
+        self.waiting.add_preempted(request)
+        if request.req_id in self._worker_req_ids:
+            self._preempted_req_ids.append(request.req_id)
+
+    def _fail_waiting(self, request: Request, reason: str) -> None:
+        self.waiting.remove_requests([request])
+        self._end(request, RequestStatus.FINISHED_ERROR, reason)
+
+    def _end(self, request: Request, status: RequestStatus, reason: str | None = None) -> None:
+        """Finish a request the model did not finish (abort, error): free it, tell everyone."""
+        request.status = status
+        request.stop_reason = reason
+        self._release(request)
+        self._outputs.add_final(request)
+
+    def _release(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.req_id]
+        if request.req_id in self._worker_req_ids:
+            self._worker_req_ids.discard(request.req_id)
+            self._finished_req_ids.append(request.req_id)
+
+    # ------------------------------------------------------------------ after the step ran
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """Append each sampled token, stop what is done; outputs grouped by client_index."""
+        finished = self._outputs.add_sampled(self.requests, model_runner_output)
+        if finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+            for request in finished:
+                self._release(request)
+        return self._outputs.take(self.make_stats(), time.monotonic())
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_preemptions=self._num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            step_num_prefill_tokens=self._plan.num_prompt_tokens,
+            step_num_decode_tokens=self._plan.num_generated_tokens,
+        )
+
+    def check_all_free(self) -> None:
+        """AssertionError unless no request is left anywhere and every KV block is free."""
+        if self.requests or self.running or self.waiting:
+            raise AssertionError(
+                f"requests left: {len(self.requests)} unfinished, {len(self.running)} running, "
+                f"{len(self.waiting)} waiting"
+            )
+        self.kv_cache_manager.check_all_free()

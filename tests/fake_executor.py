@@ -1,0 +1,210 @@
+"""A model-free executor that mirrors requests from the diffs exactly as a real worker must.
+
+Runs in the test process, standing in for the workers. It keeps each request's token history and
+block table from the ``SchedulerOutput`` diffs alone (prompt from new requests, the tokens it
+sampled itself, history replaced on resume), asserts every diff is consistent with what it already
+knows, and simulates the paged KV cache slot by slot: each scheduled position writes its token into
+``block_ids[pos // block_size]``, and every position a request attends to must hold that request's
+own token, so a wrong block table, a bad prefix-cache hit or a block shared while written fails
+here. The "model" samples a deterministic function of the full history, so a request produces the
+same tokens however it was batched, chunked or preempted. ``make_scheduler`` and ``run_step`` drive
+a bare Scheduler with it the way EngineCore.step does.
+"""
+
+from __future__ import annotations
+
+import zlib
+from array import array
+from dataclasses import dataclass
+
+from engine_core.executor import Executor
+from engine_core.scheduler import Scheduler
+from protocol import (
+    CacheConfig,
+    EngineCoreOutputs,
+    Logprobs,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+
+
+def fake_next_token(token_ids: list[int], vocab_size: int) -> int:
+    """The fake model: the next token is a hash of the whole history."""
+    return zlib.crc32(array("q", token_ids).tobytes()) % vocab_size
+
+
+@dataclass
+class _Mirror:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    in_batch: bool = True
+
+
+class FakeExecutor(Executor):
+    """Mirrors, checks and "runs" each step; keeps every SchedulerOutput it ran for inspection."""
+
+    def __init__(
+        self, num_blocks: int, vocab_size: int, block_size: int = 16, check_kv: bool = True
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.check_kv = check_kv
+        self.initialized_num_blocks: int | None = None
+        self.mirrors: dict[int, _Mirror] = {}
+        # Simulated KV: which token each slot of each block holds.
+        self.kv: dict[int, list[int | None]] = {}
+        self.scheduler_outputs: list[SchedulerOutput] = []
+        self.num_shutdowns = 0
+
+    def determine_num_blocks(self) -> int:
+        return self.num_blocks
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        assert self.initialized_num_blocks is None, "initialize_cache called twice"
+        self.initialized_num_blocks = num_blocks
+
+    def shutdown(self) -> None:
+        self.num_shutdowns += 1
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.initialized_num_blocks is not None, "execute_model before initialize_cache"
+        assert scheduler_output.total_num_scheduled_tokens > 0, "an empty step was executed"
+        if self.scheduler_outputs:
+            assert scheduler_output.step_id > self.scheduler_outputs[-1].step_id
+        self.scheduler_outputs.append(scheduler_output)
+        self._drop_left(scheduler_output)
+        scheduled = self._apply_new(scheduler_output) + self._apply_cached(scheduler_output)
+        req_ids = [req_id for req_id, _ in scheduled]
+        assert len(set(req_ids)) == len(req_ids), f"a request scheduled twice: {req_ids}"
+        total = sum(num_tokens for _, num_tokens in scheduled)
+        assert total == scheduler_output.total_num_scheduled_tokens
+        for req_id, num_tokens in scheduled:
+            self._check_and_write(req_id, num_tokens)
+        if self.check_kv:
+            for req_id, num_tokens in scheduled:
+                self._check_reads(req_id, num_tokens)
+        return self._sample(scheduler_output.step_id, scheduled)
+
+    def _drop_left(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            assert req_id in self.mirrors, f"finished req {req_id} was never sent"
+            del self.mirrors[req_id]
+        for req_id in scheduler_output.preempted_req_ids:
+            assert self.mirrors[req_id].in_batch, f"req {req_id} preempted twice"
+            self.mirrors[req_id].in_batch = False
+
+    def _apply_new(self, scheduler_output: SchedulerOutput) -> list[tuple[int, int]]:
+        scheduled = []
+        for new in scheduler_output.scheduled_new_reqs:
+            assert new.req_id not in self.mirrors, f"req {new.req_id} sent as new twice"
+            self.mirrors[new.req_id] = _Mirror(
+                list(new.prompt_token_ids),
+                list(new.block_ids),
+                new.num_computed_tokens,
+                new.sampling_params,
+            )
+            scheduled.append((new.req_id, new.num_scheduled_tokens))
+        return scheduled
+
+    def _apply_cached(self, scheduler_output: SchedulerOutput) -> list[tuple[int, int]]:
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled = []
+        for i, req_id in enumerate(cached.req_ids):
+            mirror = self.mirrors[req_id]
+            if req_id in cached.resumed_token_ids:
+                assert not mirror.in_batch, f"req {req_id} resumed without being preempted"
+                mirror.token_ids = list(cached.resumed_token_ids[req_id])
+                mirror.block_ids = list(cached.new_block_ids[i])
+                mirror.num_computed_tokens = cached.num_computed_tokens[i]
+                mirror.in_batch = True
+            else:
+                assert mirror.in_batch, f"req {req_id} scheduled while preempted"
+                assert cached.num_computed_tokens[i] == mirror.num_computed_tokens, (
+                    f"req {req_id}: engine says {cached.num_computed_tokens[i]} computed, "
+                    f"worker has {mirror.num_computed_tokens}"
+                )
+                mirror.block_ids.extend(cached.new_block_ids[i])
+            scheduled.append((req_id, cached.num_scheduled_tokens[i]))
+        return scheduled
+
+    def _check_and_write(self, req_id: int, num_tokens: int) -> None:
+        mirror = self.mirrors[req_id]
+        start, end = mirror.num_computed_tokens, mirror.num_computed_tokens + num_tokens
+        assert num_tokens >= 1, f"req {req_id} scheduled for {num_tokens} tokens"
+        assert end <= len(mirror.token_ids), f"req {req_id} scheduled past its known tokens"
+        assert len(mirror.block_ids) * self.block_size >= end, f"req {req_id}: block table short"
+        assert all(0 <= b < self.num_blocks for b in mirror.block_ids), mirror.block_ids
+        size = self.block_size
+        for pos in range(start, end):
+            block = self.kv.setdefault(mirror.block_ids[pos // size], [None] * size)
+            block[pos % size] = mirror.token_ids[pos]
+
+    def _check_reads(self, req_id: int, num_tokens: int) -> None:
+        # Attention over every position up to the last computed one must see this request's
+        # own tokens: anything else is someone else's KV.
+        mirror, size = self.mirrors[req_id], self.block_size
+        for pos in range(mirror.num_computed_tokens + num_tokens):
+            held = self.kv.get(mirror.block_ids[pos // size], [None] * size)[pos % size]
+            assert held == mirror.token_ids[pos], (
+                f"req {req_id} position {pos}: KV holds {held}, expected {mirror.token_ids[pos]}"
+            )
+
+    def _sample(self, step_id: int, scheduled: list[tuple[int, int]]) -> ModelRunnerOutput:
+        output = ModelRunnerOutput(step_id=step_id)
+        wants_logprobs = False
+        for req_id, num_tokens in scheduled:
+            mirror = self.mirrors[req_id]
+            mirror.num_computed_tokens += num_tokens
+            if mirror.num_computed_tokens < len(mirror.token_ids):
+                continue  # a prompt chunk: nothing to sample yet
+            token = fake_next_token(mirror.token_ids, self.vocab_size)
+            mirror.token_ids.append(token)
+            output.req_ids.append(req_id)
+            output.sampled_token_ids.append(token)
+            wants_logprobs |= mirror.sampling_params.logprobs is not None
+        if wants_logprobs:
+            tokens = output.sampled_token_ids
+            output.logprobs = Logprobs(
+                token_ids=[[t] for t in tokens],
+                logprobs=[[-float(t % 7)] for t in tokens],
+                ranks=[1 + t % 3 for t in tokens],
+            )
+        return output
+
+
+# ---------------------------------------------------------------- driving a scheduler with it
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    vocab_size: int = 50,
+    enable_prefix_caching: bool = True,
+    **scheduler_options: object,
+) -> tuple[Scheduler, FakeExecutor]:
+    """A scheduler over a pool of num_blocks, and a fake executor with the same block size."""
+    scheduler_options.setdefault("max_model_len", 512)
+    cache_config = CacheConfig(
+        block_size=block_size, enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks
+    )
+    scheduler = Scheduler(SchedulerConfig(**scheduler_options), cache_config)  # type: ignore[arg-type]
+    return scheduler, FakeExecutor(num_blocks, vocab_size, block_size)
+
+
+def run_step(
+    scheduler: Scheduler, executor: FakeExecutor
+) -> tuple[SchedulerOutput, dict[int, EngineCoreOutputs]]:
+    """schedule -> execute -> update, as EngineCore.step does (no execution for an empty step)."""
+    scheduler_output = scheduler.schedule()
+    if scheduler_output.total_num_scheduled_tokens == 0:
+        runner_output = ModelRunnerOutput(step_id=scheduler_output.step_id)
+    else:
+        if executor.initialized_num_blocks is None:
+            executor.initialize_cache(executor.num_blocks)
+        runner_output = executor.execute_model(scheduler_output)
+    return scheduler_output, scheduler.update_from_output(scheduler_output, runner_output)
