@@ -1,0 +1,126 @@
+"""Engine arguments as users pass them (keyword arguments or command-line flags) -> EngineConfig.
+
+Runs in the frontend process (and in scripts). The one place where user-facing knobs become the
+frozen ``EngineConfig`` tree; ``check_engine_config`` rejects combinations that cannot run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from protocol import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    check_engine_config,
+    load_model_config,
+)
+from protocol.config import POLICIES
+
+
+@dataclass
+class EngineArgs:
+    """Flat, user-facing engine knobs; ``model=None`` means the default tiny model."""
+
+    model: str | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
+    policy: str = "stall-free"
+    enable_prefix_caching: bool = True
+    # None = the model's own context length (max_position_embeddings).
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    queue_order: str = "fcfs"
+    long_prefill_token_threshold: int = 0
+    tensor_parallel_size: int = 1
+    async_scheduling: bool = False
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve the model directory and build the checked, frozen config tree."""
+        if self.model is None:
+            raise ValueError("EngineArgs.model must be a model directory")
+        model_config = load_model_config(self.model, self.dtype, self.max_model_len, self.seed)
+        config = EngineConfig(
+            model=model_config,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_memory=self.kv_cache_memory,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=model_config.max_model_len,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                policy=self.policy,  # type: ignore[arg-type]
+                queue_order=self.queue_order,  # type: ignore[arg-type]
+                async_scheduling=self.async_scheduling,
+            ),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            device=self.device,
+        )
+        check_engine_config(config)
+        return config
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
+        """Pick this class's fields out of a namespace filled by ``add_engine_args``."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _parse_bytes(text: str) -> int:
+    """'1073741824', '512M', '2G' -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    suffix = text[-1:].upper()
+    if suffix in units:
+        return int(float(text[:-1]) * units[suffix])
+    return int(text)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one flag per ``EngineArgs`` field, with the same defaults."""
+    d = EngineArgs()
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=d.model, help="Hugging Face model directory")
+    group.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    group.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    group.add_argument("--block-size", type=int, default=d.block_size)
+    group.add_argument(
+        "--kv-cache-memory", type=_parse_bytes, default=d.kv_cache_memory, help="CPU KV bytes"
+    )
+    group.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    group.add_argument("--policy", choices=POLICIES, default=d.policy)
+    group.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    group.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    group.add_argument("--dtype", default=d.dtype)
+    group.add_argument("--device", default=d.device)
+    group.add_argument("--seed", type=int, default=d.seed)
+    group.add_argument("--queue-order", choices=("fcfs", "priority"), default=d.queue_order)
+    group.add_argument(
+        "--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold
+    )
+    group.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
+    group.add_argument("--async-scheduling", action="store_true", default=d.async_scheduling)
+    return parser
+
+
+def engine_args_from_kwargs(model: str | None, kwargs: dict[str, Any]) -> EngineArgs:
+    """``LLM(model, **kwargs)`` -> EngineArgs, naming any keyword it does not know."""
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+    return EngineArgs(model=model, **kwargs)

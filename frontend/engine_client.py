@@ -1,0 +1,50 @@
+"""How the offline API reaches an engine: today the engine core and one worker in this process.
+
+Runs in the frontend process. This is the one place an engine is built for ``LLM``; a
+multi-process client (ZMQ to an engine-core process) will offer the same four calls, so ``LLM``
+need not change when it arrives.
+"""
+
+from __future__ import annotations
+
+from protocol import EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+
+
+class InProcessEngineClient:
+    """``EngineCore`` + ``InProcessExecutor`` driven step by step from the caller's thread."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        # Imported here: only this client needs the engine and a worker in-process.
+        from worker.executor import InProcessExecutor
+
+        from engine_core import EngineCore
+        from engine_core.executor import Executor
+
+        # The worker package may not import engine_core, so the executor is duck-typed there
+        # and registered as an Executor here, where both are visible.
+        Executor.register(InProcessExecutor)
+        self._core = EngineCore(config, InProcessExecutor(config))
+        self.config = config
+
+    def add_request(self, request: EngineCoreRequest) -> list[EngineCoreOutput]:
+        """Submit a request; returns its outputs at once only if the engine rejected it."""
+        rejected = self._core.add_request(request)
+        return [] if rejected is None else list(rejected.outputs)
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._core.abort_requests(request_ids)
+
+    def step(self) -> EngineCoreOutputs | None:
+        """Run one engine step; the outputs for this client, or None when it produced none."""
+        return self._core.step().get(0)
+
+    def has_unfinished_requests(self) -> bool:
+        return self._core.has_unfinished_requests()
+
+    def check_all_free(self) -> None:
+        """AssertionError unless no request is left and every KV block is free again."""
+        self._core.check_all_free()
+
+    def shutdown(self) -> None:
+        self._core.shutdown()

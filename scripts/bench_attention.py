@@ -1,0 +1,191 @@
+"""Microbenchmark: attention per layer against the same layer's matmuls, on the same tokens.
+
+Runs standalone (one process). For each scenario it times one attention backend call (KV write
+included) and the four linears of one decoder layer of the bench model (qkv, o, gate_up, down)
+for the same number of tokens, and prints microseconds per call per layer (medians) and the
+ratio, so one can read off whether attention is the bottleneck.
+
+    python scripts/bench_attention.py                 # bench model, CPU, torch backend
+    python scripts/bench_attention.py --device cuda --dtype bfloat16 --block-size 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# Runnable from a checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from worker.attention.metadata_builder import build_attention_metadata  # noqa: E402
+from worker.attention.selector import select_backend  # noqa: E402
+from worker.kv_cache import allocate_kv_caches  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    # Per request: tokens already cached and tokens scheduled this step.
+    num_computed: list[int]
+    num_scheduled: list[int]
+
+
+def make_scenarios(rng: np.random.Generator) -> list[Scenario]:
+    def decodes(n: int, low: int, high: int) -> tuple[list[int], list[int]]:
+        return [int(c) - 1 for c in rng.integers(low, high + 1, n)], [1] * n
+
+    scenarios = [Scenario(f"64 decodes, ctx {c}", *decodes(64, c, c)) for c in (128, 256, 1024)]
+    scenarios.append(Scenario("64 decodes, ctx 128-256", *decodes(64, 128, 256)))
+    scenarios.append(Scenario("1 prefill of 512", [0], [512]))
+    computed, scheduled = decodes(63, 128, 256)
+    scenarios.append(Scenario("512 prefill + 63 decodes", [0, *computed], [512, *scheduled]))
+    return scenarios
+
+
+def block_table_for(scenario: Scenario, block_size: int, rng: np.random.Generator) -> np.ndarray:
+    """Shuffled, non-contiguous blocks, as a long-running server would hand them out."""
+    seq_lens = np.add(scenario.num_computed, scenario.num_scheduled)
+    blocks_per_req = -(-seq_lens // block_size)
+    pool = rng.permutation(int(blocks_per_req.sum()) + 1)
+    table = np.zeros((len(seq_lens), int(blocks_per_req.max())), dtype=np.int32)
+    start = 0
+    for i, n in enumerate(blocks_per_req):
+        table[i, :n] = pool[start : start + n]
+        start += n
+    return table
+
+
+def time_us(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
+def layer_matmuls(args: argparse.Namespace, num_tokens: int, dtype: torch.dtype, device):
+    """The bench model's four linears for one layer, on ``num_tokens`` tokens."""
+    shapes = [
+        (args.hidden_size, (args.num_heads + 2 * args.num_kv_heads) * args.head_dim),
+        (args.num_heads * args.head_dim, args.hidden_size),
+        (args.hidden_size, 2 * args.intermediate_size),
+        (args.intermediate_size, args.hidden_size),
+    ]
+    weights = [torch.randn(out_f, in_f, dtype=dtype, device=device) for in_f, out_f in shapes]
+    inputs = [torch.randn(num_tokens, in_f, dtype=dtype, device=device) for in_f, _ in shapes]
+
+    def run() -> None:
+        for x, w in zip(inputs, weights):
+            torch.nn.functional.linear(x, w)
+
+    return run
+
+
+def bench_scenario(args, scenario: Scenario, backend, rng, dtype, device) -> tuple[float, float]:
+    table = block_table_for(scenario, args.block_size, rng)
+    metadata, _ = build_attention_metadata(
+        np.array(scenario.num_scheduled, dtype=np.int32),
+        np.array(scenario.num_computed, dtype=np.int32),
+        table,
+        args.block_size,
+        device,
+    )
+    num_blocks = int(table.max()) + 1
+    (kv_cache,) = allocate_kv_caches(
+        1, num_blocks, args.block_size, args.num_kv_heads, args.head_dim, dtype, device, backend
+    )
+    kv_cache.normal_()
+    num_tokens = metadata.num_actual_tokens
+    query = torch.randn(num_tokens, args.num_heads, args.head_dim, dtype=dtype, device=device)
+    key = torch.randn(num_tokens, args.num_kv_heads, args.head_dim, dtype=dtype, device=device)
+    value = torch.randn_like(key)
+    scale = args.head_dim**-0.5
+
+    def attend() -> None:
+        backend.forward(query, key, value, kv_cache, metadata, scale)
+
+    # Interleaved rounds, so load from other processes hits both sides alike.
+    matmuls = layer_matmuls(args, num_tokens, dtype, device)
+    attention_us, matmul_us = [], []
+    for _ in range(args.rounds):
+        attention_us.append(time_us(attend, args.repeats, device))
+        matmul_us.append(time_us(matmuls, args.repeats, device))
+    return statistics.median(attention_us), statistics.median(matmul_us)
+
+
+def describe_machine(device: torch.device) -> str:
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    text = f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+    text += f"{torch.get_num_threads()} threads"
+    if device.type == "cuda":
+        text += f", GPU {torch.cuda.get_device_name(device)}"
+    return text
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--backend", default=None, help="torch or flash-attn (default: auto)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-heads", type=int, default=8)
+    parser.add_argument("--num-kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--intermediate-size", type=int, default=1536)
+    parser.add_argument("--repeats", type=int, default=10, help="calls timed per round")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per side")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    backend = select_backend(device, args.block_size, args.backend, dtype=dtype)
+    rng = np.random.default_rng(args.seed)
+    torch.manual_seed(args.seed)
+    print(f"machine: {describe_machine(device)}")
+    print(
+        f"config: backend {backend.name}, {args.dtype}, block_size {args.block_size}, "
+        f"heads {args.num_heads}/{args.num_kv_heads} kv, head_dim {args.head_dim}, "
+        f"hidden {args.hidden_size}, intermediate {args.intermediate_size}, "
+        f"median of {args.rounds} x {args.repeats} calls"
+    )
+    print(f"{'scenario':<28}{'tokens':>7}{'attention us':>14}{'matmuls us':>12}{'attn/mm':>9}")
+    with torch.inference_mode():
+        for scenario in make_scenarios(rng):
+            attention_us, matmul_us = bench_scenario(args, scenario, backend, rng, dtype, device)
+            num_tokens = sum(scenario.num_scheduled)
+            print(
+                f"{scenario.name:<28}{num_tokens:>7}{attention_us:>14.0f}{matmul_us:>12.0f}"
+                f"{attention_us / matmul_us:>9.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Shared fixtures: the generated test models, made once and cached across runs.
+
+The models live under $CONVEYOR_CACHE when it is set, else under pytest's cache directory; the
+variable is set here for the whole session so subprocesses (servers, workers) find the same copy.
+Generation is safe when both pytest-xdist workers ask at once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ARCHS = ("qwen3", "qwen2", "llama")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    cache = getattr(config, "cache", None)
+    if "CONVEYOR_CACHE" not in os.environ and cache is not None:
+        os.environ["CONVEYOR_CACHE"] = str(cache.mkdir("conveyor-models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs() -> dict[str, Path]:
+    """The tiny random-weight model of each family: {"qwen3": dir, "qwen2": dir, "llama": dir}."""
+    from worker.model_maker import ensure_default_model
+
+    return {arch: ensure_default_model("tiny", arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model_dirs: dict[str, Path]) -> Path:
+    """The default test model: tiny Qwen3, tied embeddings, float32."""
+    return tiny_model_dirs["qwen3"]
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def tiny_model_dir_each(request: pytest.FixtureRequest, tiny_model_dirs: dict[str, Path]) -> Path:
+    """Parametrizes a test over the three tiny families."""
+    return tiny_model_dirs[request.param]
+
+
+@pytest.fixture(scope="session")
+def hf_model() -> Callable[[Path], object]:
+    """hf_model(dir) -> the transformers reference model in float32, eval mode, loaded once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    loaded: dict[Path, object] = {}
+
+    def load(model_dir: Path) -> object:
+        if model_dir not in loaded:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            loaded[model_dir] = model.eval()
+        return loaded[model_dir]
+
+    return load

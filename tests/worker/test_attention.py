@@ -1,0 +1,276 @@
+"""Paged attention backends against dense causal attention written out here, plus selection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from worker.attention.flash_attn_backend import FlashAttnBackend, flash_attn_import_error
+from worker.attention.metadata_builder import build_attention_metadata
+from worker.attention.selector import flash_attn_unusable_reason, select_backend
+from worker.attention.torch_backend import TorchAttentionBackend
+
+HEAD_DIM = 16
+CPU = torch.device("cpu")
+
+
+@dataclass
+class Request:
+    """One request's whole K/V history (cached prefix, then this step's tokens) and its query."""
+
+    num_computed: int
+    keys: torch.Tensor  # [seq_len, kv_heads, dim]
+    values: torch.Tensor
+    query: torch.Tensor  # [num_scheduled, heads, dim]
+    block_ids: list[int]
+
+    @property
+    def num_scheduled(self) -> int:
+        return self.query.shape[0]
+
+
+def make_request(gen, num_computed, num_scheduled, num_heads, num_kv_heads, block_ids, dtype):
+    seq_len = num_computed + num_scheduled
+    return Request(
+        num_computed=num_computed,
+        keys=torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype),
+        values=torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype),
+        query=torch.randn(num_scheduled, num_heads, HEAD_DIM, generator=gen).to(dtype),
+        block_ids=block_ids,
+    )
+
+
+def reference_attention(request: Request, scale: float) -> torch.Tensor:
+    """Dense causal attention of the request's queries over its full history, in float64."""
+    num_heads, num_kv_heads = request.query.shape[1], request.keys.shape[1]
+    group = num_heads // num_kv_heads
+    keys = request.keys.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    values = request.values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    query = request.query.double().transpose(0, 1)
+    scores = query @ keys.transpose(1, 2) * scale  # [heads, num_scheduled, seq_len]
+    positions = request.num_computed + torch.arange(request.num_scheduled)
+    visible = torch.arange(keys.shape[1])[None, :] <= positions[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return (scores.softmax(-1) @ values).transpose(0, 1)
+
+
+def step_inputs(requests: list[Request], block_size: int, device=CPU):
+    """Metadata and the flat query/key/value of this step's tokens (after each cached prefix)."""
+    width = max(len(r.block_ids) for r in requests)
+    table = np.zeros((len(requests), width), dtype=np.int32)
+    for i, r in enumerate(requests):
+        table[i, : len(r.block_ids)] = r.block_ids
+    metadata, positions = build_attention_metadata(
+        np.array([r.num_scheduled for r in requests], dtype=np.int32),
+        np.array([r.num_computed for r in requests], dtype=np.int32),
+        table,
+        block_size,
+        device,
+    )
+    query = torch.cat([r.query for r in requests]).to(device)
+    key = torch.cat([r.keys[r.num_computed :] for r in requests]).to(device)
+    value = torch.cat([r.values[r.num_computed :] for r in requests]).to(device)
+    return metadata, positions, query, key, value
+
+
+def slot_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The torch backend's documented layout, indexed by slot: [2, kv_heads, slots, dim]."""
+    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    return kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
+
+
+def store_prefix(kv_cache: torch.Tensor, request: Request, block_size: int, start=0) -> None:
+    """Put the request's cached prefix (from ``start``) where earlier steps would have put it."""
+    positions = np.arange(start, request.num_computed)
+    blocks = np.array(request.block_ids, dtype=np.int64)[positions // block_size]
+    slots = torch.from_numpy(blocks * block_size + positions % block_size)
+    slot_view(kv_cache)[0][:, slots] = request.keys[start : request.num_computed].transpose(0, 1)
+    slot_view(kv_cache)[1][:, slots] = request.values[start : request.num_computed].transpose(0, 1)
+
+
+def random_mixed_batch(seed, block_size, num_heads, num_kv_heads, num_reqs=7):
+    """Decodes and prompt chunks with random cached prefixes on shuffled, scattered blocks."""
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    shapes = []
+    for i in range(num_reqs):
+        is_decode = i % 2 == 0 if i < 2 else rng.random() < 0.5
+        num_computed = int(rng.integers(0, 70)) if is_decode or rng.random() < 0.7 else 0
+        num_scheduled = 1 if is_decode else int(rng.integers(2, 40))
+        shapes.append((num_computed, num_scheduled))
+    blocks_needed = [-(-(c + s) // block_size) for c, s in shapes]
+    pool = rng.permutation(sum(blocks_needed) + 5).tolist()
+    requests = []
+    for (num_computed, num_scheduled), n in zip(shapes, blocks_needed):
+        block_ids, pool = pool[:n], pool[n:]
+        requests.append(
+            make_request(
+                gen, num_computed, num_scheduled, num_heads, num_kv_heads, block_ids, torch.float32
+            )
+        )
+    num_blocks = sum(blocks_needed) + 5
+    return requests, num_blocks
+
+
+def run_torch_backend(backend, requests, num_blocks, block_size, num_kv_heads):
+    kv_cache = torch.zeros(
+        TorchAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, HEAD_DIM)
+    )
+    for r in requests:
+        store_prefix(kv_cache, r, block_size)
+    metadata, _, query, key, value = step_inputs(requests, block_size)
+    output = backend.forward(query, key, value, kv_cache, metadata, HEAD_DIM**-0.5)
+    return output, kv_cache, metadata, key, value
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize("small_decode_chunks", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_torch_backend_matches_dense_reference_on_mixed_batch(
+    block_size, num_heads, num_kv_heads, small_decode_chunks, seed
+):
+    requests, num_blocks = random_mixed_batch(seed, block_size, num_heads, num_kv_heads)
+    # A budget of ~100 context tokens per chunk splits the decodes into chunks of differing
+    # padded lengths; the default budget puts them all in one.
+    chunk_bytes = 100 * 2 * num_kv_heads * HEAD_DIM * 4 if small_decode_chunks else None
+    backend = TorchAttentionBackend(decode_chunk_bytes=chunk_bytes)
+    output, kv_cache, metadata, key, value = run_torch_backend(
+        backend, requests, num_blocks, block_size, num_kv_heads
+    )
+    expected = torch.cat([reference_attention(r, HEAD_DIM**-0.5) for r in requests])
+    torch.testing.assert_close(output, expected.float(), atol=1e-5, rtol=1e-5)
+    slots = metadata.slot_mapping
+    torch.testing.assert_close(slot_view(kv_cache)[0][:, slots], key.transpose(0, 1))
+    torch.testing.assert_close(slot_view(kv_cache)[1][:, slots], value.transpose(0, 1))
+
+
+def test_torch_backend_reads_prefix_blocks_written_by_another_request_in_the_same_step():
+    block_size, num_heads, num_kv_heads = 16, 4, 2
+    gen = torch.Generator().manual_seed(3)
+    # The owner prefills 40 tokens into blocks 7, 2, 9; its first two blocks (32 tokens) are the
+    # shared prefix of the two requests placed before it in the batch.
+    owner = make_request(gen, 0, 40, num_heads, num_kv_heads, [7, 2, 9], torch.float32)
+    decode = make_request(gen, 45, 1, num_heads, num_kv_heads, [7, 2, 4], torch.float32)
+    chunk = make_request(gen, 32, 10, num_heads, num_kv_heads, [7, 2, 5], torch.float32)
+    for sharer in (decode, chunk):
+        sharer.keys[:32], sharer.values[:32] = owner.keys[:32], owner.values[:32]
+    kv_cache = torch.zeros(TorchAttentionBackend.kv_cache_shape(10, block_size, num_kv_heads, 16))
+    # Only the decode's own tokens 32..44 are cached; the shared blocks are still empty.
+    store_prefix(kv_cache, decode, block_size, start=32)
+    requests = [decode, chunk, owner]
+    metadata, _, query, key, value = step_inputs(requests, block_size)
+    output = TorchAttentionBackend().forward(query, key, value, kv_cache, metadata, 0.25)
+    expected = torch.cat([reference_attention(r, 0.25) for r in requests])
+    torch.testing.assert_close(output, expected.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("split", [1, 23, 32, 49])
+def test_prompt_split_into_two_chunks_equals_one_call(split):
+    block_size, num_heads, num_kv_heads, prompt_len = 16, 4, 2, 50
+    gen = torch.Generator().manual_seed(split)
+    whole = make_request(gen, 0, prompt_len, num_heads, num_kv_heads, [3, 0, 6, 1], torch.float32)
+    neighbour = make_request(gen, 20, 1, num_heads, num_kv_heads, [5, 2], torch.float32)
+    shape = TorchAttentionBackend.kv_cache_shape(8, block_size, num_kv_heads, HEAD_DIM)
+    backend = TorchAttentionBackend()
+
+    one_cache = torch.zeros(shape)
+    store_prefix(one_cache, neighbour, block_size)
+    metadata, _, query, key, value = step_inputs([whole, neighbour], block_size)
+    one_call = backend.forward(query, key, value, one_cache, metadata, 0.25)[:prompt_len]
+
+    two_cache = torch.zeros(shape)
+    store_prefix(two_cache, neighbour, block_size)
+    first = Request(0, whole.keys[:split], whole.values[:split], whole.query[:split], [3, 0, 6, 1])
+    second = Request(split, whole.keys, whole.values, whole.query[split:], [3, 0, 6, 1])
+    outputs = []
+    for chunk in ([first, neighbour], [second]):
+        metadata, _, query, key, value = step_inputs(chunk, block_size)
+        outputs.append(backend.forward(query, key, value, two_cache, metadata, 0.25))
+    two_calls = torch.cat([outputs[0][:split], outputs[1]])
+
+    torch.testing.assert_close(two_calls, one_call, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(two_cache, one_cache)
+    torch.testing.assert_close(one_call, reference_attention(whole, 0.25).float())
+
+
+def test_padded_tokens_after_the_actual_ones_come_out_zero():
+    requests, num_blocks = random_mixed_batch(5, 16, 4, 2, num_reqs=3)
+    kv_cache = torch.zeros(TorchAttentionBackend.kv_cache_shape(num_blocks, 16, 2, HEAD_DIM))
+    metadata, _, query, key, value = step_inputs(requests, 16)
+    pad = 3
+    query = torch.cat([query, torch.randn(pad, *query.shape[1:])])
+    key = torch.cat([key, torch.randn(pad, *key.shape[1:])])
+    value = torch.cat([value, torch.randn(pad, *value.shape[1:])])
+    output = TorchAttentionBackend().forward(query, key, value, kv_cache, metadata, 0.25)
+    assert output.shape == query.shape
+    assert torch.count_nonzero(output[-pad:]) == 0
+    assert torch.count_nonzero(output[:-pad].abs().sum(-1) == 0) == 0
+
+
+def test_selector_picks_torch_on_cpu_and_refuses_forced_flash_attn():
+    assert isinstance(select_backend(CPU, 16), TorchAttentionBackend)
+    assert isinstance(select_backend(CPU, 256, "torch"), TorchAttentionBackend)
+    with pytest.raises(ValueError, match="CUDA"):
+        select_backend(CPU, 256, "flash-attn")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_backend(CPU, 16, "xformers")
+
+
+def test_flash_attn_reasons_name_block_size_and_dtype():
+    cuda = torch.device("cuda")
+    assert "multiple of 256" in flash_attn_unusable_reason(cuda, 16, torch.bfloat16)
+    assert "float16" in flash_attn_unusable_reason(cuda, 256, torch.float32)
+    assert FlashAttnBackend.supports_block_size(512)
+    assert not FlashAttnBackend.supports_block_size(128)
+    assert FlashAttnBackend.kv_cache_shape(10, 256, 4, 64) == (2, 10, 256, 4, 64)
+
+
+def _flash_usable() -> bool:
+    return torch.cuda.is_available() and flash_attn_import_error() is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _flash_usable(), reason="needs CUDA and flash_attn")
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 2)])
+def test_flash_attn_matches_torch_backend_over_two_steps(num_heads, num_kv_heads):
+    block_size, dtype, device = 256, torch.bfloat16, torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    # (cached before step 2, scheduled in step 2): decodes, a fresh prompt, a prompt's 2nd chunk.
+    shapes = [(300, 1), (0, 200), (37, 1), (260, 90), (511, 1)]
+    pool = np.random.default_rng(0).permutation(12).tolist()
+    requests = []
+    for num_computed, num_scheduled in shapes:
+        n = -(-(num_computed + num_scheduled) // block_size)
+        block_ids, pool = pool[:n], pool[n:]
+        requests.append(
+            make_request(
+                gen, num_computed, num_scheduled, num_heads, num_kv_heads, block_ids, dtype
+            )
+        )
+    # Step 1 fills the cached prefixes through each backend's own forward, whatever its layout.
+    prefix_step = [
+        Request(
+            0,
+            r.keys[:c],
+            r.values[:c],
+            torch.zeros(c, num_heads, HEAD_DIM, dtype=dtype),
+            r.block_ids,
+        )
+        for r, c in ((r, r.num_computed) for r in requests)
+        if c
+    ]
+    outputs = []
+    for backend in (FlashAttnBackend(), TorchAttentionBackend()):
+        shape = backend.kv_cache_shape(12, block_size, num_kv_heads, HEAD_DIM)
+        kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        for step in (prefix_step, requests):
+            metadata, _, query, key, value = step_inputs(step, block_size, device)
+            output = backend.forward(query, key, value, kv_cache, metadata, HEAD_DIM**-0.5)
+        outputs.append(output.float().cpu())
+    expected = torch.cat([reference_attention(r, HEAD_DIM**-0.5) for r in requests]).float()
+    torch.testing.assert_close(outputs[0], outputs[1], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outputs[0], expected, atol=2e-2, rtol=2e-2)

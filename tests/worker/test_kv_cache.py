@@ -1,0 +1,70 @@
+"""KV cache sizing arithmetic, its errors, and per-layer allocation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from protocol.config import ConfigError
+from worker.attention.flash_attn_backend import FlashAttnBackend
+from worker.attention.torch_backend import TorchAttentionBackend
+from worker.kv_cache import (
+    allocate_kv_caches,
+    kv_bytes_per_block,
+    num_blocks_for_cuda,
+    num_blocks_for_memory,
+)
+
+GIB = 1 << 30
+
+
+def test_bytes_per_block_counts_keys_and_values_of_every_layer():
+    # 2 (K and V) * 8 layers * 16 tokens * 4 heads * 64 dims * 4 bytes.
+    assert kv_bytes_per_block(8, 16, 4, 64, torch.float32) == 2 * 8 * 16 * 4 * 64 * 4 == 262144
+    assert kv_bytes_per_block(8, 16, 4, 64, torch.bfloat16) == 131072
+    assert kv_bytes_per_block(1, 256, 2, 128, torch.float16) == 2 * 256 * 2 * 128 * 2
+
+
+def test_num_blocks_rounds_down():
+    assert num_blocks_for_memory(GIB, 262144) == 4096
+    assert num_blocks_for_memory(GIB - 1, 262144) == 4095
+    assert num_blocks_for_memory(2 * 262144, 262144) == 2
+
+
+def test_too_little_memory_names_what_one_block_needs():
+    with pytest.raises(ConfigError, match=r"one block needs 262144 bytes \(0\.25 MiB\)"):
+        num_blocks_for_memory(2 * 262144 - 1, 262144)
+    with pytest.raises(ConfigError, match="holds 0 blocks"):
+        num_blocks_for_memory(-5, 262144)
+
+
+def test_cuda_blocks_are_utilization_of_total_minus_profiled_peak():
+    # 80 GiB at 90% is 72 GiB; the profiling pass peaked at 20 GiB: 52 GiB of 2 MiB blocks.
+    assert num_blocks_for_cuda(80 * GIB, 20 * GIB, 0.9, 2 << 20) == 52 * 512
+    assert num_blocks_for_cuda(80 * GIB, 20 * GIB, 0.5, 2 << 20) == 20 * 512
+
+
+def test_cuda_errors_when_the_peak_leaves_no_room():
+    with pytest.raises(ConfigError, match="profiling pass peaked at 75.00 GiB"):
+        num_blocks_for_cuda(80 * GIB, 75 * GIB, 0.9, 2 << 20)
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        num_blocks_for_cuda(80 * GIB, GIB, 1.5, 2 << 20)
+
+
+def test_allocation_gives_one_zeroed_tensor_per_layer_in_the_backend_layout():
+    backend = TorchAttentionBackend()
+    caches = allocate_kv_caches(3, 5, 16, 2, 8, torch.float32, torch.device("cpu"), backend)
+    assert len(caches) == 3
+    for cache in caches:
+        assert cache.shape == backend.kv_cache_shape(5, 16, 2, 8)
+        assert cache.dtype == torch.float32
+        assert torch.count_nonzero(cache) == 0
+    caches[0].fill_(1.0)
+    assert torch.count_nonzero(caches[1]) == 0  # layers do not share storage
+    bytes_allocated = sum(c.numel() * c.element_size() for c in caches)
+    assert bytes_allocated == 5 * kv_bytes_per_block(3, 16, 2, 8, torch.float32)
+
+
+def test_allocation_refuses_a_block_size_the_backend_cannot_page():
+    with pytest.raises(ConfigError, match="does not support block_size 16"):
+        allocate_kv_caches(1, 4, 16, 2, 8, torch.bfloat16, torch.device("cpu"), FlashAttnBackend())

@@ -1,0 +1,77 @@
+"""Pick the attention backend for a device, block size and dtype.
+
+Runs in worker processes. flash-attn is chosen automatically where it can run (CUDA, flash_attn
+importable, block_size a multiple of 256, float16/bfloat16); everywhere else the torch backend.
+An explicit choice that cannot run is an error naming the reason, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from worker.attention.backend import AttentionBackend
+from worker.attention.flash_attn_backend import (
+    FLASH_BLOCK_SIZE_MULTIPLE,
+    FLASH_DTYPES,
+    FlashAttnBackend,
+    flash_attn_import_error,
+)
+from worker.attention.torch_backend import TorchAttentionBackend
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("torch", "flash-attn")
+
+
+def select_backend(
+    device: torch.device,
+    block_size: int,
+    override: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> AttentionBackend:
+    """The backend to use; ``override`` ("torch" / "flash-attn") forces one, None/"auto" picks.
+
+    ``dtype`` is the model's activation dtype; None means "not known yet" and does not rule
+    flash-attn out.
+    """
+    if override not in (None, "auto", *BACKEND_NAMES):
+        raise ValueError(
+            f"unknown attention backend {override!r}; choose one of {', '.join(BACKEND_NAMES)}"
+        )
+    if override == "torch":
+        logger.info("attention backend: torch (requested)")
+        return TorchAttentionBackend()
+    reason = flash_attn_unusable_reason(device, block_size, dtype)
+    if override == "flash-attn":
+        if reason is not None:
+            raise ValueError(f"attention backend 'flash-attn' cannot run here: {reason}")
+        logger.info("attention backend: flash-attn (requested)")
+        return FlashAttnBackend()
+    if reason is None:
+        logger.info(
+            "attention backend: flash-attn (CUDA, flash_attn imports, block_size %d)", block_size
+        )
+        return FlashAttnBackend()
+    logger.info("attention backend: torch (flash-attn not used: %s)", reason)
+    return TorchAttentionBackend()
+
+
+def flash_attn_unusable_reason(
+    device: torch.device, block_size: int, dtype: torch.dtype | None
+) -> str | None:
+    """Why flash-attn cannot run with these settings, or None when it can."""
+    if device.type != "cuda":
+        return f"it needs a CUDA device, this is {device.type}"
+    if block_size % FLASH_BLOCK_SIZE_MULTIPLE:
+        return (
+            f"its paged KV cache needs block_size a multiple of {FLASH_BLOCK_SIZE_MULTIPLE}, "
+            f"got {block_size}"
+        )
+    if dtype is not None and dtype not in FLASH_DTYPES:
+        return f"it supports float16 and bfloat16 only, got {dtype}"
+    import_error = flash_attn_import_error()
+    if import_error is not None:
+        return f"flash_attn does not import ({import_error})"
+    return None

@@ -1,0 +1,67 @@
+"""Token embedding and LM head, split over the vocabulary for tensor parallelism.
+
+Runs in worker processes. Each rank holds a contiguous range of vocabulary rows (the last range
+padded so every rank has the same shape). The embedding looks up the ids in its range, zeroes the
+rest and all-reduces; the LM head computes logits for its range and all-gathers them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.layers.linear import ShardId
+from worker.layers.parallel import all_gather_last_dim, all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.num_embeddings_per_rank = -(-num_embeddings // tp_size)  # ceil
+        self.vocab_start = tp_rank * self.num_embeddings_per_rank
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_rank, num_embeddings)
+        self.weight = nn.Parameter(
+            torch.empty(self.num_embeddings_per_rank, embedding_dim), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        if loaded_weight.shape[0] != self.num_embeddings:
+            raise ValueError(
+                f"vocabulary mismatch: model has {self.num_embeddings} rows, checkpoint "
+                f"{loaded_weight.shape[0]}"
+            )
+        num_rows = self.vocab_end - self.vocab_start
+        param.data[:num_rows].copy_(loaded_weight[self.vocab_start : self.vocab_end])
+        param.data[num_rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        embeddings = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        return self.all_reduce(embeddings)
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return all_reduce(partial, self.tp_size)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden [R, hidden] -> logits [R, vocab]; may share its weight with the embedding."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        logits = self.all_gather(F.linear(hidden, self.weight))
+        # Drop the padding rows of the last rank's range.
+        return logits[..., : self.num_embeddings]
+
+    def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
+        return all_gather_last_dim(shard, self.tp_size)

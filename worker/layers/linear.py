@@ -1,0 +1,188 @@
+"""Linear layers written so tensor parallelism can shard them (Megatron style).
+
+Runs in worker processes. A column-parallel layer splits its output features across ranks (each
+rank computes a slice of the output, no communication); a row-parallel layer splits its input
+features (each rank computes a partial sum, then an all-reduce). Every parameter carries a
+``weight_loader(param, loaded_weight, shard_id=None)`` that copies this rank's slice of a
+full checkpoint tensor, so the same loading code serves one rank or many, and fused layers
+(q/k/v, gate/up) fill their parts from the separate tensors a Hugging Face checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.layers.parallel import all_reduce, divide
+
+# Which part of a fused parameter a checkpoint tensor fills: "q"/"k"/"v", or 0/1 for gate/up.
+ShardId = str | int | None
+
+
+def _set_weight_loader(param: nn.Parameter, loader: object) -> None:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def default_weight_loader(
+    param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+) -> None:
+    """Copy a whole tensor (replicated parameters: norms, unsharded biases)."""
+    if param.shape != loaded_weight.shape:
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)}, checkpoint "
+            f"{tuple(loaded_weight.shape)}"
+        )
+    param.data.copy_(loaded_weight)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) with W of shape [output_size, input_size] on this rank."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, tp_rank: int, tp_size: int
+    ) -> None:
+        super().__init__()
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        _set_weight_loader(self.weight, self.weight_loader)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            _set_weight_loader(self.bias, self.weight_loader)
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks: rank r holds rows [r*n, (r+1)*n) of W."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(input_size, divide(output_size, tp_size), bias, tp_rank, tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        size = param.shape[0]
+        default_weight_loader(param, loaded_weight.narrow(0, self.tp_rank * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel layers on the same input in one matmul (gate and up projections).
+
+    Each rank holds its slice of every part, parts side by side: [gate_r; up_r].
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        if shard_id is None:
+            raise ValueError("a merged linear layer loads one part at a time; pass shard_id")
+        size = divide(self.output_sizes[shard_id], self.tp_size)
+        offset = divide(sum(self.output_sizes[:shard_id]), self.tp_size)
+        part = loaded_weight.narrow(0, self.tp_rank * size, size)
+        default_weight_loader(param.narrow(0, offset, size), part)  # type: ignore[arg-type]
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The query, key and value projections fused: output [q | k | v] for this rank's heads.
+
+    With more ranks than KV heads, each KV head is replicated on tp_size // num_kv_heads ranks.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp_size)
+        if tp_size >= num_kv_heads:
+            self.num_kv_heads = 1
+            self.kv_head_replicas = divide(tp_size, num_kv_heads)
+        else:
+            self.num_kv_heads = divide(num_kv_heads, tp_size)
+            self.kv_head_replicas = 1
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        output_size = (self.q_size + 2 * self.kv_size) * tp_size
+        super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, rank = self.kv_size, self.tp_rank // self.kv_head_replicas
+        else:
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        part = loaded_weight.narrow(0, rank * size, size)
+        default_weight_loader(param.narrow(0, offset, size), part)  # type: ignore[arg-type]
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; the partial products are summed by an all-reduce."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(divide(input_size, tp_size), output_size, bias, tp_rank, tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        if param.dim() == 1:  # the bias is not split; only rank 0 adds it (see forward)
+            default_weight_loader(param, loaded_weight)
+            return
+        size = param.shape[1]
+        default_weight_loader(param, loaded_weight.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Adding the bias on one rank only keeps it from being summed tp_size times.
+        bias = self.bias if self.tp_rank == 0 else None
+        return self.all_reduce(F.linear(x, self.weight, bias))
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return all_reduce(partial, self.tp_size)

@@ -1,0 +1,181 @@
+"""Rotary position embedding (RoPE) and the context-extension variants Qwen and Llama use.
+
+Runs in worker processes. The cos/sin table is computed once, in float32, for every position the
+model can see; a step looks rows up by ``positions`` (one per token of the flat stream), so tokens
+of different requests at different positions rotate in one op. The rotation is the "neox" one of
+Hugging Face's Llama/Qwen (the two halves of a head, not interleaved pairs).
+
+Variants (``rope_type``): default, linear (positions divided by a factor), dynamic (NTK-aware: the
+base grows with the context), llama3 (frequency-band-wise interpolation), yarn (band-wise
+interpolation plus an attention temperature, Qwen2.5 long context).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def rope_parameters_of(hf_config: Any) -> dict[str, Any]:
+    """The RoPE settings of a transformers config, whichever major version wrote it.
+
+    transformers 5 keeps them in ``rope_parameters`` (theta included); 4.x has ``rope_theta`` and a
+    ``rope_scaling`` dict whose kind is under "type" or "rope_type".
+    """
+    found = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    params = dict(found or {})
+    params["rope_theta"] = float(
+        params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0
+    )
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    if params["rope_type"] in ("llama3", "yarn"):
+        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported")
+    return params
+
+
+def _base_inv_freq(head_dim: int, base: float | torch.Tensor) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (base**exponents)
+
+
+def _llama3_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    # Long wavelengths (beyond the original context) are slowed by `factor`, short ones are kept,
+    # and the band between is interpolated smoothly.
+    inv_freq = _base_inv_freq(head_dim, params["rope_theta"])
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(head_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    base, factor = params["rope_theta"], params["factor"]
+    old_len = params["original_max_position_embeddings"]
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(num_rotations: float) -> float:
+        # The dimension whose wavelength fits `num_rotations` times into the original context.
+        return head_dim * math.log(old_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = correction_dim(params.get("beta_fast") or 32)
+    high = correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a division by zero in the ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def _dynamic_inv_freq(
+    head_dim: int, params: dict[str, Any], num_positions: int, max_position: int
+) -> torch.Tensor:
+    """One frequency row per position: NTK base scaled for a context just reaching it.
+
+    Hugging Face recomputes the base from the longest sequence in the batch; a token's rotation
+    must not depend on its batch-mates (and cached keys keep theirs), so each position gets the
+    base it has when decoded one token at a time, which is what HF computes for it then. Within
+    the original context this is exactly the default RoPE.
+    """
+    factor, base = params["factor"], params["rope_theta"]
+    seq_lens = torch.arange(1, num_positions + 1).clamp(min=max_position).float()
+    bases = base * ((factor * seq_lens / max_position) - (factor - 1)) ** (
+        head_dim / (head_dim - 2)
+    )
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (bases[:, None] ** exponents[None, :])
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            supported = ", ".join(SUPPORTED_ROPE_TYPES)
+            raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {supported}")
+        self.head_dim = head_dim
+        self.rope_type = rope_type
+        self.num_positions = self._num_positions(max_position, params)
+        positions = torch.arange(self.num_positions, dtype=torch.float32)
+        scaling = 1.0
+        if rope_type == "dynamic":
+            freqs = positions[:, None] * _dynamic_inv_freq(
+                head_dim, params, self.num_positions, max_position
+            )
+        else:
+            if rope_type == "default":
+                inv_freq = _base_inv_freq(head_dim, params["rope_theta"])
+            elif rope_type == "linear":
+                inv_freq = _base_inv_freq(head_dim, params["rope_theta"]) / params["factor"]
+            elif rope_type == "llama3":
+                inv_freq = _llama3_inv_freq(head_dim, params)
+            else:
+                inv_freq, scaling = _yarn_inv_freq(head_dim, params)
+            freqs = positions[:, None] * inv_freq[None, :]
+        # [num_positions, head_dim]: cos in the first half, sin in the second.
+        cache = torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
+        self.register_buffer("cos_sin_cache", cache.to(torch.float32), persistent=False)
+
+    @classmethod
+    def from_config(cls, hf_config: Any, head_dim: int) -> RotaryEmbedding:
+        return cls(head_dim, hf_config.max_position_embeddings, rope_parameters_of(hf_config))
+
+    @staticmethod
+    def _num_positions(max_position: int, params: dict[str, Any]) -> int:
+        # Dynamic NTK and YaRN stretch the context past what config.json names (Qwen2.5 ships
+        # max_position_embeddings=32768 with a yarn factor of 4 for 128K).
+        if params["rope_type"] == "dynamic":
+            return int(max_position * params["factor"])
+        if params["rope_type"] == "yarn":
+            stretched = int(params["original_max_position_embeddings"] * params["factor"])
+            return max(max_position, stretched)
+        return max_position
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, head_dim // 2] in float32."""
+        return self.cos_sin_cache[positions].chunk(2, dim=-1)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, H*D] and k [T, KV*D] (or already [T, heads, D]) by each token's position."""
+        cos, sin = self.cos_sin(positions)
+        # Cast like HF does (cos/sin to the activation dtype) so bf16 results round the same way.
+        cos = cos.to(q.dtype).unsqueeze(1)
+        sin = sin.to(q.dtype).unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_dim)
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return rotated.view(shape)

@@ -1,0 +1,74 @@
+"""How many bytes of a CUDA device the KV cache may take, measured with a worst-case step.
+
+Runs in worker processes (CUDA only; on CPU the KV budget is a configured byte count). One
+forward at the full token budget, split into as many requests as the width cap allows, plus
+logits for every request, shows the activation peak; whatever the weights, that peak and other
+processes leave below ``gpu_memory_utilization`` of the device goes to KV blocks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from worker.attention.metadata_builder import build_attention_metadata
+from worker.kv_cache import allocate_kv_caches, measure_cuda_memory, num_blocks_for_cuda
+
+if TYPE_CHECKING:
+    from worker.model_runner import ModelRunner
+
+
+def _dummy_lengths(num_tokens: int, max_num_seqs: int, max_model_len: int) -> np.ndarray:
+    num_reqs = max(min(max_num_seqs, num_tokens), -(-num_tokens // max_model_len))
+    lengths = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int32)
+    lengths[: num_tokens % num_reqs] += 1
+    return lengths
+
+
+@torch.inference_mode()
+def profile_num_blocks(runner: ModelRunner, utilization: float) -> int:
+    """Run the worst-case step once; the KV blocks that fit in what it leaves free."""
+    sched = runner.config.scheduler
+    block_size = runner.block_size
+    lengths = _dummy_lengths(sched.max_num_batched_tokens, sched.max_num_seqs, sched.max_model_len)
+    blocks_per_req = -(-lengths.max() // block_size)
+    num_blocks = 1 + len(lengths) * int(blocks_per_req)
+    layers = runner.attention_layers
+    first = layers[0]
+    caches = allocate_kv_caches(
+        len(layers),
+        num_blocks,
+        block_size,
+        first.num_kv_heads,
+        first.head_dim,
+        runner.dtype,
+        runner.device,
+        runner.backend,
+    )
+    for layer, cache in zip(layers, caches):
+        layer.kv_cache, layer.backend = cache, runner.backend
+    block_table = 1 + np.arange(num_blocks - 1, dtype=np.int32).reshape(len(lengths), -1)
+    torch.cuda.synchronize(runner.device)
+    torch.cuda.reset_peak_memory_stats(runner.device)
+    metadata, positions = build_attention_metadata(
+        lengths, np.zeros_like(lengths), block_table, block_size, runner.device
+    )
+    num_tokens = int(lengths.sum())
+    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=runner.device)
+    hidden = runner.model.forward(
+        input_ids, torch.from_numpy(positions.astype(np.int64)).to(runner.device), metadata
+    )
+    last_tokens = torch.from_numpy(np.cumsum(lengths) - 1).to(runner.device)
+    logits = runner.model.compute_logits(hidden[last_tokens])
+    # The sampler's widest path sorts the logits once: budget a copy and an index tensor.
+    logits.sort(dim=-1)
+    torch.cuda.synchronize(runner.device)
+    del hidden, logits, caches
+    for layer in layers:
+        layer.kv_cache = None
+    # The peak includes the temporary cache; it is small (the dummy requests' blocks only).
+    total, peak = measure_cuda_memory(runner.device)
+    torch.cuda.empty_cache()
+    return num_blocks_for_cuda(total, peak, utilization, runner.bytes_per_block())

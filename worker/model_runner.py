@@ -1,0 +1,132 @@
+"""The model runner: one worker's model, KV cache and persistent batch; runs one step at a time.
+
+Runs in worker processes. Each step: fold the scheduler's diff into the persistent batch, gather
+the flat token stream, run the model, compute logits only for requests that sample, sample, and
+append the sampled tokens to the worker's own mirror (they never come back from the engine).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from protocol import EngineConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput
+from worker.attention.selector import select_backend
+from worker.input_batch import InputBatch
+from worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_memory
+from worker.loader import load_model, resolve_dtype
+from worker.memory_profile import profile_num_blocks
+from worker.sampler import Sampler, logprobs_to_wire
+from worker.sampling_metadata import make_sampling_metadata
+from worker.step_inputs import prepare_step_inputs
+
+
+class ModelRunner:
+    def __init__(
+        self, config: EngineConfig, device: torch.device, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.block_size = config.cache.block_size
+        self.dtype = resolve_dtype(config.model.dtype, device, config.model.model)
+        self.model = load_model(config.model.model, self.dtype, device, tp_rank, tp_size)
+        self.vocab_size = config.model.vocab_size
+        self.backend = select_backend(device, self.block_size, dtype=self.dtype)
+        self.attention_layers = self.model.attention_layers()
+        self.sampler = Sampler()
+        max_model_len = config.scheduler.max_model_len
+        self.batch = InputBatch(
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_model_len=max_model_len,
+            max_blocks_per_req=-(-max_model_len // self.block_size),
+            make_generator=self._make_generator,
+        )
+        self.num_blocks: int | None = None
+
+    def _make_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    # ------------------------------------------------------------------ KV cache
+
+    def bytes_per_block(self) -> int:
+        first = self.attention_layers[0]
+        return kv_bytes_per_block(
+            len(self.attention_layers),
+            self.block_size,
+            first.num_kv_heads,
+            first.head_dim,
+            self.dtype,
+        )
+
+    def determine_num_blocks(self) -> int:
+        """Blocks this rank can hold: a byte budget on CPU, measured free memory on CUDA."""
+        if self.device.type == "cuda":
+            return profile_num_blocks(self, self.config.cache.gpu_memory_utilization)
+        return num_blocks_for_memory(self.config.cache.kv_cache_memory, self.bytes_per_block())
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        first = self.attention_layers[0]
+        caches = allocate_kv_caches(
+            len(self.attention_layers),
+            num_blocks,
+            self.block_size,
+            first.num_kv_heads,
+            first.head_dim,
+            self.dtype,
+            self.device,
+            self.backend,
+        )
+        for layer, cache in zip(self.attention_layers, caches):
+            layer.kv_cache = cache
+            layer.backend = self.backend
+        self.num_blocks = num_blocks
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.batch
+        batch.apply(scheduler_output)
+        rows = batch.scheduled_rows()
+        if len(rows) == 0:
+            return ModelRunnerOutput(step_id=scheduler_output.step_id)
+        inputs = prepare_step_inputs(batch, rows, self.block_size, self.device)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.metadata)
+        sampling_rows = inputs.sampling_rows
+        if len(sampling_rows) == 0:
+            return ModelRunnerOutput(step_id=scheduler_output.step_id)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        params = [batch.row_states[row].sampling_params for row in sampling_rows.tolist()]
+        output = self.sampler(logits, self._sampling_metadata(sampling_rows.tolist(), params))
+        sampled = output.sampled_token_ids.cpu().numpy()
+        batch.append_sampled(sampling_rows, sampled)
+        return ModelRunnerOutput(
+            step_id=scheduler_output.step_id,
+            req_ids=[batch.req_ids[row] for row in sampling_rows.tolist()],
+            sampled_token_ids=sampled.tolist(),
+            logprobs=logprobs_to_wire(output, [p.logprobs for p in params]),
+        )
+
+    def _sampling_metadata(self, rows: list[int], params: list[SamplingParams]):
+        batch = self.batch
+        generators = {}
+        for i, row in enumerate(rows):
+            generator = batch.row_states[row].generator
+            if generator is not None:
+                generators[i] = generator
+        # Only penalties read token histories; skip copying them out otherwise.
+        if any(_has_penalty(p) for p in params):
+            prompts = [batch.prompt_token_ids(row).tolist() for row in rows]
+            outputs = [batch.output_token_ids(row).tolist() for row in rows]
+        else:
+            prompts = outputs = [[] for _ in rows]
+        return make_sampling_metadata(
+            params, generators, prompts, outputs, self.vocab_size, self.device
+        )
+
+
+def _has_penalty(params: SamplingParams) -> bool:
+    return (
+        params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+    )

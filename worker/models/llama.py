@@ -1,0 +1,28 @@
+"""Llama (1, 2, 3.x) and Mistral: the plain pre-norm SwiGLU decoder.
+
+Runs in worker processes. Biases are off unless config.json says ``attention_bias`` /
+``mlp_bias``; ``head_dim`` is read from the config when present (Mistral-Nemo's is not
+hidden_size / num_heads). Llama 3.1's long context is the "llama3" RoPE scaling.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.models.decoder import DecoderForCausalLM, DecoderSpec
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    @staticmethod
+    def decoder_spec(config: Any) -> DecoderSpec:
+        bias = bool(getattr(config, "attention_bias", False))
+        return DecoderSpec(
+            qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False))
+        )
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def sliding_window(config: Any) -> int | None:
+        # Mistral 7B v0.1 used a 4096-token window; later versions set it to null.
+        return getattr(config, "sliding_window", None)
