@@ -15,10 +15,9 @@ class InProcessEngineClient:
 
     def __init__(self, config: EngineConfig) -> None:
         # Imported here: only this client needs the engine and a worker in-process.
-        from worker.executor import InProcessExecutor
-
         from engine_core import EngineCore
         from engine_core.executor import Executor
+        from worker.executor import InProcessExecutor
 
         # The worker package may not import engine_core, so the executor is duck-typed there
         # and registered as an Executor here, where both are visible.

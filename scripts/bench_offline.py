@@ -74,35 +74,29 @@ def main() -> int:
     vocab_size = min(len(llm.get_tokenizer()), llm.config.model.vocab_size)
     warmup = make_requests(args.workload, args.num_warmup_requests, vocab_size, seed=1)
     llm.generate(*warmup, use_tqdm=False)
+    calibration = measure_matmul_gflops()
     prompts, params = make_requests(args.workload, args.num_requests, vocab_size, seed=0)
     profiler = cProfile.Profile() if args.profile else None
     op_profiler = _torch_profiler() if args.torch_profile else contextlib.nullcontext()
-    with op_profiler:
-        start = time.perf_counter()
+    with op_profiler, Timing() as timing:
         if profiler is not None:
             profiler.enable()
         outputs = llm.generate(prompts, params, use_tqdm=not args.json)
         if profiler is not None:
             profiler.disable()
-        seconds = time.perf_counter() - start
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_prompt = sum(len(p) for p in prompts)
     result = {
         "workload": args.workload,
         "num_requests": args.num_requests,
-        "output_tok_s": round(num_output / seconds, 1),
-        "total_tok_s": round((num_output + num_prompt) / seconds, 1),
-        "seconds": round(seconds, 3),
+        "output_tok_s": round(num_output / timing.seconds, 1),
+        "total_tok_s": round((num_output + num_prompt) / timing.seconds, 1),
+        **timing.summary(),
         "num_output_tokens": num_output,
         "num_prompt_tokens": num_prompt,
         "model": llm.config.model.model,
         "config": {k: v for k, v in vars(engine_args).items() if k != "model"},
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "num_cpus": len(os.sched_getaffinity(0)),
-            "python": platform.python_version(),
-        },
+        "machine": _machine(calibration),
     }
     llm.shutdown()
     if profiler is not None:
@@ -112,6 +106,75 @@ def main() -> int:
         print(table, file=sys.stderr)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
+
+
+class Timing:
+    """Wall time of a block, and how much of the machine this process and others used."""
+
+    def __enter__(self) -> Timing:
+        self._start = time.perf_counter(), _cpu_seconds(), _system_busy()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall, cpu, busy = self._start
+        self.seconds = time.perf_counter() - wall
+        self.cpu_seconds = _cpu_seconds() - cpu
+        self.busy_seconds = _system_busy() - busy
+
+    def summary(self) -> dict[str, float]:
+        num_cpus = len(os.sched_getaffinity(0))
+        others = max(0.0, self.busy_seconds - self.cpu_seconds)
+        return {
+            "seconds": round(self.seconds, 3),
+            # CPU seconds per wall second per core: well under 1 means this run did not get
+            # the cores it asked for.
+            "cpu_utilization": round(self.cpu_seconds / self.seconds / num_cpus, 3),
+            # Share of the cores busy with OTHER processes meanwhile (Linux): runs on a shared
+            # machine are only comparable when this is near 0.
+            "other_load": round(others / self.seconds / num_cpus, 3),
+        }
+
+
+def _machine(matmul_gflops: float) -> dict[str, object]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "num_cpus": len(os.sched_getaffinity(0)),
+        # fp32 GEMM speed measured just before the run: this machine's speed varies from run to
+        # run (shared host), so compare tok/s between runs relative to this.
+        "matmul_gflops": matmul_gflops,
+        "python": platform.python_version(),
+    }
+
+
+def measure_matmul_gflops(repeats: int = 10) -> float:
+    """Best-of-N GFLOP/s of a 2048x512 @ 512x3072 float32 matmul (a prefill MLP shape)."""
+    import torch
+
+    a, b = torch.randn(2048, 512), torch.randn(512, 3072)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return round(2 * 2048 * 512 * 3072 / best / 1e9, 1)
+
+
+def _cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def _system_busy() -> float:
+    """CPU seconds all processes spent busy (Linux /proc/stat), 0.0 where unavailable."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _torch_profiler():

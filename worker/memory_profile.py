@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from worker.attention.metadata_builder import build_attention_metadata
-from worker.kv_cache import allocate_kv_caches, measure_cuda_memory, num_blocks_for_cuda
+from worker.kv_cache import measure_cuda_memory, num_blocks_for_cuda
 
 if TYPE_CHECKING:
     from worker.model_runner import ModelRunner
@@ -28,46 +28,44 @@ def _dummy_lengths(num_tokens: int, max_num_seqs: int, max_model_len: int) -> np
 
 
 @torch.inference_mode()
-def profile_num_blocks(runner: ModelRunner, utilization: float) -> int:
-    """Run the worst-case step once; the KV blocks that fit in what it leaves free."""
+def run_worst_case_step(runner: ModelRunner) -> None:
+    """One forward at the full token budget plus logits for every request, on a temporary cache.
+
+    Leaves the runner without a KV cache (``initialize_cache`` must follow). Device-agnostic, so
+    it is tested on CPU; only the memory measurement around it needs CUDA.
+    """
     sched = runner.config.scheduler
     block_size = runner.block_size
     lengths = _dummy_lengths(sched.max_num_batched_tokens, sched.max_num_seqs, sched.max_model_len)
-    blocks_per_req = -(-lengths.max() // block_size)
-    num_blocks = 1 + len(lengths) * int(blocks_per_req)
-    layers = runner.attention_layers
-    first = layers[0]
-    caches = allocate_kv_caches(
-        len(layers),
-        num_blocks,
-        block_size,
-        first.num_kv_heads,
-        first.head_dim,
-        runner.dtype,
-        runner.device,
-        runner.backend,
-    )
-    for layer, cache in zip(layers, caches):
-        layer.kv_cache, layer.backend = cache, runner.backend
-    block_table = 1 + np.arange(num_blocks - 1, dtype=np.int32).reshape(len(lengths), -1)
-    torch.cuda.synchronize(runner.device)
-    torch.cuda.reset_peak_memory_stats(runner.device)
+    blocks_per_req = int(-(-lengths.max() // block_size))
+    # Block 0 stays the null block, as in the real pool.
+    runner.initialize_cache(1 + len(lengths) * blocks_per_req)
+    block_table = 1 + np.arange(len(lengths) * blocks_per_req, dtype=np.int32)
     metadata, positions = build_attention_metadata(
-        lengths, np.zeros_like(lengths), block_table, block_size, runner.device
+        lengths,
+        np.zeros_like(lengths),
+        block_table.reshape(len(lengths), -1),
+        block_size,
+        runner.device,
     )
-    num_tokens = int(lengths.sum())
-    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=runner.device)
-    hidden = runner.model.forward(
-        input_ids, torch.from_numpy(positions.astype(np.int64)).to(runner.device), metadata
-    )
+    input_ids = torch.zeros(int(lengths.sum()), dtype=torch.int64, device=runner.device)
+    positions_tensor = torch.from_numpy(positions.astype(np.int64)).to(runner.device)
+    hidden = runner.model.forward(input_ids, positions_tensor, metadata)
     last_tokens = torch.from_numpy(np.cumsum(lengths) - 1).to(runner.device)
     logits = runner.model.compute_logits(hidden[last_tokens])
     # The sampler's widest path sorts the logits once: budget a copy and an index tensor.
     logits.sort(dim=-1)
-    torch.cuda.synchronize(runner.device)
-    del hidden, logits, caches
-    for layer in layers:
+    for layer in runner.attention_layers:
         layer.kv_cache = None
+    runner.num_blocks = None
+
+
+def profile_num_blocks(runner: ModelRunner, utilization: float) -> int:
+    """Run the worst-case step once; the KV blocks that fit in what it leaves free (CUDA)."""
+    torch.cuda.synchronize(runner.device)
+    torch.cuda.reset_peak_memory_stats(runner.device)
+    run_worst_case_step(runner)
+    torch.cuda.synchronize(runner.device)
     # The peak includes the temporary cache; it is small (the dummy requests' blocks only).
     total, peak = measure_cuda_memory(runner.device)
     torch.cuda.empty_cache()

@@ -78,10 +78,23 @@ class Reference:
         return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * BLOCK_SIZE * 4
 
 
+_REFERENCES: dict[Path, Reference] = {}
+
+
+def _reference(model_dir: Path, hf_model) -> Reference:
+    if model_dir not in _REFERENCES:
+        _REFERENCES[model_dir] = Reference(model_dir, hf_model(model_dir))
+    return _REFERENCES[model_dir]
+
+
 @pytest.fixture(scope="module", params=ARCHS)
 def reference(request, tiny_model_dirs, hf_model) -> Reference:
-    model_dir = tiny_model_dirs[request.param]
-    return Reference(model_dir, hf_model(model_dir))
+    return _reference(tiny_model_dirs[request.param], hf_model)
+
+
+@pytest.fixture(scope="module")
+def qwen3_reference(tiny_model_dirs, hf_model) -> Reference:
+    return _reference(tiny_model_dirs["qwen3"], hf_model)
 
 
 def _check(reference: Reference, outputs, indices: list[int]) -> None:
@@ -149,6 +162,17 @@ def test_preemption_under_a_tiny_kv_pool_matches_hf(reference):
         outputs = llm.generate(reference.prompts, GREEDY, use_tqdm=False)
         _check(reference, outputs, list(range(len(reference.prompts))))
         assert llm.stats.num_preemptions > 0
+        llm.check_all_free()
+
+
+@pytest.mark.parametrize("policy", ["prefill-first", "orca", "static"])
+def test_every_policy_matches_hf(qwen3_reference, policy):
+    # Policies are family-independent: one family keeps the suite fast. These policies run
+    # whole prompts, so the budget must hold max_model_len.
+    reference = qwen3_reference
+    with _llm(reference, policy=policy, max_model_len=128, max_num_batched_tokens=128) as llm:
+        outputs = llm.generate(reference.prompts, GREEDY, use_tqdm=False)
+        _check(reference, outputs, list(range(len(reference.prompts))))
         llm.check_all_free()
 
 

@@ -236,11 +236,19 @@ def _flash_usable() -> bool:
 @pytest.mark.cuda
 @pytest.mark.skipif(not _flash_usable(), reason="needs CUDA and flash_attn")
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 2)])
-def test_flash_attn_matches_torch_backend_over_two_steps(num_heads, num_kv_heads):
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        # (cached before step 2, scheduled in step 2): decodes, a fresh prompt, a 2nd chunk.
+        [(300, 1), (0, 200), (37, 1), (260, 90), (511, 1)],
+        # Decodes only: flash-attn's single-query path (it regroups GQA heads there).
+        [(300, 1), (37, 1), (511, 1), (256, 1)],
+    ],
+    ids=["mixed", "decodes"],
+)
+def test_flash_attn_matches_torch_backend_over_two_steps(num_heads, num_kv_heads, shapes):
     block_size, dtype, device = 256, torch.bfloat16, torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
-    # (cached before step 2, scheduled in step 2): decodes, a fresh prompt, a prompt's 2nd chunk.
-    shapes = [(300, 1), (0, 200), (37, 1), (260, 90), (511, 1)]
     pool = np.random.default_rng(0).permutation(12).tolist()
     requests = []
     for num_computed, num_scheduled in shapes:
@@ -252,17 +260,11 @@ def test_flash_attn_matches_torch_backend_over_two_steps(num_heads, num_kv_heads
             )
         )
     # Step 1 fills the cached prefixes through each backend's own forward, whatever its layout.
-    prefix_step = [
-        Request(
-            0,
-            r.keys[:c],
-            r.values[:c],
-            torch.zeros(c, num_heads, HEAD_DIM, dtype=dtype),
-            r.block_ids,
-        )
-        for r, c in ((r, r.num_computed) for r in requests)
-        if c
-    ]
+    prefix_step = []
+    for r in requests:
+        if c := r.num_computed:
+            prefix_query = torch.zeros(c, num_heads, HEAD_DIM, dtype=dtype)
+            prefix_step.append(Request(0, r.keys[:c], r.values[:c], prefix_query, r.block_ids))
     outputs = []
     for backend in (FlashAttnBackend(), TorchAttentionBackend()):
         shape = backend.kv_cache_shape(12, block_size, num_kv_heads, HEAD_DIM)

@@ -134,3 +134,17 @@ def test_logprobs_rows_align_with_sampled_tokens(runner):
     assert lp.token_ids[row][0] == out.sampled_token_ids[row] and len(lp.token_ids[row]) == 3
     assert lp.ranks[row] == 1  # greedy picks the top token
     assert lp.token_ids[rows[1]] == [] and lp.ranks[rows[1]] == 0
+
+
+def test_worst_case_profiling_step_runs_and_releases_its_cache(config):
+    from worker.memory_profile import _dummy_lengths, run_worst_case_step
+
+    lengths = _dummy_lengths(2048, 4, 256)
+    assert lengths.sum() == 2048 and lengths.max() <= 256 and len(lengths) == 8
+    runner = ModelRunner(config, torch.device("cpu"))
+    run_worst_case_step(runner)
+    assert all(layer.kv_cache is None for layer in runner.attention_layers)
+    # The real cache binds afterwards and the runner works as usual.
+    runner.initialize_cache(16)
+    out = runner.execute_model(SchedulerOutput(1, [_new(0, PROMPT, [1, 2], len(PROMPT))]))
+    assert out.req_ids == [0]

@@ -1,9 +1,9 @@
 """Paged attention in plain torch, for CPU and CUDA, over a mixed batch in one call.
 
 Runs in worker processes. The cache layout puts KV heads outermost,
-``(2, num_kv_heads, num_blocks, block_size, head_dim)``, because gathering a request's blocks on
-dim 2 then yields ``[kv_heads, tokens, head_dim]`` with each head's keys contiguous: exactly the
-shape the attention matmuls read, without a second copy. Decode rows (query length 1) are handled
+``(2, num_kv_heads, num_blocks, block_size, head_dim)``, because gathering a request's blocks
+then yields ``[kv_heads, tokens, head_dim]`` with each head's keys contiguous: exactly the shape
+the attention matmuls read, without a second copy. Decode rows (query length 1) are handled
 together in a few chunks; requests with longer queries (prompt chunks) one by one. Both use
 ``scaled_dot_product_attention``, which on CPU runs a flash-style kernel.
 """
@@ -17,8 +17,8 @@ from worker.attention.backend import AttentionBackend, AttentionMetadata
 from worker.attention.batch_plan import BatchPlan, DecodeChunk, PrefillRequest, plan_batch
 
 # Gathered K+V bytes per decode chunk. On CPU a chunk this size stays in the L3 cache between the
-# gather and the attention that reads it: 64 decodes at ctx 128-256 took 4.2 ms in 4 MiB chunks,
-# 6.1 ms in 1 MiB, 4.9 ms in 16 MiB, 6.0 ms as one 24 MiB gather (1 thread, AMD EPYC). On CUDA
+# gather and the attention that reads it: for 64 decodes at ctx 128-256 (AMD EPYC, 1 and 2
+# threads) 4-8 MiB chunks were fastest, 1 MiB chunks or one 24 MiB gather ~1.5x slower. On CUDA
 # there is no such cache to fit; the budget there only bounds the transient gather buffer, which
 # the memory profiling pass does not see, to a small slice of the memory left outside the cache.
 _CPU_DECODE_CHUNK_BYTES = 4 << 20

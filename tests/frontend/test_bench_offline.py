@@ -1,0 +1,44 @@
+"""scripts/bench_offline.py: its workloads and its one-line JSON report, on the tiny model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_offline.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("bench_offline", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_workloads_have_the_promised_shapes_and_are_seeded():
+    bench = _load_script()
+    prompts, params = bench.make_requests("mix", 4, 1000, seed=0)
+    assert [len(p) for p in prompts] == [32, 512, 32, 512]
+    assert [p.max_tokens for p in params] == [32, 128, 32, 128]
+    assert all(p.ignore_eos and p.temperature == 0.0 for p in params)
+    assert all(0 <= t < 1000 for p in prompts for t in p)
+    assert bench.make_requests("mix", 4, 1000, seed=0)[0] == prompts
+    equal, _ = bench.make_requests("equal", 3, 1000, seed=0)
+    assert [len(p) for p in equal] == [128] * 3
+
+
+def test_json_report(tiny_model_dir, monkeypatch, capsys):
+    bench = _load_script()
+    argv = ["bench_offline.py", "--model", str(tiny_model_dir), "--workload", "equal"]
+    argv += ["--num-requests", "4", "--num-warmup-requests", "1", "--json"]
+    argv += ["--kv-cache-memory", "32M", "--max-num-seqs", "4"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert bench.main() == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(line)
+    assert report["num_output_tokens"] == 4 * 128 and report["num_prompt_tokens"] == 4 * 128
+    expected_rate = report["num_output_tokens"] / report["seconds"]
+    assert abs(report["output_tok_s"] - expected_rate) < 0.1 * expected_rate
+    assert report["config"]["max_num_seqs"] == 4 and report["machine"]["num_cpus"] >= 1

@@ -1,0 +1,42 @@
+"""EngineArgs: command-line flags and keyword arguments -> the checked, frozen EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from frontend.engine_args import EngineArgs, add_engine_args, engine_args_from_kwargs
+from protocol import ConfigError
+
+
+def test_cli_flags_become_the_config_tree(tiny_model_dir):
+    parser = add_engine_args(argparse.ArgumentParser())
+    args = parser.parse_args(
+        ["--model", str(tiny_model_dir), "--max-num-seqs", "8", "--kv-cache-memory", "64M"]
+        + ["--no-enable-prefix-caching", "--max-model-len", "512", "--policy", "orca"]
+        + ["--max-num-batched-tokens", "512", "--block-size", "32"]
+    )
+    config = EngineArgs.from_cli(args).create_engine_config()
+    assert config.scheduler.max_num_seqs == 8 and config.scheduler.policy == "orca"
+    assert config.cache.kv_cache_memory == 64 << 20 and not config.cache.enable_prefix_caching
+    assert config.cache.block_size == 32
+    # One context length for the model and the scheduler.
+    assert config.model.max_model_len == config.scheduler.max_model_len == 512
+
+
+def test_defaults_take_the_models_context_length(tiny_model_dir):
+    config = EngineArgs(model=str(tiny_model_dir)).create_engine_config()
+    assert config.scheduler.max_model_len == config.model.max_model_len == 4096
+    assert config.model.eos_token_ids  # from generation_config.json
+
+
+def test_bad_values_are_config_errors(tiny_model_dir):
+    with pytest.raises(ConfigError, match="block_size"):
+        EngineArgs(model=str(tiny_model_dir), block_size=12).create_engine_config()
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        EngineArgs(model=str(tiny_model_dir), policy="static").create_engine_config()
+    with pytest.raises(ConfigError, match="not found"):
+        EngineArgs(model="/nonexistent/model").create_engine_config()
+    with pytest.raises(TypeError, match="max_num_seq"):
+        engine_args_from_kwargs(str(tiny_model_dir), {"max_num_seq": 4})
