@@ -22,13 +22,18 @@ from protocol import (
 from protocol.config import POLICIES
 
 
+DEFAULT_TOKEN_BUDGET = 2048
+
+
 @dataclass
 class EngineArgs:
     """Flat, user-facing engine knobs; ``model=None`` means the default tiny model."""
 
     model: str | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # None = 2048 for stall-free (prompts are chunked to fit); the whole-prompt policies
+    # (prefill-first, orca, static) get max(2048, max_model_len) so every prompt fits in a step.
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     kv_cache_memory: int = 1 << 30
     gpu_memory_utilization: float = 0.9
@@ -58,7 +63,7 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
             ),
             scheduler=SchedulerConfig(
-                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_batched_tokens=self._token_budget(model_config.max_model_len),
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=model_config.max_model_len,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
@@ -71,6 +76,13 @@ class EngineArgs:
         )
         check_engine_config(config)
         return config
+
+    def _token_budget(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if self.policy == "stall-free":
+            return DEFAULT_TOKEN_BUDGET
+        return max(DEFAULT_TOKEN_BUDGET, max_model_len)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
@@ -94,7 +106,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=d.model, help="Hugging Face model directory")
     group.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    group.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="token budget per step (default 2048; whole-prompt policies: max(2048, context))",
+    )
     group.add_argument("--block-size", type=int, default=d.block_size)
     group.add_argument(
         "--kv-cache-memory", type=_parse_bytes, default=d.kv_cache_memory, help="CPU KV bytes"

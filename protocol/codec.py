@@ -11,7 +11,14 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from protocol.messages import EngineCoreInput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
+from protocol.messages import (
+    EngineCoreClientMessage,
+    EngineCoreInput,
+    EngineCoreOutputs,
+    EngineCoreServerMessage,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 
 T = TypeVar("T")
 
@@ -32,3 +39,7 @@ ENGINE_INPUT: WireCodec[EngineCoreInput] = WireCodec(EngineCoreInput)
 ENGINE_OUTPUT: WireCodec[EngineCoreOutputs] = WireCodec(EngineCoreOutputs)
 SCHEDULER_OUTPUT: WireCodec[SchedulerOutput] = WireCodec(SchedulerOutput)
 RUNNER_OUTPUT: WireCodec[ModelRunnerOutput] = WireCodec(ModelRunnerOutput)
+
+# ZMQ sessions between frontends (DEALER) and the engine core (ROUTER).
+CLIENT_TO_ENGINE: WireCodec[EngineCoreClientMessage] = WireCodec(EngineCoreClientMessage)
+ENGINE_TO_CLIENT: WireCodec[EngineCoreServerMessage] = WireCodec(EngineCoreServerMessage)

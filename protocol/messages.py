@@ -134,3 +134,45 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     req_ids: list[int] = []
     sampled_token_ids: list[int] = []
     logprobs: Logprobs | None = None
+
+
+# ---------------------------------------------------------------- session control (ZMQ clients)
+
+
+class Hello(msgspec.Struct, tag=3, array_like=True, gc=False):
+    """A client attaches: first frame on a new DEALER socket; answered by ``Ready``."""
+
+    client_name: str = ""
+
+
+class Heartbeat(msgspec.Struct, tag=4, array_like=True, gc=False):
+    """Sent by a client every few seconds; a client silent for too long is dropped and its
+    requests aborted. The engine answers nothing (it knows the client is alive)."""
+
+
+class Goodbye(msgspec.Struct, tag=5, array_like=True, gc=False):
+    """A client detaches cleanly: its requests are aborted at once."""
+
+
+EngineCoreClientMessage = Union[EngineCoreRequest, Abort, Hello, Heartbeat, Goodbye]
+
+
+class Ready(msgspec.Struct, tag=10, array_like=True, gc=False):
+    """The engine accepted a client: what it serves and how (num_blocks filled in)."""
+
+    client_index: int
+    config_msgpack: bytes  # an encoded protocol.config.EngineConfig
+    engine_pid: int
+
+
+class EngineDead(msgspec.Struct, tag=11, array_like=True, gc=False):
+    """The engine hit a fatal error and is exiting; every open request has failed."""
+
+    reason: str
+
+
+class EngineOutputsFrame(msgspec.Struct, tag=12, array_like=True, gc=False):
+    outputs: EngineCoreOutputs
+
+
+EngineCoreServerMessage = Union[EngineOutputsFrame, Ready, EngineDead]

@@ -35,8 +35,29 @@ def test_bad_values_are_config_errors(tiny_model_dir):
     with pytest.raises(ConfigError, match="block_size"):
         EngineArgs(model=str(tiny_model_dir), block_size=12).create_engine_config()
     with pytest.raises(ConfigError, match="max_num_batched_tokens"):
-        EngineArgs(model=str(tiny_model_dir), policy="static").create_engine_config()
+        EngineArgs(
+            model=str(tiny_model_dir), policy="static", max_num_batched_tokens=2048
+        ).create_engine_config()
     with pytest.raises(ConfigError, match="not found"):
         EngineArgs(model="/nonexistent/model").create_engine_config()
     with pytest.raises(TypeError, match="max_num_seq"):
         engine_args_from_kwargs(str(tiny_model_dir), {"max_num_seq": 4})
+
+
+@pytest.mark.parametrize("policy", ["prefill-first", "orca", "static"])
+def test_whole_prompt_policies_default_to_a_budget_that_holds_any_prompt(tiny_model_dir, policy):
+    config = EngineArgs(model=str(tiny_model_dir), policy=policy).create_engine_config()
+    assert config.scheduler.max_num_batched_tokens == config.model.max_model_len == 4096
+
+
+def test_stall_free_defaults_to_a_2048_budget_and_an_explicit_one_wins(tiny_model_dir):
+    assert (
+        EngineArgs(model=str(tiny_model_dir))
+        .create_engine_config()
+        .scheduler.max_num_batched_tokens
+        == 2048
+    )
+    explicit = EngineArgs(
+        model=str(tiny_model_dir), policy="orca", max_model_len=512, max_num_batched_tokens=600
+    )
+    assert explicit.create_engine_config().scheduler.max_num_batched_tokens == 600
