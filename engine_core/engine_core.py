@@ -89,6 +89,12 @@ class EngineCore:
                 req_ids.append(request.req_id)
         self.scheduler.abort_requests(req_ids)
 
+    def abort_client(self, client_index: int) -> int:
+        """Abort every in-flight request of a client that left; returns how many."""
+        request_ids = [rid for (index, rid) in self._requests if index == client_index]
+        self.abort_requests(request_ids, client_index)
+        return len(request_ids)
+
     def step(self) -> dict[int, EngineCoreOutputs]:
         """Run one step; outputs keyed by client_index."""
         scheduler_output = self.scheduler.schedule()

@@ -21,7 +21,6 @@ from protocol import (
 )
 from protocol.config import POLICIES
 
-
 DEFAULT_TOKEN_BUDGET = 2048
 
 

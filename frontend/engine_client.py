@@ -1,13 +1,28 @@
-"""How the offline API reaches an engine: today the engine core and one worker in this process.
+"""How a frontend reaches an engine: the three clients, one import away.
 
-Runs in the frontend process. This is the one place an engine is built for ``LLM``; a
-multi-process client (ZMQ to an engine-core process) will offer the same four calls, so ``LLM``
-need not change when it arrives.
+Runs in the frontend process.
+  ``MPEngineClient``        blocking, over ZMQ to an engine-core process (``LLM``'s default);
+  ``AsyncEngineClient``     asyncio, over ZMQ, one output stream per request (HTTP servers);
+  ``InProcessEngineClient`` the engine core and one worker in this process, stepped by the
+                            caller (debugging: one process, one stack trace).
+``MPEngineClient`` and ``InProcessEngineClient`` offer the same calls, so ``LLM`` does not care
+which one it drives.
 """
 
 from __future__ import annotations
 
+from frontend.async_engine_client import AsyncEngineClient
+from frontend.engine_session import EngineDeadError, EngineStartError
+from frontend.mp_engine_client import MPEngineClient
 from protocol import EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+
+__all__ = [
+    "AsyncEngineClient",
+    "EngineDeadError",
+    "EngineStartError",
+    "InProcessEngineClient",
+    "MPEngineClient",
+]
 
 
 class InProcessEngineClient:

@@ -1,9 +1,10 @@
 """``LLM``: the offline Python API, shaped like ``vllm.LLM``.
 
-Runs in the caller's process (a frontend). ``generate`` tokenizes and validates every prompt first
-(so a bad one raises ``ValueError`` before anything reaches the engine), fans ``n > 1`` out into
-n engine requests, steps the engine until every request is done, and applies stop strings on the
-detokenized text, aborting a stopped request in the engine.
+Runs in the caller's process (a frontend); the engine runs in its own process (``engine="mp"``,
+the default) or, for debugging, in this one (``engine="inprocess"``). ``generate`` tokenizes and
+validates every prompt first (so a bad one raises ``ValueError`` before anything reaches the
+engine), fans ``n > 1`` out into n engine requests, steps the engine until every request is done,
+and applies stop strings on the detokenized text, aborting a stopped request in the engine.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import msgspec
 from tqdm.auto import tqdm
 
 from frontend.engine_args import engine_args_from_kwargs
-from frontend.engine_client import InProcessEngineClient
+from frontend.engine_client import InProcessEngineClient, MPEngineClient
 from frontend.outputs import RequestOutput
 from frontend.sample_tracker import SampleTracker
 from frontend.tokenizer import load_tokenizer
@@ -39,13 +40,33 @@ class _Prompt:
 class LLM:
     """Offline batch generation: ``LLM(model_dir).generate(prompts, SamplingParams(...))``."""
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        engine: str = "mp",
+        executor_backend: str | None = None,
+        **engine_args: Any,
+    ) -> None:
+        """``engine``: "mp" (an engine-core process) or "inprocess" (this process, debugging).
+
+        ``executor_backend`` picks the engine process's workers: "mp" (worker processes, the
+        default) or "inprocess" (one worker inside the engine process).
+        """
+        if engine not in ("mp", "inprocess"):
+            raise ValueError(f"engine must be 'mp' or 'inprocess', got {engine!r}")
         if model is None:
             model = str(_default_model())
         args = engine_args_from_kwargs(model, engine_args)
         self.config = args.create_engine_config()
         self.tokenizer = load_tokenizer(self.config.model.model)
-        self._engine = InProcessEngineClient(self.config)
+        self._engine: InProcessEngineClient | MPEngineClient
+        if engine == "mp":
+            self._engine = MPEngineClient(
+                self.config, executor_backend=executor_backend, client_name="LLM"
+            )
+        else:
+            self._engine = InProcessEngineClient(self.config)
         self._next_id = itertools.count()
         # The engine's latest scheduler stats (counters are cumulative since start).
         self.stats: SchedulerStats | None = None

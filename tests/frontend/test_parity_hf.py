@@ -125,7 +125,12 @@ def _check(reference: Reference, outputs, indices: list[int]) -> None:
 
 def _llm(reference: Reference, **engine_args) -> LLM:
     engine_args.setdefault("kv_cache_memory", SMALL_KV)
-    return LLM(str(reference.model_dir), block_size=BLOCK_SIZE, seed=0, **engine_args)
+    # In-process: these tests are about the model, scheduler and sampler, which are the same code
+    # in both modes; the process path's parity with this one is tested in test_engine_client and
+    # test_multiproc_executor, and an engine start per test would double this file's time.
+    return LLM(
+        str(reference.model_dir), engine="inprocess", block_size=BLOCK_SIZE, seed=0, **engine_args
+    )
 
 
 def test_batch_of_mixed_lengths_matches_hf(reference):

@@ -1,0 +1,250 @@
+"""The engine core's socket thread: every frontend's frames in, every output frame out.
+
+Runs in the engine-core process, as one thread that alone owns the ROUTER socket (ZMQ sockets are
+not thread-safe, and a ROUTER must receive and send from the same thread). It decodes client
+frames and hands requests and aborts to the busy loop through a queue; the busy loop hands outputs
+back through another queue plus a wake-up pipe the thread polls beside the socket, so the loop
+never touches the socket and the thread never blocks the loop. Session traffic (Hello, Heartbeat,
+Goodbye) is answered here without the busy loop. A frame that does not decode is logged and
+dropped: one bad client must not stop the engine for everyone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Union
+
+import zmq
+
+from engine_core.client_registry import ClientRegistry
+from protocol import Abort, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
+from protocol.messages import (
+    EngineCoreServerMessage,
+    EngineDead,
+    EngineOutputsFrame,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Ready,
+)
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 200
+_MAX_FRAMES_PER_ROUND = 512  # then look at outgoing work, so a flood cannot starve outputs
+_LINGER_MS = 1000  # on close, how long queued frames (an EngineDead) may take to leave
+
+
+@dataclass(frozen=True)
+class ClientInput:
+    """A request or an abort from an attached client, for the busy loop."""
+
+    client_index: int
+    message: Union[EngineCoreRequest, Abort]
+
+
+@dataclass(frozen=True)
+class ClientGone:
+    """A client said Goodbye or went silent: the busy loop aborts its requests."""
+
+    client_index: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class IOFailed:
+    """The socket thread hit an unexpected error: the engine can no longer talk; it must exit."""
+
+    reason: str
+
+
+# None asks the busy loop to return.
+BusyLoopInput = Union[ClientInput, ClientGone, IOFailed, None]
+
+_STOP = object()
+
+
+class ClientIO:
+    """Binds the ROUTER at construction (so a bad address fails at once); ``start`` runs it."""
+
+    def __init__(
+        self,
+        address: str,
+        ready_config_msgpack: bytes,
+        inputs: queue.Queue[BusyLoopInput],
+        heartbeat_timeout_s: float,
+    ) -> None:
+        self._context = zmq.Context()
+        self._router = self._context.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, _LINGER_MS)
+        # No high-water mark on sends: at the default (1000 frames) a ROUTER silently drops a
+        # slow client's outputs, and that client would wait forever for a finish it never gets.
+        # What bounds the backlog is the heartbeat: a client that stops reading also stops
+        # heartbeating (one thread or one loop does both) and is dropped.
+        self._router.setsockopt(zmq.SNDHWM, 0)
+        self._router.bind(address)
+        self.address: str = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._config_msgpack = ready_config_msgpack
+        self._inputs = inputs
+        self.registry = ClientRegistry(heartbeat_timeout_s)
+        self._outgoing: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self.num_dropped_frames = 0
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine-io", daemon=True)
+
+    # ------------------------------------------------------------------ any thread
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send_outputs(self, client_index: int, outputs: EngineCoreOutputs) -> None:
+        self._put((client_index, outputs))
+
+    def broadcast_engine_dead(self, reason: str) -> None:
+        self._put(EngineDead(reason))
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Send what is queued (an EngineDead included), then close; bounded by ``timeout_s``."""
+        if self._stopped:
+            return
+        if self._thread.is_alive():
+            self._put(_STOP)
+            self._thread.join(timeout_s)
+        elif self._thread.ident is None:  # never started
+            self._close_socket()
+        self._stopped = True
+        if not self._thread.is_alive():
+            # Only now: a closed fd number can be reused at once, and a late write would land there.
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+
+    def _put(self, item: object) -> None:
+        if self._stopped:
+            return
+        self._outgoing.put(item)
+        # A full pipe means wake-ups are pending already: the thread will look.
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_write, b"\x00")
+
+    # ------------------------------------------------------------------ the socket thread
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
+        next_expiry_check = time.monotonic()
+        try:
+            while True:
+                events = dict(poller.poll(_POLL_MS))
+                if self._router in events:
+                    self._receive_some()
+                if self._wake_read in events and not self._send_queued():
+                    return
+                if time.monotonic() >= next_expiry_check:
+                    self._drop_silent_clients()
+                    next_expiry_check = time.monotonic() + _POLL_MS / 1000
+        except Exception as exc:  # a bug here must end the engine, not leave it deaf
+            logger.exception("engine socket thread failed")
+            self._inputs.put(IOFailed(f"engine socket thread failed: {exc!r}"))
+        finally:
+            self._close_socket()
+
+    def _close_socket(self) -> None:
+        self._router.close(linger=_LINGER_MS)
+        self._context.term()
+
+    def _receive_some(self) -> None:
+        for _ in range(_MAX_FRAMES_PER_ROUND):
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self._drop(frames[0], f"{len(frames) - 1} payload frames instead of 1")
+                continue
+            identity, payload = frames
+            try:
+                message = CLIENT_TO_ENGINE.decode(payload)
+            except Exception as exc:  # DecodeError, ValidationError, anything msgspec raises
+                self._drop(identity, f"undecodable frame of {len(payload)} bytes: {exc}")
+                continue
+            self._handle(identity, message)
+
+    def _handle(self, identity: bytes, message: object) -> None:
+        registry = self.registry
+        if isinstance(message, Hello):
+            client = registry.attach(identity, message.client_name)
+            logger.info("client %d attached (%s)", client.client_index, client.name or "unnamed")
+            ready = Ready(client.client_index, self._config_msgpack, os.getpid())
+            self._send(identity, ready)
+        elif isinstance(message, Heartbeat):
+            registry.touch(identity)
+        elif isinstance(message, Goodbye):
+            client = registry.detach(identity)
+            if client is not None:
+                logger.info("client %d said goodbye", client.client_index)
+                self._inputs.put(ClientGone(client.client_index, "goodbye"))
+        else:
+            client = registry.touch(identity)
+            if client is not None:
+                self._inputs.put(ClientInput(client.client_index, message))  # type: ignore[arg-type]
+            elif isinstance(message, EngineCoreRequest):
+                self._reject_unattached(identity, message)
+
+    def _reject_unattached(self, identity: bytes, request: EngineCoreRequest) -> None:
+        # A client dropped for silence may still be sending: tell it, do not leave it waiting.
+        reason = "client is not attached (no Hello, or dropped after missing heartbeats)"
+        output = EngineCoreOutput(request.request_id, [], "error", reason)
+        self._send(identity, EngineOutputsFrame(EngineCoreOutputs([output], time.monotonic())))
+
+    def _drop(self, identity: bytes, why: str) -> None:
+        self.num_dropped_frames += 1
+        # Bounded logging: a junk flood must not become a log flood.
+        if self.num_dropped_frames <= 10 or self.num_dropped_frames % 1000 == 0:
+            logger.warning(
+                "dropped frame #%d from %s: %s", self.num_dropped_frames, identity.hex(), why
+            )
+
+    def _drop_silent_clients(self) -> None:
+        for client in self.registry.detach_silent():
+            logger.warning(
+                "client %d silent for over %.1f s: aborting its requests",
+                client.client_index,
+                self.registry.heartbeat_timeout_s,
+            )
+            self._inputs.put(ClientGone(client.client_index, "heartbeat timeout"))
+
+    def _send_queued(self) -> bool:
+        """Send everything queued; False once the stop marker is reached."""
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_read, 4096):
+                pass
+        while True:
+            try:
+                item = self._outgoing.get_nowait()
+            except queue.Empty:
+                return True
+            if item is _STOP:
+                return False
+            if isinstance(item, EngineDead):
+                for identity in self.registry.identities():
+                    self._send(identity, item)
+                continue
+            client_index, outputs = item  # type: ignore[misc]
+            identity = self.registry.identity_of(client_index)
+            if identity is not None:  # else the client left: its outputs go nowhere
+                self._send(identity, EngineOutputsFrame(outputs))
+
+    def _send(self, identity: bytes, message: EngineCoreServerMessage) -> None:
+        # A ROUTER never blocks on send: a peer over its high-water mark loses the frame instead.
+        self._router.send_multipart([identity, ENGINE_TO_CLIENT.encode(message)], copy=False)

@@ -1,0 +1,196 @@
+"""The engine-core process: ``main(config, address)`` -> handshake -> busy loop -> clean exit.
+
+Runs in the engine-core process (``python -m engine_core``). Three threads, one job each: the
+socket thread (``ClientIO``) decodes client frames into a queue and sends output frames; the main
+thread runs the busy loop (drain the queue, then schedule -> execute -> update) and blocks on the
+queue when there is nothing to do, instead of spinning; a parent-watch thread stops us if the
+process that started us dies. A fatal error becomes an ``EngineDead`` for every client and a
+non-zero exit; SIGTERM/SIGINT become the same message with exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+
+import msgspec
+from msgspec.structs import replace
+
+from engine_core.client_io import BusyLoopInput, ClientGone, ClientInput, ClientIO, IOFailed
+from engine_core.engine_core import EngineCore
+from engine_core.executor import Executor
+from engine_core.executor_factory import make_executor
+from engine_core.lifecycle import (
+    ShutdownRequested,
+    ignore_shutdown_signals,
+    install_shutdown_signals,
+    tie_to_parent,
+)
+from protocol import Abort, EngineConfig, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+# How often an idle engine wakes up to ask the executor whether its workers are alive.
+_IDLE_WAIT_S = 1.0
+
+
+class EngineFatalError(RuntimeError):
+    """The busy loop cannot go on (the socket thread died, a worker died while idle)."""
+
+
+class EngineCoreProcess:
+    """An ``EngineCore`` behind a ROUTER socket: serves any number of clients until stopped."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        address: str,
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+    ) -> None:
+        self.core = core
+        self._inputs: queue.Queue[BusyLoopInput] = queue.Queue()
+        self.io = ClientIO(address, ready_config_msgpack(core), self._inputs, heartbeat_timeout_s)
+        self.address = self.io.address
+
+    def run(self) -> None:
+        """The busy loop; returns after ``stop``, raises on a fatal error."""
+        self.io.start()
+        core, io = self.core, self.io
+        while self._take_inputs(block=not core.has_unfinished_requests()):
+            if core.has_unfinished_requests():
+                for client_index, outputs in core.step().items():
+                    io.send_outputs(client_index, outputs)
+
+    def stop(self) -> None:
+        """Ask the busy loop to return after its current step (any thread)."""
+        self._inputs.put(None)
+
+    def close(self, reason: str) -> None:
+        """Tell every client the engine is gone, then close the socket (bounded)."""
+        self.io.broadcast_engine_dead(reason)
+        self.io.stop()
+
+    def _take_inputs(self, block: bool) -> bool:
+        """Apply every queued input (waiting for one if ``block``); False once stopped."""
+        inputs = self._inputs
+        while block:
+            try:
+                item = inputs.get(timeout=_IDLE_WAIT_S)
+                break
+            except queue.Empty:
+                check_executor_health(self.core.executor)
+        else:
+            try:
+                item = inputs.get_nowait()
+            except queue.Empty:
+                return True
+        while True:
+            if item is None:
+                return False
+            self._apply(item)
+            try:
+                item = inputs.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, item: ClientInput | ClientGone | IOFailed) -> None:
+        core = self.core
+        if isinstance(item, ClientInput):
+            message = item.message
+            if isinstance(message, EngineCoreRequest):
+                rejected = core.add_request(message, item.client_index)
+                if rejected is not None:
+                    self.io.send_outputs(item.client_index, rejected)
+            elif isinstance(message, Abort):
+                core.abort_requests(message.request_ids, item.client_index)
+        elif isinstance(item, ClientGone):
+            num_aborted = core.abort_client(item.client_index)
+            if num_aborted:
+                logger.info(
+                    "client %d gone (%s): aborted %d requests",
+                    item.client_index,
+                    item.reason,
+                    num_aborted,
+                )
+        elif isinstance(item, IOFailed):
+            raise EngineFatalError(item.reason)
+
+
+def ready_config_msgpack(core: EngineCore) -> bytes:
+    """The config clients receive in Ready: the engine's own, with the learned num_blocks."""
+    num_blocks = core.scheduler.kv_cache_manager.block_pool.num_blocks
+    config = replace(core.config, cache=replace(core.config.cache, num_blocks=num_blocks))
+    return msgspec.msgpack.encode(config)
+
+
+def check_executor_health(executor: Executor) -> None:
+    """Raise if the executor knows its workers are gone; called while idle.
+
+    A worker death is otherwise only noticed by the next step. ``check_health`` is optional
+    (duck-typed): the in-process executor has no workers to lose.
+    """
+    check = getattr(executor, "check_health", None)
+    if check is not None:
+        check()
+
+
+def find_address_problem(address: str, allow_remote_clients: bool = False) -> str | None:
+    """Why the engine must not bind ``address``, or None: ipc:// or loopback tcp unless asked.
+
+    The socket authenticates nobody, so reaching it from another host must be a decision.
+    """
+    if address.startswith(("ipc://", "inproc://")):
+        return None
+    if not address.startswith("tcp://"):
+        return f"address must be ipc://PATH or tcp://HOST:PORT, got {address!r}"
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0]
+    if allow_remote_clients or host.startswith("127.") or host in ("localhost", "[::1]"):
+        return None
+    return f"{address} is reachable from other hosts; bind 127.0.0.1 or allow remote clients"
+
+
+def main(
+    config: EngineConfig,
+    address: str,
+    executor_backend: str | None = None,
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+    parent_pid: int | None = None,
+    allow_remote_clients: bool = False,
+) -> int:
+    """Build, serve until a signal or a fatal error, clean up; returns the exit status.
+
+    With ``parent_pid``, the engine stops (as on SIGTERM) when that process dies.
+    """
+    problem = find_address_problem(address, allow_remote_clients)
+    if problem is not None:
+        logger.error("%s", problem)
+        return 2
+    install_shutdown_signals()
+    executor: Executor | None = None
+    process: EngineCoreProcess | None = None
+    reason, exit_code = "the engine was shut down", 0
+    try:
+        tie_to_parent(parent_pid)
+        executor = make_executor(config, executor_backend)
+        core = EngineCore(config, executor)
+        process = EngineCoreProcess(core, address, heartbeat_timeout_s)
+        logger.info(
+            "engine core ready on %s (%d KV blocks, executor %s)",
+            process.address,
+            core.scheduler.kv_cache_manager.block_pool.num_blocks,
+            type(executor).__name__,
+        )
+        process.run()
+    except ShutdownRequested as signal_name:
+        logger.info("shutting down on %s", signal_name)
+    except Exception as exc:
+        logger.exception("engine core failed")
+        reason, exit_code = f"engine core failed: {exc!r}", 1
+    finally:
+        ignore_shutdown_signals()  # the cleanup is bounded; a second Ctrl-C must not cut it short
+        if process is not None:
+            process.close(reason)
+        if executor is not None:
+            executor.shutdown()
+    return exit_code

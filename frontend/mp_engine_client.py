@@ -1,0 +1,307 @@
+"""``MPEngineClient``: the blocking client ``LLM`` uses to drive an engine-core process over ZMQ.
+
+Runs in the frontend process. The same calls as ``InProcessEngineClient`` (add_request, abort,
+step, has_unfinished_requests, check_all_free, shutdown), so ``LLM`` does not care where the
+engine lives. Given a config it starts its own engine process; given an address it attaches to
+a running one (beside any number of other clients).
+
+One background thread owns the DEALER socket (ZMQ sockets are single-threaded): it forwards the
+frames the caller encoded (through an inproc pipe), sends heartbeats, queues decoded outputs for
+the caller, and checks that the engine process is alive. Every caller wait is bounded by that
+check: a dead engine surfaces as ``EngineDeadError`` within about a second, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+import weakref
+from typing import Union
+
+import zmq
+
+from frontend.engine_process import EngineProcess
+from frontend.engine_session import (
+    DEFAULT_READY_TIMEOUT_S,
+    HEARTBEAT_INTERVAL_S,
+    LIVENESS_INTERVAL_S,
+    EngineDeadError,
+    EngineLiveness,
+    configure_dealer,
+    decode_ready_config,
+    handshake,
+)
+from protocol import (
+    Abort,
+    EngineConfig,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+)
+from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
+from protocol.messages import EngineDead, EngineOutputsFrame, Goodbye, Heartbeat, Ready
+
+logger = logging.getLogger(__name__)
+
+_STOP_FRAME = b""  # never a real message: every encoded message has at least one byte
+_pipe_names = itertools.count()
+_PIPE_SEND_TIMEOUT_MS = 2000
+# How long step() waits for outputs before handing control back to the caller's loop.
+STEP_TIMEOUT_S = 1.0
+# How long check_all_free waits for the final outputs of aborted requests.
+CHECK_TIMEOUT_S = 5.0
+
+_QueueItem = Union[EngineCoreOutputs, EngineDeadError]
+
+
+class MPEngineClient:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        address: str | None = None,
+        executor_backend: str | None = None,
+        heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+        heartbeat_timeout_s: float | None = None,
+        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        client_name: str = "",
+    ) -> None:
+        """``config``: start an engine process and own it; ``address``: attach to a running one.
+
+        ``heartbeat_timeout_s`` is the started engine's patience with silent clients.
+        """
+        if (config is None) == (address is None):
+            raise ValueError("give either a config (start an engine) or an address (attach)")
+        self._engine: EngineProcess | None = None
+        if config is not None:
+            self._engine = EngineProcess(config, executor_backend, heartbeat_timeout_s).start()
+            # Even a client never shut down must not leave its engine running past our exit.
+            self._finalizer = weakref.finalize(self, self._engine.stop)
+            address = self._engine.address
+        assert address is not None
+        self.address = address
+        self._context = zmq.Context()
+        dealer, ready = self._attach(ready_timeout_s, client_name)
+        self.client_index = ready.client_index
+        self.engine_pid = ready.engine_pid
+        self.config = decode_ready_config(ready)
+        if self._engine is not None:
+            liveness = self._engine.liveness()
+        else:
+            liveness = EngineLiveness(address, ready.engine_pid)
+        self._session = _Session(self._context, dealer, liveness, heartbeat_interval_s)
+        self._sender = self._context.socket(zmq.PUSH)
+        # Bounded: once the socket thread has stopped (engine dead) nobody reads the pipe.
+        self._sender.setsockopt(zmq.SNDTIMEO, _PIPE_SEND_TIMEOUT_MS)
+        self._sender.setsockopt(zmq.SNDHWM, 0)
+        self._sender.connect(self._session.pipe_address)
+        self._send_lock = threading.Lock()
+        self._session.start()
+        self._unfinished: set[str] = set()
+        # Unfinished requests we aborted: their final outputs are on the way.
+        self._aborted: set[str] = set()
+        self._closed = False
+        # The engine's latest scheduler stats, from the last outputs this client received.
+        self.stats: SchedulerStats | None = None
+
+    def _attach(self, ready_timeout_s: float, client_name: str) -> tuple[zmq.Socket, Ready]:
+        """Connect and handshake; on failure close everything (and stop an engine we own)."""
+        dealer = self._context.socket(zmq.DEALER)
+        configure_dealer(dealer)
+        try:
+            dealer.connect(self.address)
+            liveness = self._engine.liveness() if self._engine else EngineLiveness(self.address)
+            return dealer, handshake(dealer, liveness, ready_timeout_s, client_name)
+        except BaseException:
+            dealer.close(linger=0)
+            self._context.term()
+            if self._engine is not None:
+                self._engine.stop()
+            raise
+
+    # ------------------------------------------------------------------ the four calls
+
+    def add_request(self, request: EngineCoreRequest) -> list[EngineCoreOutput]:
+        """Send a request; a rejection comes back later as an output with finish_reason "error"."""
+        self._send(CLIENT_TO_ENGINE.encode(request))
+        self._unfinished.add(request.request_id)
+        return []
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort in the engine; each request still ends with one final output. A no-op once dead."""
+        if request_ids and self._session.dead_reason is None:
+            self._send(CLIENT_TO_ENGINE.encode(Abort(list(request_ids))))
+            self._aborted.update(r for r in request_ids if r in self._unfinished)
+
+    def get_outputs(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:
+        """The next outputs for this client, or None after ``timeout_s``; EngineDeadError if dead."""
+        try:
+            item = self._session.outputs.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+        if isinstance(item, EngineDeadError):
+            self._session.outputs.put(item)  # every later call fails the same way
+            self._unfinished.clear()  # the engine and every request in it are gone
+            self._aborted.clear()
+            raise item
+        for output in item.outputs:
+            if output.finish_reason is not None:
+                self._unfinished.discard(output.request_id)
+                self._aborted.discard(output.request_id)
+        if item.scheduler_stats is not None:
+            self.stats = item.scheduler_stats
+        return item
+
+    def step(self) -> EngineCoreOutputs | None:
+        """The engine steps on its own: wait (bounded) for the next outputs it sent us."""
+        return self.get_outputs(STEP_TIMEOUT_S)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request of ours has not sent its final output."""
+        return bool(self._unfinished)
+
+    def check_all_free(self) -> None:
+        """AssertionError unless none of our requests is left and the engine reported itself empty.
+
+        Waits (bounded) for the final outputs of requests we aborted: the abort is on its way.
+        Weaker than the in-process check: it trusts the stats of the last outputs we received
+        (nothing running or waiting, KV usage 0), so it speaks for the whole engine only while
+        this client is the only one attached.
+        """
+        deadline = time.monotonic() + CHECK_TIMEOUT_S
+        while self._unfinished == self._aborted and self._aborted:
+            if time.monotonic() > deadline:
+                break
+            self.get_outputs(0.1)
+        if self._unfinished:
+            raise AssertionError(f"{len(self._unfinished)} requests still unfinished")
+        stats = self.stats
+        if stats is not None and (stats.num_running or stats.num_waiting or stats.kv_cache_usage):
+            raise AssertionError(
+                f"the engine reported {stats.num_running} running, {stats.num_waiting} waiting, "
+                f"KV usage {stats.kv_cache_usage:.3f}"
+            )
+
+    def shutdown(self) -> None:
+        """Say Goodbye, stop the socket thread and, if we started it, the engine. Idempotent."""
+        if self._closed:
+            return
+        if self._session.dead_reason is None:
+            self._send(CLIENT_TO_ENGINE.encode(Goodbye()))
+        self._closed = True
+        if self._session.is_alive():
+            with self._send_lock, contextlib.suppress(zmq.Again):
+                self._sender.send(_STOP_FRAME)
+        self._session.join(5.0)
+        self._sender.close(linger=0)
+        if not self._session.is_alive():
+            self._context.term()
+        self._session.outputs.put(EngineDeadError("the client was shut down"))
+        if self._engine is not None:
+            self._finalizer()
+
+    def __enter__(self) -> MPEngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _send(self, frame: bytes) -> None:
+        reason = self._session.dead_reason
+        if reason is not None:
+            raise EngineDeadError(reason)
+        if self._closed:
+            raise EngineDeadError("the client was shut down")
+        try:
+            with self._send_lock:
+                self._sender.send(frame)
+        except zmq.Again:
+            raise EngineDeadError(self._session.dead_reason or "the client stopped") from None
+
+
+class _Session(threading.Thread):
+    """Owns the DEALER: forwards caller frames, receives outputs, heartbeats, watches the engine."""
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        dealer: zmq.Socket,
+        liveness: EngineLiveness,
+        heartbeat_interval_s: float,
+    ) -> None:
+        super().__init__(name="engine-client-io", daemon=True)
+        self._dealer = dealer
+        self.pipe_address = f"inproc://engine-client-{next(_pipe_names)}"
+        self._pipe = context.socket(zmq.PULL)
+        self._pipe.setsockopt(zmq.RCVHWM, 0)
+        self._pipe.bind(self.pipe_address)
+        self._liveness = liveness
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._heartbeat = CLIENT_TO_ENGINE.encode(Heartbeat())
+        self.outputs: queue.SimpleQueue[_QueueItem] = queue.SimpleQueue()
+        self.dead_reason: str | None = None
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._pipe, zmq.POLLIN)
+        next_heartbeat = time.monotonic() + self._heartbeat_interval_s
+        try:
+            while True:
+                events = dict(poller.poll(int(LIVENESS_INTERVAL_S * 1000)))
+                if self._pipe in events and not self._forward():
+                    return
+                if self._dealer in events and not self._receive():
+                    return
+                if time.monotonic() >= next_heartbeat:
+                    self._dealer.send(self._heartbeat)
+                    next_heartbeat = time.monotonic() + self._heartbeat_interval_s
+                reason = self._liveness.death_reason()
+                if reason is not None:
+                    self._die(reason)
+                    return
+        except Exception as exc:  # a bug here must surface to the caller, not hang it
+            logger.exception("engine client socket thread failed")
+            self._die(f"the client's socket thread failed: {exc!r}")
+        finally:
+            self._dealer.close()
+            self._pipe.close(linger=0)
+
+    def _forward(self) -> bool:
+        """Send the caller's frames on; False at the stop frame."""
+        while True:
+            try:
+                frame = self._pipe.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            if frame == _STOP_FRAME:
+                return False
+            self._dealer.send(frame)
+
+    def _receive(self) -> bool:
+        """Queue the engine's frames for the caller; False once the engine said it is dead."""
+        while True:
+            try:
+                frame = self._dealer.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            try:
+                message = ENGINE_TO_CLIENT.decode(frame)
+            except Exception as exc:
+                logger.warning("dropped an undecodable frame from the engine: %s", exc)
+                continue
+            if isinstance(message, EngineOutputsFrame):
+                self.outputs.put(message.outputs)
+            elif isinstance(message, EngineDead):
+                self._die(message.reason)
+                return False
+
+    def _die(self, reason: str) -> None:
+        logger.error("engine dead: %s", reason)
+        self.dead_reason = reason
+        self.outputs.put(EngineDeadError(reason))

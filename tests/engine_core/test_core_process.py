@@ -1,0 +1,324 @@
+"""The engine-core process's serving loop: sessions, routing, junk, silent clients, fatal errors.
+
+An ``EngineCoreProcess`` with the fake executor is served from a thread of the test process
+(milliseconds, no model), exactly as ``core_process.main`` runs and closes it; clients attach over
+ipc://. Every engine and client started here is stopped by a fixture finalizer, even on failure.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from engine_core import EngineCore
+from engine_core.client_registry import ClientRegistry
+from engine_core.core_process import EngineCoreProcess, find_address_problem
+from frontend.engine_session import EngineDeadError
+from protocol import ModelRunnerOutput, SchedulerOutput
+from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
+from protocol.messages import EngineOutputsFrame, Heartbeat, Hello, Ready
+from tests.engine_core.core_process_helpers import (
+    BLOCK_SIZE,
+    VOCAB,
+    ClientPool,
+    collect,
+    expected_tokens,
+    fake_config,
+    request,
+    wait_for,
+)
+from tests.fake_executor import FakeExecutor
+
+
+@pytest.fixture
+def make_client() -> Iterator[ClientPool]:
+    with ClientPool() as pool:
+        yield pool
+
+
+def thread_cpu_ticks(native_id: int) -> int:
+    """User + system CPU time of one thread of this process, in clock ticks (usually 10 ms)."""
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat(5)
+
+
+class SlowFakeExecutor(FakeExecutor):
+    """A step takes a few ms, like a real one: long requests stay in flight for a while."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        time.sleep(0.005)
+        return super().execute_model(scheduler_output)
+
+
+class ThreadedEngine:
+    """An EngineCoreProcess busy loop in a thread, run and closed the way ``main`` does it."""
+
+    def __init__(self, executor: FakeExecutor, address: str, heartbeat_timeout_s: float) -> None:
+        self.core = EngineCore(fake_config(), executor)
+        self.process = EngineCoreProcess(self.core, address, heartbeat_timeout_s)
+        self.address = self.process.address
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        reason = "the engine was shut down"
+        try:
+            self.process.run()
+        except Exception as exc:
+            self.error = exc
+            reason = f"engine core failed: {exc!r}"
+        finally:
+            self.process.close(reason)
+
+    def stop(self) -> None:
+        self.process.stop()
+        self.thread.join(5.0)
+        assert not self.thread.is_alive(), "the busy loop did not stop"
+
+    def join(self, timeout_s: float) -> None:
+        self.thread.join(timeout_s)
+
+
+@pytest.fixture
+def make_engine(tmp_path: Path) -> Iterator:
+    engines: list[ThreadedEngine] = []
+
+    def make(executor: FakeExecutor | None = None, heartbeat_timeout_s: float = 10.0):
+        executor = executor or FakeExecutor(200, VOCAB, block_size=BLOCK_SIZE)
+        address = f"ipc://{tmp_path / f'engine{len(engines)}.sock'}"
+        engines.append(ThreadedEngine(executor, address, heartbeat_timeout_s))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.stop()
+
+
+@pytest.fixture
+def raw_socket(tmp_path: Path) -> Iterator:
+    """Bare DEALER sockets that misbehave on purpose (never heartbeat, send junk)."""
+    context = zmq.Context()
+    sockets: list[zmq.Socket] = []
+
+    def make(address: str) -> zmq.Socket:
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        sock.connect(address)
+        sockets.append(sock)
+        return sock
+
+    yield make
+    for sock in sockets:
+        sock.close()
+    context.term()
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def test_client_registry_indexes_touches_and_expires():
+    now = [100.0]
+    registry = ClientRegistry(heartbeat_timeout_s=5.0, clock=lambda: now[0])
+    a, b = registry.attach(b"a", "first"), registry.attach(b"b")
+    assert (a.client_index, b.client_index) == (0, 1) and a.name == "first"
+    assert registry.attach(b"a").client_index == 0, "a repeated Hello keeps the index"
+    assert registry.identity_of(1) == b"b" and registry.touch(b"zz") is None
+    now[0] = 104.0
+    registry.touch(b"a")
+    now[0] = 106.0
+    assert [c.client_index for c in registry.detach_silent()] == [1]
+    assert registry.identity_of(1) is None and registry.identities() == [b"a"]
+    assert registry.detach(b"a").client_index == 0 and len(registry) == 0
+    assert registry.attach(b"b").client_index == 2, "indexes are never reused"
+
+
+def test_abort_client_aborts_only_that_clients_requests():
+    core = EngineCore(fake_config(), FakeExecutor(100, VOCAB, block_size=BLOCK_SIZE))
+    core.add_request(request("x", [1, 2, 3], 50), client_index=0)
+    core.add_request(request("y", [1, 2, 3], 50), client_index=0)
+    core.add_request(request("x", [4, 5, 6], 5), client_index=1)
+    core.step()
+    assert core.abort_client(0) == 2 and core.abort_client(0) == 0
+    endings: dict[tuple[int, str], str] = {}
+    while core.has_unfinished_requests():
+        for client_index, outputs in core.step().items():
+            for out in outputs.outputs:
+                if out.finish_reason:
+                    endings[(client_index, out.request_id)] = out.finish_reason
+    assert endings == {(0, "x"): "abort", (0, "y"): "abort", (1, "x"): "length"}
+    core.check_all_free()
+
+
+@pytest.mark.parametrize(
+    ("address", "allowed"),
+    [
+        ("ipc:///run/user/1000/engine.sock", True),
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://localhost:5555", True),
+        ("tcp://[::1]:5555", True),
+        ("tcp://0.0.0.0:5555", False),
+        ("tcp://*:5555", False),
+        ("tcp://10.1.2.3:5555", False),
+        ("udp://127.0.0.1:5555", False),
+    ],
+)
+def test_only_local_addresses_unless_remote_clients_are_allowed(address, allowed):
+    assert (find_address_problem(address) is None) == allowed
+    if address.startswith("tcp://"):
+        assert find_address_problem(address, allow_remote_clients=True) is None
+
+
+def test_the_engine_process_refuses_a_public_address(tmp_path):
+    config_file = tmp_path / "config.msgpack"
+    config_file.write_bytes(msgspec.msgpack.encode(fake_config()))
+    command = [sys.executable, "-m", "engine_core", "--config-file", str(config_file)]
+    command += ["--address", "tcp://0.0.0.0:0"]
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=root)
+    assert result.returncode == 2 and "reachable from other hosts" in result.stderr
+
+
+# ---------------------------------------------------------------- a served engine (fake model)
+
+
+def test_ready_then_two_clients_get_only_their_own_outputs(make_engine, make_client):
+    engine = make_engine()
+    first, second = make_client(engine.address), make_client(engine.address)
+    assert {first.client_index, second.client_index} == {0, 1}
+    assert first.config.cache.num_blocks == 200 and first.engine_pid == os.getpid()
+    # The same request id from both clients: the engine keys requests by (client, id).
+    first.add_request(request("same", [1, 2, 3], 8))
+    second.add_request(request("same", [7, 8, 9, 10], 5))
+    first.add_request(request("only-first", [3, 3], 4))
+    got_first, got_second = collect(first), collect(second)
+    assert got_first == {
+        "same": (expected_tokens([1, 2, 3], 8), "length"),
+        "only-first": (expected_tokens([3, 3], 4), "length"),
+    }
+    assert got_second == {"same": (expected_tokens([7, 8, 9, 10], 5), "length")}
+    wait_for(lambda: not engine.core.has_unfinished_requests(), 2.0, "the engine to be idle")
+    engine.core.check_all_free()
+
+
+def test_junk_frames_are_dropped_and_the_engine_keeps_serving(make_engine, make_client, raw_socket):
+    engine = make_engine()
+    junk = raw_socket(engine.address)
+    junk.send(b"\x00\xff garbage")
+    junk.send_multipart([b"two", b"frames"])
+    junk.send(msgspec.msgpack.encode({"not": "a message"}))
+    junk.send(msgspec.msgpack.encode([3, 12345]))  # a Hello whose name is not a string
+    junk.send(b"")
+    junk.send(os.urandom(4096))
+    junk.send(CLIENT_TO_ENGINE.encode(Heartbeat()))  # before any Hello: ignored
+    # A request from a socket that never said Hello is answered with an error, not dropped.
+    junk.send(CLIENT_TO_ENGINE.encode(request("orphan", [1, 2])))
+    reply = ENGINE_TO_CLIENT.decode(junk.recv())
+    assert isinstance(reply, EngineOutputsFrame)
+    (output,) = reply.outputs.outputs
+    assert (output.request_id, output.finish_reason) == ("orphan", "error")
+    assert "not attached" in output.stop_reason
+    wait_for(lambda: engine.process.io.num_dropped_frames >= 6, 5.0, "junk to be counted")
+    client = make_client(engine.address)
+    client.add_request(request("fine", [5, 6, 7], 5))
+    assert collect(client) == {"fine": (expected_tokens([5, 6, 7], 5), "length")}
+    assert engine.error is None
+
+
+def test_a_silent_client_is_dropped_and_its_requests_aborted(make_engine, make_client, raw_socket):
+    executor = SlowFakeExecutor(200, VOCAB, block_size=BLOCK_SIZE)
+    engine = make_engine(executor, heartbeat_timeout_s=1.0)
+    silent = raw_socket(engine.address)
+    silent.send(CLIENT_TO_ENGINE.encode(Hello("silent")))
+    assert isinstance(ENGINE_TO_CLIENT.decode(silent.recv()), Ready)
+    # 400 steps of over 5 ms each: far longer than the 1 s the engine waits for a heartbeat.
+    silent.send(CLIENT_TO_ENGINE.encode(request("long", [1, 2, 3], 400)))
+    alive = make_client(engine.address, heartbeat_interval_s=0.1)
+    alive.add_request(request("kept", [4, 4, 4], 300))
+    # The heartbeating client outlives the timeout and gets every token.
+    assert collect(alive) == {"kept": (expected_tokens([4, 4, 4], 300), "length")}
+    wait_for(lambda: not engine.core.has_unfinished_requests(), 2.0, "the abort")
+    engine.core.check_all_free()
+    assert alive.stats.num_running == 0 and alive.stats.kv_cache_usage == 0.0
+    # Once dropped, the silent client hears nothing more of "long" and is told it is detached.
+    silent.send(CLIENT_TO_ENGINE.encode(request("late", [1])))
+    outputs = []
+    while not outputs or outputs[-1].request_id != "late":
+        frame = ENGINE_TO_CLIENT.decode(silent.recv())
+        outputs += frame.outputs.outputs
+    long_tokens = [t for o in outputs if o.request_id == "long" for t in o.new_token_ids]
+    assert 0 < len(long_tokens) < 400
+    assert all(o.finish_reason is None for o in outputs if o.request_id == "long")
+    assert outputs[-1].finish_reason == "error"
+
+
+def test_goodbye_aborts_the_clients_requests_at_once(make_engine, make_client):
+    engine = make_engine(SlowFakeExecutor(200, VOCAB, block_size=BLOCK_SIZE))
+    leaving, staying = make_client(engine.address), make_client(engine.address)
+    leaving.add_request(request("a", [1, 2], 400))
+    leaving.add_request(request("b", [2, 1], 400))
+    wait_for(lambda: engine.core.scheduler.num_running == 2, 2.0, "both to run")
+    leaving.shutdown()
+    wait_for(lambda: not engine.core.has_unfinished_requests(), 2.0, "the aborts")
+    engine.core.check_all_free()
+    staying.add_request(request("c", [9], 3))
+    assert collect(staying) == {"c": (expected_tokens([9], 3), "length")}
+
+
+class FailingExecutor(FakeExecutor):
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if scheduler_output.step_id >= 3:
+            raise RuntimeError("injected step failure")
+        return super().execute_model(scheduler_output)
+
+
+def test_a_failing_step_sends_engine_dead_to_every_client(make_engine, make_client):
+    engine = make_engine(FailingExecutor(200, VOCAB, block_size=BLOCK_SIZE))
+    watcher, sender = make_client(engine.address), make_client(engine.address)
+    sender.add_request(request("doomed", [1, 2, 3], 50))
+    with pytest.raises(EngineDeadError, match="injected step failure"):
+        collect(sender)
+    with pytest.raises(EngineDeadError, match="injected step failure"):
+        watcher.get_outputs(5.0)  # a client with no request hears it too
+    assert not sender.has_unfinished_requests()
+    with pytest.raises(EngineDeadError):
+        sender.add_request(request("after", [1]))
+    engine.join(5.0)
+    assert isinstance(engine.error, RuntimeError)
+
+
+class DyingWorkersExecutor(FakeExecutor):
+    """Workers that die while the engine is idle: only ``check_health`` can tell."""
+
+    dead = False
+
+    def check_health(self) -> None:
+        if self.dead:
+            raise RuntimeError("worker rank 0 was killed by SIGKILL")
+
+
+def test_an_idle_engine_blocks_and_still_notices_dead_workers(make_engine, make_client):
+    executor = DyingWorkersExecutor(200, VOCAB, block_size=BLOCK_SIZE)
+    engine = make_engine(executor)
+    client = make_client(engine.address)
+    client.add_request(request("r", [1, 2], 3))
+    collect(client)
+    # Idle: the busy loop waits on its queue and the socket thread on its poller; no spinning.
+    threads = [engine.thread.native_id, engine.process.io._thread.native_id]
+    before = sum(thread_cpu_ticks(tid) for tid in threads)
+    time.sleep(1.0)
+    used = sum(thread_cpu_ticks(tid) for tid in threads) - before
+    assert used <= 5, f"the idle engine's threads used {used} ticks (10 ms) of CPU in 1 s"
+    executor.dead = True
+    with pytest.raises(EngineDeadError, match="killed by SIGKILL"):
+        client.get_outputs(5.0)

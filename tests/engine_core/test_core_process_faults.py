@@ -1,0 +1,122 @@
+"""``python -m engine_core`` on the tiny model, stopped and broken on purpose.
+
+SIGTERM exits 0 and tells every client; SIGKILL fails every open request within seconds; a worker
+that raises or dies (mid-step or while the engine idles) is fatal: EngineDead, exit 1. No test
+leaves a process behind: a fixture finalizer stops each engine and kills any worker left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from frontend.engine_args import EngineArgs
+from frontend.engine_process import EngineProcess
+from frontend.engine_session import EngineDeadError
+from protocol import EngineConfig, EngineCoreRequest
+from tests.engine_core.core_process_helpers import (
+    ClientPool,
+    collect,
+    request,
+)
+from tests.process_tree import descendants, kill_all, wait_until_gone
+
+
+@pytest.fixture
+def make_client() -> Iterator[ClientPool]:
+    with ClientPool() as pool:
+        yield pool
+
+
+@pytest.fixture
+def engine_processes() -> Iterator:
+    """Starts ``python -m engine_core`` processes; kills them and their workers at the end."""
+    started: list[tuple[EngineProcess, list[int]]] = []
+
+    def start(config: EngineConfig, **kwargs: object) -> EngineProcess:
+        engine = EngineProcess(config, **kwargs).start()  # type: ignore[arg-type]
+        started.append((engine, []))
+        engine.wait_ready(60.0)
+        started[-1][1].extend(descendants(engine.pid))
+        return engine
+
+    yield start
+    for engine, children in started:
+        engine.stop(5.0)
+        kill_all(children)
+
+
+def tiny_config(model_dir: Path) -> EngineConfig:
+    return EngineArgs(model=str(model_dir), kv_cache_memory=16 << 20).create_engine_config()
+
+
+def tiny_request(request_id: str, max_tokens: int = 2000) -> EngineCoreRequest:
+    return request(request_id, [5, 6, 7, 8], max_tokens)
+
+
+@pytest.mark.slow
+def test_sigterm_exits_zero_tells_clients_and_leaves_no_children(
+    tiny_model_dir, engine_processes, make_client
+):
+    engine = engine_processes(tiny_config(tiny_model_dir), executor_backend="mp")
+    children = descendants(engine.pid)
+    assert children, "the mp executor's worker process"
+    client = make_client(engine.address)
+    client.add_request(tiny_request("open"))
+    assert client.get_outputs(10.0) is not None
+    os.kill(engine.pid, signal.SIGTERM)
+    assert engine.process.wait(10.0) == 0
+    with pytest.raises(EngineDeadError, match="shut down"):
+        collect(client)
+    assert wait_until_gone(children, 5.0) == []
+
+
+@pytest.mark.slow
+def test_sigkill_fails_open_requests_within_seconds_and_orphans_nothing(
+    tiny_model_dir, engine_processes, make_client
+):
+    engine = engine_processes(tiny_config(tiny_model_dir), executor_backend="mp")
+    children = descendants(engine.pid)
+    assert children, "the mp executor's worker process"
+    client = make_client(engine.address)
+    for i in range(3):
+        client.add_request(tiny_request(f"open-{i}"))
+    assert client.get_outputs(10.0) is not None
+    os.kill(engine.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        collect(client, timeout_s=30.0)
+    assert time.monotonic() - killed_at < 5.0
+    assert not client.has_unfinished_requests()
+    assert wait_until_gone(children, 5.0) == [], "workers outlived their engine"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["raise", "sigkill", "sigkill-while-idle"])
+def test_a_worker_fault_is_fatal_engine_dead_and_nonzero_exit(
+    tiny_model_dir, engine_processes, make_client, monkeypatch, fault
+):
+    if fault == "raise":
+        monkeypatch.setenv("CONVEYOR_FAULT_INJECT", "raise@step=4")
+    engine = engine_processes(tiny_config(tiny_model_dir), executor_backend="mp")
+    children = descendants(engine.pid)
+    assert len(children) == 1, "one worker process"
+    client = make_client(engine.address)
+    if fault != "sigkill-while-idle":
+        client.add_request(tiny_request("doomed", 2000))
+        assert client.get_outputs(10.0) is not None
+    if fault.startswith("sigkill"):
+        os.kill(children[0], signal.SIGKILL)
+    failed_at = time.monotonic()
+    with pytest.raises(EngineDeadError, match="rank 0"):
+        # An idle engine notices too (it asks the executor while waiting for work).
+        collect(client, timeout_s=30.0)
+        client.get_outputs(10.0)
+    assert time.monotonic() - failed_at < 5.0
+    assert engine.process.wait(10.0) == 1
+    assert wait_until_gone(children, 5.0) == []
