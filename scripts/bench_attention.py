@@ -3,9 +3,11 @@
 Runs standalone (one process). For each scenario it times one attention backend call (KV write
 included) and the four linears of one decoder layer of the bench model (qkv, o, gate_up, down)
 for the same number of tokens, and prints microseconds per call per layer (medians) and the
-ratio, so one can read off whether attention is the bottleneck.
+ratio, so one can read off whether attention is the bottleneck. On CPU the torch backend is timed
+twice, on its pure-torch path and with the compiled kernel (cpu_kernel.py), side by side.
 
     python scripts/bench_attention.py                 # bench model, CPU, torch backend
+    python scripts/bench_attention.py --query-lens 2,8,16,32,64   # where the kernel stops paying
     python scripts/bench_attention.py --device cuda --dtype bfloat16 --block-size 256
 """
 
@@ -27,8 +29,10 @@ import torch
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from worker.attention.cpu_kernel import load_kernel  # noqa: E402
 from worker.attention.metadata_builder import build_attention_metadata  # noqa: E402
 from worker.attention.selector import select_backend  # noqa: E402
+from worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from worker.kv_cache import allocate_kv_caches  # noqa: E402
 
 
@@ -40,9 +44,17 @@ class Scenario:
     num_scheduled: list[int]
 
 
-def make_scenarios(rng: np.random.Generator) -> list[Scenario]:
+def make_scenarios(rng: np.random.Generator, query_lens: list[int]) -> list[Scenario]:
     def decodes(n: int, low: int, high: int) -> tuple[list[int], list[int]]:
         return [int(c) - 1 for c in rng.integers(low, high + 1, n)], [1] * n
+
+    if query_lens:
+        # Short prompt chunks after a cached prefix: which path should take a query this long.
+        return [
+            Scenario(f"8 chunks of {q}, ctx {ctx}", [ctx - q] * 8, [q] * 8)
+            for ctx in (256, 1024)
+            for q in query_lens
+        ]
 
     scenarios = [Scenario(f"64 decodes, ctx {c}", *decodes(64, c, c)) for c in (128, 256, 1024)]
     scenarios.append(Scenario("64 decodes, ctx 128-256", *decodes(64, 128, 256)))
@@ -98,7 +110,9 @@ def layer_matmuls(args: argparse.Namespace, num_tokens: int, dtype: torch.dtype,
     return run
 
 
-def bench_scenario(args, scenario: Scenario, backend, rng, dtype, device) -> tuple[float, float]:
+def bench_scenario(
+    args, scenario: Scenario, backends: list, rng, dtype, device
+) -> tuple[list[float], float]:
     table = block_table_for(scenario, args.block_size, rng)
     metadata, _ = build_attention_metadata(
         np.array(scenario.num_scheduled, dtype=np.int32),
@@ -109,7 +123,7 @@ def bench_scenario(args, scenario: Scenario, backend, rng, dtype, device) -> tup
     )
     num_blocks = int(table.max()) + 1
     (kv_cache,) = allocate_kv_caches(
-        1, num_blocks, args.block_size, args.num_kv_heads, args.head_dim, dtype, device, backend
+        1, num_blocks, args.block_size, args.num_kv_heads, args.head_dim, dtype, device, backends[0]
     )
     kv_cache.normal_()
     num_tokens = metadata.num_actual_tokens
@@ -118,16 +132,29 @@ def bench_scenario(args, scenario: Scenario, backend, rng, dtype, device) -> tup
     value = torch.randn_like(key)
     scale = args.head_dim**-0.5
 
-    def attend() -> None:
-        backend.forward(query, key, value, kv_cache, metadata, scale)
+    def attend(backend) -> Callable[[], object]:
+        return lambda: backend.forward(query, key, value, kv_cache, metadata, scale)
 
-    # Interleaved rounds, so load from other processes hits both sides alike.
+    # Interleaved rounds, so load from other processes hits every side alike.
     matmuls = layer_matmuls(args, num_tokens, dtype, device)
-    attention_us, matmul_us = [], []
+    attention_us: list[list[float]] = [[] for _ in backends]
+    matmul_us = []
     for _ in range(args.rounds):
-        attention_us.append(time_us(attend, args.repeats, device))
+        for samples, backend in zip(attention_us, backends):
+            samples.append(time_us(attend(backend), args.repeats, device))
         matmul_us.append(time_us(matmuls, args.repeats, device))
-    return statistics.median(attention_us), statistics.median(matmul_us)
+    return [statistics.median(s) for s in attention_us], statistics.median(matmul_us)
+
+
+def make_backends(args, device: torch.device, dtype: torch.dtype) -> dict[str, object]:
+    """Named backends to time: on CPU the torch backend without and with the compiled kernel."""
+    backend = select_backend(device, args.block_size, args.backend, dtype=dtype)
+    if not isinstance(backend, TorchAttentionBackend) or device.type != "cpu":
+        return {backend.name: backend}
+    backends = {"torch ops": TorchAttentionBackend(use_cpu_kernel=False)}
+    if load_kernel() is not None and dtype == torch.float32:
+        backends["kernel"] = TorchAttentionBackend()
+    return backends
 
 
 def describe_machine(device: torch.device) -> str:
@@ -158,6 +185,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per side")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--query-lens", default="", help="comma-separated: time short prompt chunks instead"
+    )
     return parser.parse_args()
 
 
@@ -166,25 +196,30 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    backend = select_backend(device, args.block_size, args.backend, dtype=dtype)
+    backends = make_backends(args, device, dtype)
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
     print(f"machine: {describe_machine(device)}")
     print(
-        f"config: backend {backend.name}, {args.dtype}, block_size {args.block_size}, "
+        f"config: {', '.join(backends)}, {args.dtype}, block_size {args.block_size}, "
         f"heads {args.num_heads}/{args.num_kv_heads} kv, head_dim {args.head_dim}, "
         f"hidden {args.hidden_size}, intermediate {args.intermediate_size}, "
         f"median of {args.rounds} x {args.repeats} calls"
     )
-    print(f"{'scenario':<28}{'tokens':>7}{'attention us':>14}{'matmuls us':>12}{'attn/mm':>9}")
+    names = list(backends)
+    header = f"{'scenario':<28}{'tokens':>7}" + "".join(f"{n + ' us':>13}" for n in names)
+    print(header + f"{'matmuls us':>12}{'attn/mm':>9}")
+    query_lens = [int(q) for q in args.query_lens.split(",") if q]
     with torch.inference_mode():
-        for scenario in make_scenarios(rng):
-            attention_us, matmul_us = bench_scenario(args, scenario, backend, rng, dtype, device)
-            num_tokens = sum(scenario.num_scheduled)
-            print(
-                f"{scenario.name:<28}{num_tokens:>7}{attention_us:>14.0f}{matmul_us:>12.0f}"
-                f"{attention_us / matmul_us:>9.2f}"
+        for scenario in make_scenarios(rng, query_lens):
+            attention_us, matmul_us = bench_scenario(
+                args, scenario, list(backends.values()), rng, dtype, device
             )
+            num_tokens = sum(scenario.num_scheduled)
+            row = f"{scenario.name:<28}{num_tokens:>7}" + "".join(
+                f"{t:>13.0f}" for t in attention_us
+            )
+            print(row + f"{matmul_us:>12.0f}{attention_us[-1] / matmul_us:>9.2f}")
 
 
 if __name__ == "__main__":

@@ -79,6 +79,7 @@ def load_model(
     except ValueError as error:  # an unsupported setting, a tensor that does not fit
         raise ModelLoadError(f"{path}: {error}") from error
     _check_complete(model, loaded, files)
+    model.process_weights_after_loading()
     return model.eval().requires_grad_(False)
 
 

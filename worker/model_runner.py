@@ -90,11 +90,14 @@ class ModelRunner:
         if len(rows) == 0:
             return ModelRunnerOutput(step_id=scheduler_output.step_id)
         inputs = prepare_step_inputs(batch, rows, self.block_size, self.device)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.metadata)
+        # Only the sampled rows leave the last layer: the rest only had to fill the KV cache.
+        hidden = self.model.forward(
+            inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices
+        )
         sampling_rows = inputs.sampling_rows
         if len(sampling_rows) == 0:
             return ModelRunnerOutput(step_id=scheduler_output.step_id)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        logits = self.model.compute_logits(hidden)
         params = [batch.row_states[row].sampling_params for row in sampling_rows.tolist()]
         output = self.sampler(logits, self._sampling_metadata(sampling_rows.tolist(), params))
         sampled = output.sampled_token_ids.cpu().numpy()

@@ -1,4 +1,8 @@
-"""Paged attention backends against dense causal attention written out here, plus selection."""
+"""Paged attention backends against dense causal attention written out here, plus selection.
+
+The torch backend's tests run twice: on its pure-torch path and with the compiled CPU kernel
+(skipped only where the kernel cannot be built; test_cpu_kernel.py fails loudly if it should be).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel
 from worker.attention.flash_attn_backend import FlashAttnBackend, flash_attn_import_error
 from worker.attention.metadata_builder import build_attention_metadata
 from worker.attention.selector import flash_attn_unusable_reason, select_backend
@@ -32,15 +37,58 @@ class Request:
         return self.query.shape[0]
 
 
-def make_request(gen, num_computed, num_scheduled, num_heads, num_kv_heads, block_ids, dtype):
+def make_request(
+    gen, num_computed, num_scheduled, num_heads, num_kv_heads, block_ids, dtype, head_dim=HEAD_DIM
+):
     seq_len = num_computed + num_scheduled
     return Request(
         num_computed=num_computed,
-        keys=torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype),
-        values=torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype),
-        query=torch.randn(num_scheduled, num_heads, HEAD_DIM, generator=gen).to(dtype),
+        keys=torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype),
+        values=torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype),
+        query=torch.randn(num_scheduled, num_heads, head_dim, generator=gen).to(dtype),
         block_ids=block_ids,
     )
+
+
+class KernelSpy:
+    """Stands in for the compiled kernel and counts its calls, so a test knows which path ran."""
+
+    def __init__(self, kernel: PagedAttentionKernel) -> None:
+        self.kernel = kernel
+        self.num_calls = 0
+        self.supports = kernel.supports
+        self.write_kv = kernel.write_kv
+
+    def attend(self, *args) -> None:
+        self.num_calls += 1
+        self.kernel.attend(*args)
+
+
+@pytest.fixture(params=["kernel", "torch ops"])
+def make_backend(request):
+    """A TorchAttentionBackend factory for one path; the kernel path's backends carry a spy."""
+
+    def make(**kwargs) -> TorchAttentionBackend:
+        if request.param == "torch ops":
+            return TorchAttentionBackend(use_cpu_kernel=False, **kwargs)
+        kernel = load_kernel()
+        if kernel is None:
+            pytest.skip("the CPU kernel cannot be built here")
+        backend = TorchAttentionBackend(**kwargs)
+        backend.cpu_kernel = KernelSpy(kernel)
+        return backend
+
+    return make
+
+
+def assert_path_ran(backend: TorchAttentionBackend, requests: list[Request]) -> None:
+    """The kernel path called the kernel whenever a short query was in the batch; the torch
+    path never loaded it."""
+    if isinstance(backend.cpu_kernel, KernelSpy):
+        has_short_query = any(r.num_scheduled <= 16 for r in requests)
+        assert (backend.cpu_kernel.num_calls > 0) == has_short_query
+    else:
+        assert backend.cpu_kernel is None
 
 
 def reference_attention(request: Request, scale: float) -> torch.Tensor:
@@ -91,7 +139,7 @@ def store_prefix(kv_cache: torch.Tensor, request: Request, block_size: int, star
     slot_view(kv_cache)[1][:, slots] = request.values[start : request.num_computed].transpose(0, 1)
 
 
-def random_mixed_batch(seed, block_size, num_heads, num_kv_heads, num_reqs=7):
+def random_mixed_batch(seed, block_size, num_heads, num_kv_heads, num_reqs=7, head_dim=HEAD_DIM):
     """Decodes and prompt chunks with random cached prefixes on shuffled, scattered blocks."""
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -108,7 +156,14 @@ def random_mixed_batch(seed, block_size, num_heads, num_kv_heads, num_reqs=7):
         block_ids, pool = pool[:n], pool[n:]
         requests.append(
             make_request(
-                gen, num_computed, num_scheduled, num_heads, num_kv_heads, block_ids, torch.float32
+                gen,
+                num_computed,
+                num_scheduled,
+                num_heads,
+                num_kv_heads,
+                block_ids,
+                torch.float32,
+                head_dim,
             )
         )
     num_blocks = sum(blocks_needed) + 5
@@ -116,39 +171,43 @@ def random_mixed_batch(seed, block_size, num_heads, num_kv_heads, num_reqs=7):
 
 
 def run_torch_backend(backend, requests, num_blocks, block_size, num_kv_heads):
+    head_dim = requests[0].query.shape[-1]
     kv_cache = torch.zeros(
-        TorchAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, HEAD_DIM)
+        TorchAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
     )
     for r in requests:
         store_prefix(kv_cache, r, block_size)
     metadata, _, query, key, value = step_inputs(requests, block_size)
-    output = backend.forward(query, key, value, kv_cache, metadata, HEAD_DIM**-0.5)
+    output = backend.forward(query, key, value, kv_cache, metadata, head_dim**-0.5)
     return output, kv_cache, metadata, key, value
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 64])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (16, 1)])
 @pytest.mark.parametrize("small_decode_chunks", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_torch_backend_matches_dense_reference_on_mixed_batch(
-    block_size, num_heads, num_kv_heads, small_decode_chunks, seed
+    make_backend, block_size, num_heads, num_kv_heads, small_decode_chunks, seed
 ):
     requests, num_blocks = random_mixed_batch(seed, block_size, num_heads, num_kv_heads)
     # A budget of ~100 context tokens per chunk splits the decodes into chunks of differing
     # padded lengths; the default budget puts them all in one.
     chunk_bytes = 100 * 2 * num_kv_heads * HEAD_DIM * 4 if small_decode_chunks else None
-    backend = TorchAttentionBackend(decode_chunk_bytes=chunk_bytes)
+    backend = make_backend(decode_chunk_bytes=chunk_bytes)
     output, kv_cache, metadata, key, value = run_torch_backend(
         backend, requests, num_blocks, block_size, num_kv_heads
     )
     expected = torch.cat([reference_attention(r, HEAD_DIM**-0.5) for r in requests])
     torch.testing.assert_close(output, expected.float(), atol=1e-5, rtol=1e-5)
+    assert_path_ran(backend, requests)
     slots = metadata.slot_mapping
     torch.testing.assert_close(slot_view(kv_cache)[0][:, slots], key.transpose(0, 1))
     torch.testing.assert_close(slot_view(kv_cache)[1][:, slots], value.transpose(0, 1))
 
 
-def test_torch_backend_reads_prefix_blocks_written_by_another_request_in_the_same_step():
+def test_torch_backend_reads_prefix_blocks_written_by_another_request_in_the_same_step(
+    make_backend,
+):
     block_size, num_heads, num_kv_heads = 16, 4, 2
     gen = torch.Generator().manual_seed(3)
     # The owner prefills 40 tokens into blocks 7, 2, 9; its first two blocks (32 tokens) are the
@@ -163,19 +222,21 @@ def test_torch_backend_reads_prefix_blocks_written_by_another_request_in_the_sam
     store_prefix(kv_cache, decode, block_size, start=32)
     requests = [decode, chunk, owner]
     metadata, _, query, key, value = step_inputs(requests, block_size)
-    output = TorchAttentionBackend().forward(query, key, value, kv_cache, metadata, 0.25)
+    backend = make_backend()
+    output = backend.forward(query, key, value, kv_cache, metadata, 0.25)
     expected = torch.cat([reference_attention(r, 0.25) for r in requests])
     torch.testing.assert_close(output, expected.float(), atol=1e-5, rtol=1e-5)
+    assert_path_ran(backend, requests)
 
 
-@pytest.mark.parametrize("split", [1, 23, 32, 49])
-def test_prompt_split_into_two_chunks_equals_one_call(split):
+@pytest.mark.parametrize("split", [1, 23, 32, 40, 49])
+def test_prompt_split_into_two_chunks_equals_one_call(make_backend, split):
     block_size, num_heads, num_kv_heads, prompt_len = 16, 4, 2, 50
     gen = torch.Generator().manual_seed(split)
     whole = make_request(gen, 0, prompt_len, num_heads, num_kv_heads, [3, 0, 6, 1], torch.float32)
     neighbour = make_request(gen, 20, 1, num_heads, num_kv_heads, [5, 2], torch.float32)
     shape = TorchAttentionBackend.kv_cache_shape(8, block_size, num_kv_heads, HEAD_DIM)
-    backend = TorchAttentionBackend()
+    backend = make_backend()
 
     one_cache = torch.zeros(shape)
     store_prefix(one_cache, neighbour, block_size)
@@ -197,7 +258,7 @@ def test_prompt_split_into_two_chunks_equals_one_call(split):
     torch.testing.assert_close(one_call, reference_attention(whole, 0.25).float())
 
 
-def test_padded_tokens_after_the_actual_ones_come_out_zero():
+def test_padded_tokens_after_the_actual_ones_come_out_zero(make_backend):
     requests, num_blocks = random_mixed_batch(5, 16, 4, 2, num_reqs=3)
     kv_cache = torch.zeros(TorchAttentionBackend.kv_cache_shape(num_blocks, 16, 2, HEAD_DIM))
     metadata, _, query, key, value = step_inputs(requests, 16)
@@ -205,7 +266,7 @@ def test_padded_tokens_after_the_actual_ones_come_out_zero():
     query = torch.cat([query, torch.randn(pad, *query.shape[1:])])
     key = torch.cat([key, torch.randn(pad, *key.shape[1:])])
     value = torch.cat([value, torch.randn(pad, *value.shape[1:])])
-    output = TorchAttentionBackend().forward(query, key, value, kv_cache, metadata, 0.25)
+    output = make_backend().forward(query, key, value, kv_cache, metadata, 0.25)
     assert output.shape == query.shape
     assert torch.count_nonzero(output[-pad:]) == 0
     assert torch.count_nonzero(output[:-pad].abs().sum(-1) == 0) == 0

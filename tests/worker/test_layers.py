@@ -1,4 +1,5 @@
-"""The building blocks: RoPE variants against transformers, and tensor-parallel slicing."""
+"""The building blocks: RoPE variants against transformers, tensor-parallel slicing, and the CPU
+fast paths (packed small-batch weights, in-place rotation, per-head norms) against plain torch."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from worker.layers import (
     RowParallelLinear,
     SiluAndMul,
     VocabParallelEmbedding,
+    rms_normalize,
+    rotate_,
 )
+from worker.layers.gemm import PACKED_MAX_ROWS, pack_weight
 
 HEAD_DIM = 32
 MAX_POSITIONS = 2048
@@ -127,6 +131,79 @@ def test_rms_norm_with_residual_adds_then_normalizes():
 def test_silu_and_mul():
     x = torch.randn(4, 10)
     torch.testing.assert_close(SiluAndMul()(x), torch.nn.functional.silu(x[:, :5]) * x[:, 5:])
+
+
+def test_in_place_rotation_of_a_strided_view_matches_the_out_of_place_one():
+    """The model rotates q and k where the qkv projection left them: a view with a wide stride."""
+    config = llama_config(None)
+    rope = RotaryEmbedding.from_config(config, HEAD_DIM)
+    positions = torch.tensor([3, 0, 700, 2047, 5])
+    qkv = torch.randn(len(positions), 7 * HEAD_DIM)  # 4 query heads, 1 key head, 2 value heads
+    q, k = qkv[:, : 4 * HEAD_DIM].clone(), qkv[:, 4 * HEAD_DIM : 5 * HEAD_DIM].clone()
+    expected_q, expected_k = rope(positions, q, k)
+    assert torch.equal(q, qkv[:, : 4 * HEAD_DIM]), "forward must not modify its inputs"
+    untouched = qkv[:, 5 * HEAD_DIM :].clone()
+    qk = qkv[:, : 5 * HEAD_DIM].view(len(positions), 5, HEAD_DIM)
+    rotate_(qk, rope.angles(positions, torch.float32))
+    torch.testing.assert_close(qkv[:, : 4 * HEAD_DIM], expected_q, atol=1e-6, rtol=0)
+    torch.testing.assert_close(qkv[:, 4 * HEAD_DIM : 5 * HEAD_DIM], expected_k, atol=1e-6, rtol=0)
+    assert torch.equal(qkv[:, 5 * HEAD_DIM :], untouched)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_head_norm_weights_match_one_rms_norm_per_part(dtype):
+    """q and k heads normalised in one call with a [heads, head_dim] weight, HF's rounding."""
+    q_norm, k_norm = RMSNorm(8), RMSNorm(8)
+    q_norm.weight.data, k_norm.weight.data = torch.rand(8) + 0.5, torch.rand(8) + 0.5
+    qk = torch.randn(5, 3 + 2, 8).to(dtype)  # 3 query heads, 2 key heads
+    weight = torch.cat([q_norm.weight.expand(3, 8), k_norm.weight.expand(2, 8)]).to(dtype)
+    ours = rms_normalize(qk, weight, 1e-6)
+
+    def hf(x, w):  # transformers' Qwen3RMSNorm, op by op
+        x32 = x.float()
+        return w.to(dtype) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+
+    assert ours.dtype == dtype
+    torch.testing.assert_close(ours[:, :3], hf(qk[:, :3], q_norm.weight), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours[:, 3:], hf(qk[:, 3:], k_norm.weight), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("num_rows", [1, 7, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 600])
+def test_packed_small_batch_weights_give_the_plain_result(num_rows):
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(48, 40, generator=gen), torch.randn(48, generator=gen)
+    layer = RowParallelLinear(40, 48, bias=True)
+    _load(layer, layer.weight, weight), _load(layer, layer.bias, bias)
+    x = torch.randn(2 * num_rows, 40, generator=gen)[::2]  # strided rows, like a sliced input
+    plain = layer(x)
+    layer.process_weights_after_loading()
+    if torch.backends.mkldnn.is_available():
+        assert layer.packed_weight is not None
+    torch.testing.assert_close(layer(x), plain, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(plain, x @ weight.T + bias, atol=1e-4, rtol=1e-5)
+
+
+def test_packed_weights_only_for_float32_cpu_and_dropped_when_the_weight_reloads():
+    assert pack_weight(torch.randn(8, 4).bfloat16()) is None
+    layer = ColumnParallelLinear(4, 8)
+    _load(layer, layer.weight, torch.randn(8, 4))
+    layer.process_weights_after_loading()
+    new_weight = torch.randn(8, 4)
+    _load(layer, layer.weight, new_weight)
+    assert layer.packed_weight is None  # a stale copy would silently use the old weight
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(layer(x), x @ new_weight.T)
+
+
+def test_lm_head_packs_a_tied_weight_without_replacing_it():
+    table = torch.randn(10, 4)
+    embedding, head = VocabParallelEmbedding(10, 4), ParallelLMHead(10, 4)
+    _load(embedding, embedding.weight, table)
+    head.weight = embedding.weight
+    head.process_weights_after_loading()
+    assert head.weight is embedding.weight
+    hidden = torch.randn(3, 4)
+    torch.testing.assert_close(head(hidden), hidden @ table.T, atol=1e-5, rtol=0)
 
 
 def _load(layer, param, full, shard_id=None):

@@ -149,6 +149,46 @@ def test_rope_scaled_configs_match_hf(tiny_model_dirs, tmp_path: Path, hf_model,
         torch.testing.assert_close(logits, hf_logits(hf, prompt), atol=ATOL, rtol=0)
 
 
+def test_output_rows_give_those_rows_of_the_full_forward(tiny_model_dir_each: Path):
+    """The last layer finishes only the rows asked for; they must not change."""
+    model = load_model(tiny_model_dir_each, torch.float32, CPU)
+    bind(model, DenseAttention(), [torch.empty(0)] * len(model.attention_layers()))
+    prompts = random_prompts(model.config.vocab_size, [6, 1, 13])
+    metadata, positions = build_attention_metadata(
+        np.array([len(p) for p in prompts]),
+        np.zeros(3, np.int64),
+        np.zeros((3, 4), np.int32),
+        16,
+        CPU,
+    )
+    input_ids = torch.tensor([t for p in prompts for t in p])
+    rows = torch.tensor([5, 6, 19, 0])  # each request's last token, and one more
+    with torch.inference_mode():
+        full = model(input_ids, torch.from_numpy(positions), metadata)
+        some = model(input_ids, torch.from_numpy(positions), metadata, rows)
+    assert some.shape == (len(rows), model.config.hidden_size)
+    torch.testing.assert_close(some, full[rows], atol=1e-5, rtol=0)
+
+
+def test_weights_processed_after_loading_change_no_logits(tiny_model_dir: Path):
+    """The loader packs small-batch weights and stacks the q/k norms: same logits as without."""
+    model = load_model(tiny_model_dir, torch.float32, CPU)
+    attention = model.model.layers[0].self_attn
+    assert attention.qk_norm_weight is not None
+    if torch.backends.mkldnn.is_available():
+        assert attention.qkv_proj.packed_weight is not None
+        assert model.lm_head.packed_weight is not None
+    prompts = random_prompts(model.config.vocab_size, [9, 2], seed=3)
+    processed = dense_logits(model, prompts)
+    for module in model.modules():
+        if hasattr(module, "packed_weight"):
+            module.packed_weight = None
+        if hasattr(module, "qk_norm_weight"):
+            module.qk_norm_weight = None
+    for a, b in zip(processed, dense_logits(model, prompts)):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)  # float32 sums in another order
+
+
 def test_request_order_in_the_stream_does_not_change_its_logits(tiny_model_dir: Path):
     model = load_model(tiny_model_dir, torch.float32, CPU)
     prompts = random_prompts(model.config.vocab_size, [5, 12, 8], seed=2)

@@ -1,10 +1,13 @@
-"""How the torch attention backend splits a mixed batch: decode chunks and prompt requests.
+"""How the torch attention backend splits a mixed batch: kernel items, decode chunks, prompts.
 
 Runs in worker processes. Planning reads only the host copies of the metadata (query_start_loc_cpu,
-seq_lens_cpu), so building the plan never waits on the device. A request with one query token
-(a decode, or a one-token prompt) joins a decode chunk: decodes sorted by context length and cut
-into chunks whose gathered K/V stays under a budget, each chunk padded only to its own longest
-context. A request with more query tokens (a prompt chunk) is attended to on its own.
+seq_lens_cpu), so building the plan never waits on the device. Where the compiled CPU kernel runs,
+every request with a short query (decodes, small prompt chunks) becomes kernel work items: tiles
+of consecutive query tokens, longest context first so the kernel's threads finish together.
+Otherwise a request with one query token (a decode, or a one-token prompt) joins a decode chunk:
+decodes sorted by context length and cut into chunks whose gathered K/V stays under a budget, each
+chunk padded only to its own longest context. A request with more query tokens (a prompt chunk)
+is attended to on its own.
 """
 
 from __future__ import annotations
@@ -36,9 +39,20 @@ class PrefillRequest:
 
 
 @dataclass(frozen=True)
+class KernelRouting:
+    """Which requests the compiled kernel attends to, and how many query tokens per work item."""
+
+    max_query_len: int
+    queries_per_item: int
+
+
+@dataclass(frozen=True)
 class BatchPlan:
     decode_chunks: list[DecodeChunk]
     prefill_requests: list[PrefillRequest]
+    # [num_items, 4] int32 (block table row, first token, num query tokens, first position), the
+    # kernel's work list; owned here so its address stays valid for every layer of the step.
+    kernel_items: np.ndarray | None = None
 
     @property
     def max_decode_chunk_blocks(self) -> int:
@@ -52,9 +66,18 @@ def plan_batch(
     block_size: int,
     max_chunk_tokens: int,
     device: torch.device,
+    kernel_routing: KernelRouting | None = None,
 ) -> BatchPlan:
-    """Group decodes into chunks of at most ``max_chunk_tokens`` padded context tokens."""
+    """Group decodes into chunks of at most ``max_chunk_tokens`` padded context tokens; with
+    ``kernel_routing``, queries up to its ``max_query_len`` go to the kernel instead."""
     query_lens = np.diff(query_start_loc)
+    kernel_items = None
+    if kernel_routing is not None:
+        kernel_req_ids = np.flatnonzero(query_lens <= kernel_routing.max_query_len)
+        kernel_items = _kernel_items(
+            kernel_req_ids, query_start_loc, seq_lens, kernel_routing.queries_per_item
+        )
+        query_lens = np.where(query_lens <= kernel_routing.max_query_len, 0, query_lens)
     decode_req_ids = np.flatnonzero(query_lens == 1)
     prefill_req_ids = np.flatnonzero(query_lens > 1)
     prefills = [
@@ -72,7 +95,28 @@ def plan_batch(
             decode_req_ids, query_start_loc, seq_lens, block_size, max_chunk_tokens, device
         ),
         prefill_requests=prefills,
+        kernel_items=kernel_items,
     )
+
+
+def _kernel_items(
+    req_ids: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray, queries_per_item: int
+) -> np.ndarray:
+    query_lens = (query_start_loc[req_ids + 1] - query_start_loc[req_ids]).astype(np.int64)
+    num_tiles = -(-query_lens // queries_per_item)
+    item_req_ids = np.repeat(req_ids, num_tiles)
+    first_item = np.repeat(np.cumsum(num_tiles) - num_tiles, num_tiles)
+    offsets = (np.arange(len(item_req_ids)) - first_item) * queries_per_item
+    item_query_lens = np.repeat(query_lens, num_tiles)
+    num_queries = np.minimum(queries_per_item, item_query_lens - offsets)
+    first_positions = seq_lens[item_req_ids] - item_query_lens + offsets
+    items = np.stack(
+        [item_req_ids, query_start_loc[item_req_ids] + offsets, num_queries, first_positions],
+        axis=1,
+    )
+    # Most keys first: the kernel hands items out dynamically, so the long ones start early.
+    order = np.argsort(-(first_positions + num_queries), kind="stable")
+    return np.ascontiguousarray(items[order], dtype=np.int32)
 
 
 def _chunk_decodes(

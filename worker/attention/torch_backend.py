@@ -1,4 +1,4 @@
-"""Paged attention in plain torch, for CPU and CUDA, over a mixed batch in one call.
+"""Paged attention for CPU and CUDA over a mixed batch in one call: torch ops, and on CPU a kernel.
 
 Runs in worker processes. The cache layout puts KV heads outermost,
 ``(2, num_kv_heads, num_blocks, block_size, head_dim)``, because gathering a request's blocks
@@ -6,6 +6,10 @@ then yields ``[kv_heads, tokens, head_dim]`` with each head's keys contiguous: e
 the attention matmuls read, without a second copy. Decode rows (query length 1) are handled
 together in a few chunks; requests with longer queries (prompt chunks) one by one. Both use
 ``scaled_dot_product_attention``, which on CPU runs a flash-style kernel.
+
+On CPU with float32, a compiled kernel (cpu_kernel.py) takes the short queries instead: it reads
+K/V through the block table where they lie, so the decode gather (a copy of every decode's whole
+context, each layer, each step) disappears. Where it cannot be built this file's torch path runs.
 """
 
 from __future__ import annotations
@@ -14,7 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from worker.attention.backend import AttentionBackend, AttentionMetadata
-from worker.attention.batch_plan import BatchPlan, DecodeChunk, PrefillRequest, plan_batch
+from worker.attention.batch_plan import (
+    BatchPlan,
+    DecodeChunk,
+    KernelRouting,
+    PrefillRequest,
+    plan_batch,
+)
+from worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel, queries_per_item
 
 # Gathered K+V bytes per decode chunk. On CPU a chunk this size stays in the L3 cache between the
 # gather and the attention that reads it: for 64 decodes at ctx 128-256 (AMD EPYC, 1 and 2
@@ -23,14 +34,24 @@ from worker.attention.batch_plan import BatchPlan, DecodeChunk, PrefillRequest, 
 # the memory profiling pass does not see, to a small slice of the memory left outside the cache.
 _CPU_DECODE_CHUNK_BYTES = 4 << 20
 _CUDA_DECODE_CHUNK_BYTES = 64 << 20
+# Longest query the CPU kernel takes. It re-reads a request's context once per work item of
+# MAX_ROWS query rows, while a prompt chunk's own SDPA call reads it once and runs the scores as
+# matmuls; past this many query tokens SDPA wins (scripts/bench_attention.py --query-lens).
+_KERNEL_MAX_QUERY_LEN = 16
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, decode_chunk_bytes: int | None = None) -> None:
+    def __init__(
+        self, decode_chunk_bytes: int | None = None, use_cpu_kernel: bool | None = None
+    ) -> None:
         # Tests pass a small budget to force many decode chunks; None means the device default.
         self._decode_chunk_bytes = decode_chunk_bytes
+        # None or True: use the compiled CPU kernel where it builds (unless CONVEYOR_CPU_KERNEL=0);
+        # False: never. Loaded on the first CPU forward, so CUDA workers never compile it.
+        self._use_cpu_kernel = use_cpu_kernel
+        self.cpu_kernel: PagedAttentionKernel | None = None
         # The plan depends only on the host copies of the metadata, so all layers of a step share
         # one; remembered by the arrays' contents, not identity, in case the runner reuses them.
         self._plan_key: tuple[object, ...] | None = None
@@ -53,13 +74,20 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
+        kernel = self._kernel_for(query, kv_cache)
         # Every write lands before any read: a request may attend to a shared prefix block that
         # another request of this same step is filling.
-        write_kv(kv_cache, key[:num_tokens], value[:num_tokens], metadata.slot_mapping[:num_tokens])
-        plan = self._plan_for(metadata, kv_cache)
+        keys, values = key[:num_tokens], value[:num_tokens]
+        if kernel is not None and keys.dtype == values.dtype == kv_cache.dtype:
+            kernel.write_kv(kv_cache, keys, values, metadata.slot_mapping[:num_tokens])
+        else:
+            write_kv(kv_cache, keys, values, metadata.slot_mapping[:num_tokens])
+        plan = self._plan_for(metadata, query, kv_cache, kernel is not None)
         # Dense whatever the query's strides (it may be a view into a fused qkv projection).
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         output[num_tokens:].zero_()
+        if kernel is not None and plan.kernel_items is not None and len(plan.kernel_items):
+            kernel.attend(query, kv_cache, metadata.block_table, plan.kernel_items, scale, output)
         workspace = self._decode_workspace(plan, kv_cache)
         for chunk in plan.decode_chunks:
             _attend_decode_chunk(query, kv_cache, metadata, chunk, scale, output, workspace)
@@ -85,13 +113,33 @@ class TorchAttentionBackend(AttentionBackend):
             self._workspace = workspace
         return workspace
 
-    def _plan_for(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> BatchPlan:
+    def _kernel_for(
+        self, query: torch.Tensor, kv_cache: torch.Tensor
+    ) -> PagedAttentionKernel | None:
+        if self._use_cpu_kernel is False or kv_cache.is_cuda:
+            return None
+        if self.cpu_kernel is None:
+            self.cpu_kernel = load_kernel()
+            if self.cpu_kernel is None:
+                self._use_cpu_kernel = False
+                return None
+        return self.cpu_kernel if self.cpu_kernel.supports(query, kv_cache) else None
+
+    def _plan_for(
+        self,
+        metadata: AttentionMetadata,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        use_kernel: bool,
+    ) -> BatchPlan:
         key = (
             metadata.query_start_loc_cpu.tobytes(),
             metadata.seq_lens_cpu.tobytes(),
             tuple(kv_cache.shape),
             str(kv_cache.dtype),
             str(kv_cache.device),
+            query.shape[1],
+            use_kernel,
         )
         if self._plan is None or key != self._plan_key:
             default_bytes = (
@@ -99,12 +147,17 @@ class TorchAttentionBackend(AttentionBackend):
             )
             chunk_bytes = self._decode_chunk_bytes or default_bytes
             token_bytes = 2 * kv_cache.shape[1] * kv_cache.shape[4] * kv_cache.element_size()
+            routing = None
+            if use_kernel:
+                per_item = queries_per_item(query.shape[1], kv_cache.shape[1])
+                routing = KernelRouting(_KERNEL_MAX_QUERY_LEN, per_item)
             self._plan = plan_batch(
                 metadata.query_start_loc_cpu,
                 metadata.seq_lens_cpu,
                 block_size=kv_cache.shape[3],
                 max_chunk_tokens=max(1, chunk_bytes // token_bytes),
                 device=kv_cache.device,
+                kernel_routing=routing,
             )
             self._plan_key = key
         return self._plan

@@ -13,8 +13,8 @@ from worker.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
-from worker.layers.norm import RMSNorm
-from worker.layers.rotary import RotaryEmbedding, rope_parameters_of
+from worker.layers.norm import RMSNorm, rms_normalize
+from worker.layers.rotary import RotaryAngles, RotaryEmbedding, rope_parameters_of, rotate_
 
 __all__ = [
     "Attention",
@@ -23,10 +23,13 @@ __all__ = [
     "ParallelLMHead",
     "QKVParallelLinear",
     "RMSNorm",
+    "RotaryAngles",
     "RotaryEmbedding",
     "RowParallelLinear",
     "SiluAndMul",
     "VocabParallelEmbedding",
     "default_weight_loader",
+    "rms_normalize",
     "rope_parameters_of",
+    "rotate_",
 ]

@@ -26,7 +26,7 @@ class Attention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """q [T, H*D], k and v [T, KV*D] -> [T, H*D]."""
+        """q [T, H*D], k and v [T, KV*D] (or already [T, heads, D]; views are fine) -> [T, H*D]."""
         if self.backend is None or self.kv_cache is None:
             raise RuntimeError("attention layer used before the runner bound its backend and cache")
         num_tokens = q.shape[0]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.gemm import linear, pack_weight
 from worker.layers.linear import ShardId
 from worker.layers.parallel import all_gather_last_dim, all_reduce
 
@@ -56,10 +57,29 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """hidden [R, hidden] -> logits [R, vocab]; may share its weight with the embedding."""
+    """hidden [R, hidden] -> logits [R, vocab]; may share its weight with the embedding.
+
+    The head is the biggest matmul of a decode step, so it gets the packed small-batch copy too
+    (see gemm.py); with a tied weight that copy is the one extra table, the embedding is not.
+    """
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
+        self.packed_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        self.packed_weight = pack_weight(self.weight)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        self.packed_weight = None  # stale once the weight changes; rebuilt after loading
+        super().weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = self.all_gather(F.linear(hidden, self.weight))
+        logits = self.all_gather(linear(hidden, self.weight, None, self.packed_weight))
         # Drop the padding rows of the last rank's range.
         return logits[..., : self.num_embeddings]
 

@@ -6,14 +6,16 @@ features (each rank computes a partial sum, then an all-reduce). Every parameter
 ``weight_loader(param, loaded_weight, shard_id=None)`` that copies this rank's slice of a
 full checkpoint tensor, so the same loading code serves one rank or many, and fused layers
 (q/k/v, gate/up) fill their parts from the separate tensors a Hugging Face checkpoint holds.
+Once every weight is in, ``process_weights_after_loading`` packs a copy for the CPU's small-batch
+kernel (see gemm.py); the plain weight stays what the loader and the tests see.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.gemm import linear, pack_weight
 from worker.layers.parallel import all_reduce, divide
 
 # Which part of a fused parameter a checkpoint tensor fills: "q"/"k"/"v", or 0/1 for gate/up.
@@ -46,12 +48,23 @@ class LinearBase(nn.Module):
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        _set_weight_loader(self.weight, self.weight_loader)
+        _set_weight_loader(self.weight, self._load)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            _set_weight_loader(self.bias, self.weight_loader)
+            _set_weight_loader(self.bias, self._load)
         else:
             self.register_parameter("bias", None)
+        # Not a parameter or buffer: a derived copy, rebuilt after loading, never saved.
+        self.packed_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        self.packed_weight = pack_weight(self.weight)
+
+    def _load(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        self.packed_weight = None  # stale once the weight changes; rebuilt after loading
+        self.weight_loader(param, loaded_weight, shard_id)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
@@ -59,7 +72,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -182,7 +195,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Adding the bias on one rank only keeps it from being summed tp_size times.
         bias = self.bias if self.tp_rank == 0 else None
-        return self.all_reduce(F.linear(x, self.weight, bias))
+        return self.all_reduce(linear(x, self.weight, bias, self.packed_weight))
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return all_reduce(partial, self.tp_size)

@@ -8,12 +8,15 @@ Hugging Face's Llama/Qwen (the two halves of a head, not interleaved pairs).
 Variants (``rope_type``): default, linear (positions divided by a factor), dynamic (NTK-aware: the
 base grows with the context), llama3 (frequency-band-wise interpolation), yarn (band-wise
 interpolation plus an attention temperature, Qwen2.5 long context).
+
+Every layer rotates by the same positions, so the model looks the angles up once per step
+(``angles``) and each layer rotates its queries and keys together, in place (``rotate_``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -114,6 +117,16 @@ def _dynamic_inv_freq(
     return 1.0 / (bases[:, None] ** exponents[None, :])
 
 
+class RotaryAngles(NamedTuple):
+    """One step's rotation: cos and sin [T, 1, head_dim // 2] in the activation dtype.
+
+    The 1 broadcasts over heads, so one lookup serves queries and keys of every layer.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
@@ -163,19 +176,38 @@ class RotaryEmbedding(nn.Module):
         """positions [T] -> cos, sin [T, head_dim // 2] in float32."""
         return self.cos_sin_cache[positions].chunk(2, dim=-1)
 
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAngles:
+        """positions [T] -> the step's angles; cast like HF (cos/sin to the activation dtype)."""
+        cos, sin = self.cos_sin(positions)
+        return RotaryAngles(cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1))
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, H*D] and k [T, KV*D] (or already [T, heads, D]) by each token's position."""
-        cos, sin = self.cos_sin(positions)
-        # Cast like HF does (cos/sin to the activation dtype) so bf16 results round the same way.
-        cos = cos.to(q.dtype).unsqueeze(1)
-        sin = sin.to(q.dtype).unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        """Rotate q [T, H*D] and k [T, KV*D] (or already [T, heads, D]) by each token's position.
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.view(shape[0], -1, self.head_dim)
-        x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        return rotated.view(shape)
+        Returns new tensors; the model itself calls ``rotate_`` on its own buffers instead.
+        """
+        angles = self.angles(positions, q.dtype)
+        rotated = []
+        for x in (q, k):
+            heads = x.clone(memory_format=torch.contiguous_format).view(
+                x.shape[0], -1, self.head_dim
+            )
+            rotated.append(rotate_(heads, angles).view(x.shape))
+        return rotated[0], rotated[1]
+
+
+def rotate_(x: torch.Tensor, angles: RotaryAngles) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] in place (neox style: the two halves of each head).
+
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). In place with one half-size temporary: at
+    decode sizes this beat building a new tensor by ~30% (bench_layers); ``x`` may be a strided
+    view (a slice of the fused qkv output) as long as each head's values are contiguous.
+    """
+    cos, sin = angles
+    x1, x2 = x.chunk(2, dim=-1)
+    x1_sin = x1 * sin
+    x1.mul_(cos).addcmul_(x2, sin, value=-1)
+    x2.mul_(cos).add_(x1_sin)
+    return x

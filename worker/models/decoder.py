@@ -6,12 +6,16 @@ family file names its switches; this file is the model, top to bottom.
 
 Selective batching: every op but attention works on the flat stream of all scheduled tokens of all
 requests, [T, hidden]; attention alone reads the per-request metadata.
+
+The token-wise ops are most of a CPU step, so the layers skip work the arithmetic does not need:
+the RoPE angles are looked up once per step, not per layer; queries and keys are normalised and
+rotated together, in place, in the projection's buffer; and given ``output_rows`` (the rows that
+will be sampled) the last layer finishes only those.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -26,24 +30,17 @@ from worker.layers import (
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
+    RotaryAngles,
     RotaryEmbedding,
     RowParallelLinear,
     SiluAndMul,
     VocabParallelEmbedding,
-    default_weight_loader,
+    rms_normalize,
+    rotate_,
 )
+from worker.models.checkpoint import checkpoint_names, load_checkpoint
 
 logger = logging.getLogger(__name__)
-
-# Checkpoint tensors that land in a slice of one of our fused parameters:
-# (our parameter, the checkpoint's name for the part, shard id).
-STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
-    ("qkv_proj", "q_proj", "q"),
-    ("qkv_proj", "k_proj", "k"),
-    ("qkv_proj", "v_proj", "v"),
-    ("gate_up_proj", "gate_proj", 0),
-    ("gate_up_proj", "up_proj", 1),
-)
 
 
 @dataclass(frozen=True)
@@ -88,21 +85,46 @@ class DecoderAttention(nn.Module):
         if spec.qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        # The q and k norm weights side by side, one row per head: [heads + kv_heads, head_dim].
+        self.qk_norm_weight: torch.Tensor | None = None
         self.rotary_emb = rotary_emb  # one table shared by every layer
         self.attn = Attention(
             self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, head_dim**-0.5
         )
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+    def process_weights_after_loading(self) -> None:
         if self.qk_norm:
-            num_tokens = hidden.shape[0]
-            q = self.q_norm(q.view(num_tokens, -1, self.head_dim)).view(num_tokens, -1)
-            k = self.k_norm(k.view(num_tokens, -1, self.head_dim)).view(num_tokens, -1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, metadata))
+            self.qk_norm_weight = self._stacked_qk_norm_weight()
+
+    def _stacked_qk_norm_weight(self) -> torch.Tensor:
+        num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        q_weight = self.q_norm.weight.expand(num_heads, self.head_dim)
+        return torch.cat([q_weight, self.k_norm.weight.expand(num_kv_heads, self.head_dim)])
+
+    def forward(
+        self, angles: RotaryAngles, hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.o_proj(self.attend(angles, hidden, metadata))
+
+    def attend(
+        self, angles: RotaryAngles, hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Everything up to the output projection: [T, hidden] -> [T, heads * head_dim]."""
+        qkv = self.qkv_proj(hidden)
+        num_tokens, q_size, kv_size = qkv.shape[0], self.qkv_proj.q_size, self.qkv_proj.kv_size
+        # Queries and keys sit side by side in the projection's output: one [T, H + KV, D] view
+        # lets them be normalised and rotated by one op each instead of two.
+        qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
+        if self.qk_norm:
+            weight = self.qk_norm_weight
+            if weight is None:  # weights loaded without process_weights_after_loading
+                weight = self._stacked_qk_norm_weight()
+            qk = rms_normalize(qk, weight, self.q_norm.eps)
+        # In place: qk is either the fresh norm output or a slice of qkv, this layer's own buffer.
+        rotate_(qk, angles)
+        num_heads = self.qkv_proj.num_heads
+        v = qkv[:, q_size + kv_size :]
+        return self.attn(qk[:, :num_heads], qk[:, num_heads:], v, metadata)
 
 
 class DecoderMLP(nn.Module):
@@ -142,18 +164,25 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        angles: RotaryAngles,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (MLP output, residual), for every row or, given ``output_rows``, only those."""
         # The residual add is folded into the next norm: (x, r) -> (norm(x + r), x + r).
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, metadata)
+        # Attention must see every row (their keys and values go to the cache); what follows is
+        # token-wise, so rows nobody reads can be dropped here.
+        hidden = self.self_attn.attend(angles, hidden, metadata)
+        if output_rows is not None:
+            hidden, residual = hidden[output_rows], residual[output_rows]
+        hidden = self.self_attn.o_proj(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -164,20 +193,27 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_rank, tp_size
         )
-        rotary_emb = RotaryEmbedding.from_config(config, head_dim_of(config))
+        self.rotary_emb = RotaryEmbedding.from_config(config, head_dim_of(config))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, spec, rotary_emb, tp_rank, tp_size)
+            DecoderLayer(config, spec, self.rotary_emb, tp_rank, tp_size)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        angles = self.rotary_emb.angles(positions, hidden.dtype)  # the same for every layer
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, metadata)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            rows = output_rows if i == last else None
+            hidden, residual = layer(angles, hidden, residual, metadata, rows)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -211,11 +247,31 @@ class DecoderForCausalLM(nn.Module):
                 window,
             )
 
+    def process_weights_after_loading(self) -> None:
+        """Derive what forward reads from the loaded weights (packed copies, stacked norms).
+
+        The loader calls this once every checkpoint tensor is in; a model used without it is
+        still correct, only slower.
+        """
+        for module in self.modules():
+            if module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
+
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
-        return self.model(input_ids, positions, metadata)
+        """input_ids, positions [T] int64 -> final hidden states [T, hidden].
+
+        With ``output_rows`` (int64 row indices, e.g. the rows to sample from) the result is just
+        those rows, [R, hidden], the same values as indexing the full result: the last layer then
+        skips its output projection and MLP for every other row, most of a prefill step's last
+        layer.
+        """
+        return self.model(input_ids, positions, metadata, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] (the rows to sample from) -> logits [R, vocab] float32."""
@@ -225,40 +281,12 @@ class DecoderForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (Hugging Face names) into our parameters.
-
-        Returns the names of the parameters that are now fully loaded: a fused parameter counts
-        only once every one of its parts has arrived.
-        """
-        params = dict(self.named_parameters())
-        parts_seen: dict[str, set[str | int | None]] = defaultdict(set)
-        for name, tensor in weights:
-            if self._is_unused(name):
-                continue
-            param_name, shard_id = self._param_name(name)
-            if param_name not in params:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
-                )
-            param = params[param_name]
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                loader(param, tensor, shard_id)
-            except ValueError as error:
-                raise ValueError(f"{name}: {error}") from error
-            parts_seen[param_name].add(shard_id)
-        return {name for name, seen in parts_seen.items() if seen >= self._parts_of(name)}
+        """Copy checkpoint tensors in; the names of the parameters now fully loaded."""
+        return load_checkpoint(self, weights, self._is_unused)
 
     def checkpoint_names(self, param_name: str) -> list[str]:
         """The checkpoint tensors that make up one of our parameters."""
-        fused = next((f for f, _, _ in STACKED_PARAMS if f".{f}." in param_name), None)
-        if fused is None:
-            return [param_name]
-        return [
-            param_name.replace(f".{fused}.", f".{part}.")
-            for f, part, _ in STACKED_PARAMS
-            if f == fused
-        ]
+        return checkpoint_names(param_name)
 
     def _is_unused(self, name: str) -> bool:
         # Older checkpoints saved the rotary frequencies; we compute our own. A tied head is the
@@ -266,15 +294,3 @@ class DecoderForCausalLM(nn.Module):
         return "rotary_emb.inv_freq" in name or (
             self.tie_word_embeddings and name == "lm_head.weight"
         )
-
-    @staticmethod
-    def _param_name(name: str) -> tuple[str, str | int | None]:
-        for fused, part, shard_id in STACKED_PARAMS:
-            if f".{part}." in name:
-                return name.replace(f".{part}.", f".{fused}."), shard_id
-        return name, None
-
-    @staticmethod
-    def _parts_of(param_name: str) -> set[str | int | None]:
-        parts = {shard for fused, _, shard in STACKED_PARAMS if f".{fused}." in param_name}
-        return parts or {None}

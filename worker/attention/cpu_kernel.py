@@ -1,0 +1,248 @@
+"""The compiled CPU paged-attention kernel: build on first use, load with ctypes, call.
+
+Runs in worker processes. ``csrc/paged_attention.c`` is plain C (no torch headers), so the system
+compiler builds it in about a second; the shared object is cached under
+``$CONVEYOR_CACHE/kernels`` (else ``~/.cache/conveyor/kernels``), named by a hash of the source,
+the flags, the compiler and the CPU, and published by an atomic rename, so processes that race to
+build it (pytest-xdist, tensor parallel workers) all load a complete file. Where there is no
+compiler or the build fails, the reason is logged once and the torch backend keeps its pure-torch
+path. ``CONVEYOR_CPU_KERNEL=0`` turns the kernel off.
+
+ctypes releases the GIL for the call, and the kernel's OpenMP threads come from the same libgomp
+torch loaded (torch is imported before any kernel loads, and its libgomp has the system one's
+soname), so they are the threads torch's own ops use, not a second pool competing for the cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_attention.c"
+# Must match CONVEYOR_ABI_VERSION in the source: a stale or foreign build is never called.
+ABI_VERSION = 3
+# Must match the source's limits: rows per work item (query tokens x GQA group), head_dim (at
+# most MAX_HEAD_DIM, a multiple of HEAD_DIM_MULTIPLE: the kernel works on 8-float vectors).
+MAX_ROWS = 16
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8
+ITEM_FIELDS = 4
+_ERRORS = {-1: "unsupported shape", -2: "block id out of range", -3: "slot out of range"}
+
+# Tried in order: the first set the compiler accepts wins. -march=native vectorises for this CPU
+# (the cache key includes the CPU, so a shared cache folder never hands it to another machine).
+_FLAG_SETS = (
+    ("-O3", "-march=native", "-fopenmp"),
+    ("-O3", "-fopenmp"),
+    ("-O3", "-fopenmp-simd"),
+    ("-O2",),
+)
+_COMMON_FLAGS = ("-shared", "-fPIC", "-std=c11")
+
+_i32, _i64, _f32, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_ARGTYPES = [
+    _ptr, _i64, _i64,  # query, token stride, head stride
+    _ptr, _i32, _i64, _i32, _i32,  # kv_cache, num_kv_heads, num_blocks, block_size, head_dim
+    _i32, _ptr, _i64,  # num_heads, block_table, block_table row stride
+    _ptr, _i32, _f32,  # items, num_items, scale
+    _ptr, _i64, _i32,  # output, output token stride, num_threads
+]  # fmt: skip
+_WRITE_ARGTYPES = [
+    _ptr, _i32, _i64, _i32,  # kv_cache, num_kv_heads, num_slots, head_dim
+    _ptr, _i64, _i64, _ptr, _i64, _i64,  # key, its token and head strides; value, the same
+    _ptr, _i32,  # slot_mapping (int64), num_tokens
+]  # fmt: skip
+
+
+class PagedAttentionKernel:
+    """The loaded kernel: checks what it can run, then attends straight from the paged cache."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._function = library.conveyor_paged_attention
+        self._function.argtypes = _ARGTYPES
+        self._function.restype = ctypes.c_int
+        self._write = library.conveyor_write_kv
+        self._write.argtypes = _WRITE_ARGTYPES
+        self._write.restype = ctypes.c_int
+
+    @staticmethod
+    def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether these tensors fit the kernel: CPU float32, dense head rows, a dense cache."""
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads = kv_cache.shape[1]
+        return (
+            kv_cache.device.type == "cpu"
+            and query.device.type == "cpu"
+            and kv_cache.dtype == torch.float32
+            and query.dtype == torch.float32
+            and kv_cache.is_contiguous()
+            and query.stride(2) == 1
+            and head_dim <= MAX_HEAD_DIM
+            and head_dim % HEAD_DIM_MULTIPLE == 0
+            and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_ROWS
+        )
+
+    def write_kv(
+        self,
+        kv_cache: torch.Tensor,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rows dense
+        value: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        """Store each token's key and value at its slot; ``supports`` must hold for the cache."""
+        if key.stride(2) != 1 or value.stride(2) != 1:
+            key, value = key.contiguous(), value.contiguous()
+        if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+            slot_mapping = slot_mapping.to(torch.int64).contiguous()
+        _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        status = self._write(
+            kv_cache.data_ptr(), num_kv_heads, num_blocks * block_size, head_dim,
+            key.data_ptr(), key.stride(0), key.stride(1),
+            value.data_ptr(), value.stride(0), value.stride(1),
+            slot_mapping.data_ptr(), len(slot_mapping),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"KV cache write failed: {_ERRORS.get(status, status)}")
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows dense
+        kv_cache: torch.Tensor,  # [2, num_kv_heads, num_blocks, block_size, head_dim], dense
+        block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
+        items: np.ndarray,  # [num_items, ITEM_FIELDS] int32, from plan_batch
+        scale: float,
+        output: torch.Tensor,  # [num_tokens, num_heads, head_dim], dense
+    ) -> None:
+        """Write each item's query rows of ``output``; ``supports`` must hold for the inputs."""
+        if not output.is_contiguous():
+            raise ValueError("the kernel writes a dense [num_tokens, num_heads, head_dim] output")
+        if block_table.dtype != torch.int32 or not block_table.is_contiguous():
+            block_table = block_table.to(torch.int32).contiguous()
+        _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        status = self._function(
+            query.data_ptr(), query.stride(0), query.stride(1),
+            kv_cache.data_ptr(), num_kv_heads, num_blocks, block_size, head_dim,
+            query.shape[1], block_table.data_ptr(), block_table.stride(0),
+            items.ctypes.data, len(items), scale,
+            output.data_ptr(), output.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"paged attention kernel failed: {_ERRORS.get(status, status)}")
+
+
+def queries_per_item(num_heads: int, num_kv_heads: int) -> int:
+    """Query tokens per work item: as many as fit MAX_ROWS rows with the whole GQA group."""
+    return max(1, MAX_ROWS // (num_heads // num_kv_heads))
+
+
+def kernel_disabled() -> bool:
+    return os.environ.get("CONVEYOR_CPU_KERNEL", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+@functools.cache
+def load_kernel() -> PagedAttentionKernel | None:
+    """The kernel, built if needed; None (logged once) where it is disabled or cannot be built."""
+    if kernel_disabled():
+        logger.info("CPU attention kernel disabled by CONVEYOR_CPU_KERNEL; using torch ops")
+        return None
+    compiler = find_compiler()
+    if compiler is None:
+        logger.warning("CPU attention kernel unavailable (no C compiler; set CC), using torch ops")
+        return None
+    errors = []
+    for flags in _FLAG_SETS:
+        try:
+            return _load(_build(compiler, flags))
+        except Exception as error:  # any failure means "try plainer flags", never a crash
+            errors.append(f"{' '.join(flags)}: {error}")
+    logger.warning("CPU attention kernel unavailable, using torch ops:\n%s", "\n".join(errors))
+    return None
+
+
+def find_compiler() -> str | None:
+    for name in (os.environ.get("CC"), "gcc", "cc", "clang"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("CONVEYOR_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "conveyor"
+    return base / "kernels"
+
+
+def _build(compiler: str, flags: tuple[str, ...]) -> Path:
+    source = SOURCE_PATH.read_bytes()
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"paged_attention-{_build_key(compiler, source, flags)}.so"
+    if not path.exists():
+        _compile(compiler, flags, folder, path)
+        logger.info("built CPU attention kernel %s (%s)", path, " ".join(flags))
+    return path
+
+
+def _load(path: Path) -> PagedAttentionKernel:
+    library = ctypes.CDLL(str(path))
+    if library.conveyor_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{path} has ABI {library.conveyor_abi_version()}, want {ABI_VERSION}")
+    return PagedAttentionKernel(library, path)
+
+
+def _compile(compiler: str, flags: tuple[str, ...], folder: Path, path: Path) -> None:
+    """Build into a private temporary file, then rename it into place (atomic on POSIX)."""
+    fd, temp_name = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        command = [compiler, *flags, *_COMMON_FLAGS, str(SOURCE_PATH), "-o", temp_name, "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr.strip()[-500:] or f"exit status {result.returncode}")
+        os.replace(temp_name, path)
+    finally:
+        if os.path.exists(temp_name):
+            os.unlink(temp_name)
+
+
+def _build_key(compiler: str, source: bytes, flags: tuple[str, ...]) -> str:
+    digest = hashlib.sha256(source)
+    for part in (compiler, _compiler_version(compiler), *flags, *_COMMON_FLAGS, _cpu_identity()):
+        digest.update(b"\0" + part.encode())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    result = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    return result.stdout.splitlines()[0] if result.stdout else ""
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    identity = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features")):
+                    identity.append(line.strip())
+                if len(identity) >= 3:
+                    break
+    except OSError:
+        pass
+    return "\n".join(identity)

@@ -1,0 +1,54 @@
+"""y = x W^T + b, with the fastest CPU kernel for the number of rows.
+
+Runs in worker processes. On CPU, MKL's sgemm (what ``F.linear`` calls) is near the machine's
+peak for prefill-sized inputs (thousands of rows) but not at decode sizes (one row per running
+request), where oneDNN with the weight reordered once into its blocked layout is faster
+(scripts/bench_layers.py measures both per shape). So a layer keeps its plain weight, which the
+loader, tensor-parallel slicing and a tied embedding all read, and may hold a packed copy of it
+next to it for small batches. The copy doubles the layer's weight memory; it is made only for
+float32 CPU weights, where the measured gain is.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+# The most rows that go through the packed weight. From bench_layers on a 2-core AVX2 EPYC with
+# 2 threads: packed wins by 5-80% at 16-64 rows (the LM head most), is even at 256 (the head still
+# +13%) and loses 3-12% at 2048. With 1 thread (tensor parallel over those cores) it is even at 64
+# rows: the gain is mostly oneDNN splitting a short matrix better across threads.
+PACKED_MAX_ROWS = 256
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A oneDNN-packed copy of ``weight`` [out, in] for small batches, or None where none helps.
+
+    None off the CPU, for dtypes other than float32, and where this torch has no oneDNN.
+    """
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        # The batch-size hint barely matters (measured 4-256 rows alike), except that 1 is worse.
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_MAX_ROWS // 2)
+    except (RuntimeError, AttributeError) as error:  # an op missing from a slimmer build
+        logger.info("no packed CPU weights (%s); using sgemm for every batch size", error)
+        return None
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., in] -> [..., out]; ``packed`` is ``pack_weight(weight)`` or None."""
+    if packed is not None and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
