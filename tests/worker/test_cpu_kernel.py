@@ -2,7 +2,7 @@
 
 Its numerics on mixed batches are covered by test_attention.py, which runs every torch backend
 test on both paths; here are the kernel's own concerns (head dims it specialises, strided queries,
-thread counts, bad block ids, the build cache, the off switch).
+thread counts, bad slots and block ids, the fallback builds, the build cache, the off switch).
 """
 
 from __future__ import annotations

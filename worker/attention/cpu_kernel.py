@@ -214,6 +214,7 @@ def _compile(compiler: str, flags: tuple[str, ...], folder: Path, path: Path) ->
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(result.stderr.strip()[-500:] or f"exit status {result.returncode}")
+        os.chmod(temp_name, 0o755)  # mkstemp made it private; any user of the cache may load it
         os.replace(temp_name, path)
     finally:
         if os.path.exists(temp_name):
