@@ -4,11 +4,18 @@ Runs in the engine-core process. Sockets, threads and polling live in the proces
 this class; here a request arrives as a message, a step returns messages, and a bad request is
 answered with an error output instead of an exception, so one client cannot stop the engine for
 everyone.
+
+With ``async_scheduling`` a step keeps the workers busy while the engine thinks: it schedules and
+submits step N+1 before waiting for step N, then folds N's tokens in and returns, so the update,
+the outputs and the next schedule all overlap the workers' forward pass. At most one step is in
+flight between calls. An executor that cannot split a step (``submit_step``/``wait_for_output``)
+runs it at submission, which gives the same tokens without the overlap.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from msgspec.structs import replace
 
@@ -21,6 +28,7 @@ from protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     ModelRunnerOutput,
+    SchedulerOutput,
 )
 
 
@@ -37,6 +45,14 @@ class EngineCore:
         # In-flight requests by (client_index, request_id): a frontend names its requests with
         # strings that are unique only among its own.
         self._requests: dict[tuple[int, str], Request] = {}
+        self.async_scheduling = config.scheduler.async_scheduling
+        # Submitted steps whose outputs have not been folded in yet, oldest first.
+        self._in_flight: deque[SchedulerOutput] = deque()
+        # Outputs of steps run at submission, for executors without split steps.
+        self._ran: deque[ModelRunnerOutput] = deque()
+        self._split_steps = hasattr(executor, "submit_step") and hasattr(
+            executor, "wait_for_output"
+        )
 
     def add_request(
         self, request: EngineCoreRequest, client_index: int = 0
@@ -97,6 +113,8 @@ class EngineCore:
 
     def step(self) -> dict[int, EngineCoreOutputs]:
         """Run one step; outputs keyed by client_index."""
+        if self.async_scheduling:
+            return self._step_overlapped()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Nothing for the workers; outputs of aborted requests still go out.
@@ -106,6 +124,37 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._forget_finished(outputs)
         return outputs
+
+    def _step_overlapped(self) -> dict[int, EngineCoreOutputs]:
+        """Submit the next step, then fold in the oldest one in flight; outputs by client."""
+        scheduler = self.scheduler
+        if not self._in_flight:
+            first = scheduler.schedule()
+            if first.total_num_scheduled_tokens == 0:
+                outputs = scheduler.update_from_output(first, ModelRunnerOutput(first.step_id))
+                self._forget_finished(outputs)
+                return outputs
+            self._submit(first)
+        # Scheduled while the oldest step runs: its requests' next tokens are in flight.
+        following = scheduler.schedule()
+        if following.total_num_scheduled_tokens > 0:
+            self._submit(following)
+        done = self._in_flight.popleft()
+        outputs = scheduler.update_from_output(done, self._wait())
+        self._forget_finished(outputs)
+        return outputs
+
+    def _submit(self, scheduler_output: SchedulerOutput) -> None:
+        if self._split_steps:
+            self.executor.submit_step(scheduler_output)  # type: ignore[attr-defined]
+        else:
+            self._ran.append(self.executor.execute_model(scheduler_output))
+        self._in_flight.append(scheduler_output)
+
+    def _wait(self) -> ModelRunnerOutput:
+        if self._split_steps:
+            return self.executor.wait_for_output()  # type: ignore[attr-defined]
+        return self._ran.popleft()
 
     def _forget_finished(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         requests = self._requests
@@ -121,11 +170,17 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """True while a step would do something: requests to run or outputs to deliver."""
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_outputs()
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self.scheduler.has_pending_outputs()
+            or bool(self._in_flight)
+        )
 
     def check_all_free(self) -> None:
         """AssertionError unless no request is left and every KV block is free."""
         self.scheduler.check_all_free()
+        if self._in_flight:
+            raise AssertionError(f"{len(self._in_flight)} steps still in flight")
         if self._requests:
             raise AssertionError(f"{len(self._requests)} request ids still mapped")
 

@@ -17,6 +17,7 @@ from protocol import (
 )
 
 _RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
 
 
 class OutputCollector:
@@ -44,8 +45,10 @@ class OutputCollector:
     ) -> list[Request]:
         """Append each sampled token to its request and record it; returns those now finished.
 
-        A token for a request that is no longer running (aborted after the step was scheduled)
-        is dropped. Runs for every running request every step, hence the local names.
+        A token for a request that has ended (aborted after the step was scheduled, or finished
+        by the step before: async scheduling runs one step past a stop token) is dropped. A
+        request preempted after the step was scheduled keeps its token. Runs for every running
+        request every step, hence the local names.
         """
         finished: list[Request] = []
         by_client = self._by_client
@@ -53,7 +56,9 @@ class OutputCollector:
         sampled = runner_output.sampled_token_ids
         for i, req_id in enumerate(runner_output.req_ids):
             request = requests.get(req_id)
-            if request is None or request.status is not _RUNNING:
+            if request is None or (
+                request.status is not _RUNNING and request.status is not _PREEMPTED
+            ):
                 continue
             token = sampled[i]
             request.all_token_ids.append(token)

@@ -5,6 +5,14 @@ each step has a token budget and a width cap. A policy (``engine_core/policies``
 of two moves, serving running requests and admitting waiting ones; this class carries them out:
 it allocates blocks, preempts by recompute when they run out, builds the diff the workers apply
 (``SchedulerOutput``) and folds the sampled tokens back in (``update_from_output``).
+
+With async scheduling, step N+1 is scheduled while step N runs, before N's tokens are known. A
+request whose every known token is already computed (its next token is still in flight) then gets
+one token anyway: the workers feed it the token they sampled in step N. The two counters say
+everything: ``num_computed_tokens == num_tokens`` means exactly one token is in flight. A request
+whose in-flight token is certainly its last (``max_tokens``, the context) is not run ahead; one
+that ends on a stop token is run one step too far, and that step's token is dropped, because
+``update_from_output`` only keeps tokens of requests it has not finished.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from protocol import (
 )
 
 _RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
 _POOL_TOO_SMALL = "needs more KV cache blocks than the whole pool holds"
 
 
@@ -50,11 +59,15 @@ class Scheduler:
         threshold = scheduler_config.long_prefill_token_threshold
         self._chunk_cap = threshold if threshold > 0 else scheduler_config.max_num_batched_tokens
         self._by_priority = scheduler_config.queue_order == "priority"
+        self._run_ahead = scheduler_config.async_scheduling
         # Requests the workers mirror: sent as new, not yet sent as finished.
         self._worker_req_ids: set[int] = set()
         # Waiting for the next step that reaches the workers.
         self._finished_req_ids: list[int] = []
         self._preempted_req_ids: list[int] = []
+        # Preempted while this step was scheduled: not re-admitted before the next one, as a
+        # token of theirs may still be in flight (async scheduling) and must be known first.
+        self._preempted_now: set[int] = set()
         self._outputs = OutputCollector()
         self._plan = StepPlan(0)
         self._step_id = 0
@@ -95,6 +108,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._step_id += 1
         self._plan = StepPlan(self.config.max_num_batched_tokens)
+        if self._preempted_now:
+            self._preempted_now.clear()
         self.policy.schedule(self)
         output = self._plan.to_output(self._step_id)
         for new_request in output.scheduled_new_reqs:
@@ -127,8 +142,12 @@ class Scheduler:
                 num_tokens = cap
             if num_tokens > budget:
                 num_tokens = budget
-            elif num_tokens <= 0:  # its last token is not back yet: nothing to compute
-                continue
+            elif num_tokens <= 0:
+                # Its next token is in flight (async scheduling): run one step ahead on it,
+                # unless that token is certainly its last.
+                if not self._run_ahead or num_tokens < 0 or not _may_run_ahead(request):
+                    continue
+                num_tokens = 1
             new_block_ids = kv.allocate_slots(request, num_tokens)
             if new_block_ids is None:
                 new_block_ids = self._allocate_or_preempt(request, num_tokens)
@@ -144,6 +163,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
+            if request.req_id in self._preempted_now:
+                break
             if self._try_admit(request, whole_prompts, reserve_outputs):
                 num_admitted += 1
             elif not request.is_finished:  # head-of-line: nobody overtakes the head
@@ -214,6 +235,7 @@ class Scheduler:
         self._plan.num_preemptions += 1
         self._num_preemptions += 1
         self.waiting.add_preempted(request)
+        self._preempted_now.add(request.req_id)
         if request.req_id in self._worker_req_ids:
             self._preempted_req_ids.append(request.req_id)
 
@@ -243,7 +265,11 @@ class Scheduler:
         """Append each sampled token, stop what is done; outputs grouped by client_index."""
         finished = self._outputs.add_sampled(self.requests, model_runner_output)
         if finished:
+            num_running = len(self.running)
             self.running = [r for r in self.running if r.status is _RUNNING]
+            if num_running - len(self.running) < len(finished):
+                # Preempted while its last step ran (async scheduling): it ends from the queue.
+                self.waiting.remove_requests(finished)
             for request in finished:
                 self._release(request)
         return self._outputs.take(self.make_stats(), time.monotonic())
@@ -269,3 +295,8 @@ class Scheduler:
                 f"{len(self.waiting)} waiting"
             )
         self.kv_cache_manager.check_all_free()
+
+
+def _may_run_ahead(request: Request) -> bool:
+    """Whether the token in flight may not be the request's last (so the next one is wanted)."""
+    return request.num_output_tokens + 1 < request.max_tokens

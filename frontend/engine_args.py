@@ -129,7 +129,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold
     )
     group.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
-    group.add_argument("--async-scheduling", action="store_true", default=d.async_scheduling)
+    group.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        default=d.async_scheduling,
+        help="schedule the next step while the workers run the current one (same outputs)",
+    )
     return parser
 
 

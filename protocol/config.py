@@ -54,6 +54,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     long_prefill_token_threshold: int = 0
     policy: Policy = "stall-free"
     queue_order: QueueOrder = "fcfs"
+    # Schedule step N+1 while the workers run step N (same tokens, the engine's own work hidden
+    # behind the forward pass).
     async_scheduling: bool = False
 
 
@@ -139,9 +141,5 @@ def check_engine_config(config: EngineConfig) -> None:
             f"policy {sched.policy!r} runs whole prompts: max_num_batched_tokens "
             f"({sched.max_num_batched_tokens}) must be >= max_model_len ({sched.max_model_len})"
         )
-    if sched.async_scheduling:
-        # Accepted as a flag so the interface is stable, refused until the engine implements it:
-        # silently running synchronously would mislead anyone measuring it.
-        raise ConfigError("async scheduling is not implemented yet; run without it")
     if cache.block_size < 1 or cache.block_size & (cache.block_size - 1):
         raise ConfigError(f"block_size must be a power of two, got {cache.block_size}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import zlib
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_core.executor import Executor
@@ -208,3 +209,42 @@ def run_step(
             executor.initialize_cache(executor.num_blocks)
         runner_output = executor.execute_model(scheduler_output)
     return scheduler_output, scheduler.update_from_output(scheduler_output, runner_output)
+
+
+class OverlappedSteps:
+    """Drives a bare Scheduler as EngineCore does with async scheduling: one step in flight.
+
+    Each ``step`` submits the next step before folding in the oldest one, so the scheduler
+    decides while a step's tokens are still unknown. The fake executor runs a step when it is
+    submitted, which the scheduler cannot see: it only ever learns tokens in ``update_from_output``.
+    """
+
+    def __init__(self, scheduler: Scheduler, executor: FakeExecutor) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
+        if executor.initialized_num_blocks is None:
+            executor.initialize_cache(executor.num_blocks)
+
+    def _submit(self, scheduler_output: SchedulerOutput) -> bool:
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return False
+        self.in_flight.append((scheduler_output, self.executor.execute_model(scheduler_output)))
+        return True
+
+    def step(
+        self, check: Callable[[SchedulerOutput], None] | None = None
+    ) -> dict[int, EngineCoreOutputs]:
+        """One call of the overlapped loop; ``check`` sees each step the moment it is scheduled."""
+        check = check or (lambda _: None)
+        if not self.in_flight:
+            first = self.scheduler.schedule()
+            check(first)
+            if not self._submit(first):
+                empty = ModelRunnerOutput(step_id=first.step_id)
+                return self.scheduler.update_from_output(first, empty)
+        following = self.scheduler.schedule()
+        check(following)
+        self._submit(following)
+        done, runner_output = self.in_flight.pop(0)
+        return self.scheduler.update_from_output(done, runner_output)

@@ -5,7 +5,9 @@ aborts) and a configuration (budget, width, a tiny or a roomy KV pool); the sche
 the end through the fake executor, which checks every diff and every KV slot it reads. Then:
 no step broke the budget or the width cap, admissions kept the queue's order, nothing is left
 anywhere, and every request that was not aborted produced exactly the tokens it produces alone,
-however often it was chunked, preempted and resumed.
+however often it was chunked, preempted and resumed. The same holds with async scheduling (one step
+always in flight while the next is scheduled), which must also never emit a token after a
+request's final output.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from engine_core import Request
 from engine_core.request_queue import priority_key
 from protocol import SamplingParams, SchedulerOutput
 from protocol.config import POLICIES
-from tests.fake_executor import fake_next_token, make_scheduler, run_step
+from tests.fake_executor import OverlappedSteps, fake_next_token, make_scheduler, run_step
 
 VOCAB = 50
 EOS = 0
@@ -112,6 +114,9 @@ class Run:
             block_size=BLOCK_SIZE, vocab_size=VOCAB, max_model_len=MAX_MODEL_LEN, **options
         )
         self.config = self.scheduler.config
+        self.overlapped = (
+            OverlappedSteps(self.scheduler, self.executor) if self.config.async_scheduling else None
+        )
         self.requests = [make_request(i, a) for i, a in enumerate(workload["arrivals"])]
         self.arrivals = workload["arrivals"]
         self.aborts = workload["aborts"]
@@ -130,11 +135,16 @@ class Run:
                 if s == step and i < len(self.requests)
             )
             if step > self.arrivals[-1].step and not (
-                self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_outputs()
+                self.scheduler.has_unfinished_requests()
+                or self.scheduler.has_pending_outputs()
+                or (self.overlapped is not None and self.overlapped.in_flight)
             ):
                 return
-            output, outputs = run_step(self.scheduler, self.executor)
-            self.check_step(output)
+            if self.overlapped is not None:
+                outputs = self.overlapped.step(self.check_step)
+            else:
+                output, outputs = run_step(self.scheduler, self.executor)
+                self.check_step(output)
             for client_outputs in outputs.values():
                 for out in client_outputs.outputs:
                     req_id = int(out.request_id)
@@ -185,11 +195,14 @@ def run_workload(workload: dict) -> Run:
     return run
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_every_policy_keeps_its_promises(policy: str, data: st.DataObject):
-    run = run_workload(data.draw(workloads(policy)))
+def test_every_policy_keeps_its_promises(policy: str, async_scheduling: bool, data: st.DataObject):
+    workload = data.draw(workloads(policy))
+    workload["options"]["async_scheduling"] = async_scheduling
+    run = run_workload(workload)
     stats = run.scheduler.make_stats()
     # Shown by --hypothesis-show-statistics: how often the draws reach the interesting paths.
     event("preempted" if stats.num_preemptions else "no preemption")
@@ -197,8 +210,9 @@ def test_every_policy_keeps_its_promises(policy: str, data: st.DataObject):
     event("prefix hit" if stats.prefix_cache_hits else "no prefix hit")
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("policy", ["stall-free", "prefill-first"])
-def test_a_tiny_pool_forces_preemption_and_tokens_still_match(policy: str):
+def test_a_tiny_pool_forces_preemption_and_tokens_still_match(policy: str, async_scheduling: bool):
     # Eight requests that each need up to 9 blocks of a 9-block pool: preemption is certain.
     workload = {
         "arrivals": [
@@ -212,6 +226,7 @@ def test_a_tiny_pool_forces_preemption_and_tokens_still_match(policy: str):
             "max_num_batched_tokens": 64,
             "num_blocks": 10,
             "enable_prefix_caching": True,
+            "async_scheduling": async_scheduling,
         },
     }
     run = run_workload(workload)

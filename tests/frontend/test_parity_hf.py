@@ -170,6 +170,26 @@ def test_preemption_under_a_tiny_kv_pool_matches_hf(reference):
         llm.check_all_free()
 
 
+@pytest.mark.parametrize("tiny_pool", [False, True], ids=["roomy", "tiny-pool"])
+def test_async_scheduling_matches_hf(qwen3_reference, tiny_pool):
+    # The worker runs each step on the token it sampled the step before, which the engine has
+    # not seen yet; chunked prompts and (with the tiny pool) preemption of requests whose token
+    # is in flight must not change a single token.
+    reference = qwen3_reference
+    memory = 10 * reference.kv_bytes_per_block() if tiny_pool else SMALL_KV
+    with _llm(
+        reference,
+        async_scheduling=True,
+        kv_cache_memory=memory,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+    ) as llm:
+        outputs = llm.generate(reference.prompts, GREEDY, use_tqdm=False)
+        _check(reference, outputs, list(range(len(reference.prompts))))
+        assert (llm.stats.num_preemptions > 0) == tiny_pool
+        llm.check_all_free()
+
+
 @pytest.mark.parametrize("policy", ["prefill-first", "orca", "static"])
 def test_every_policy_matches_hf(qwen3_reference, policy):
     # Policies are family-independent: one family keeps the suite fast. These policies run

@@ -140,7 +140,6 @@ BAD_ENGINE_CONFIGS = [
         engine_config(policy="prefill-first", max_num_batched_tokens=100, max_model_len=101),
         "policy 'prefill-first' runs whole prompts",
     ),
-    (engine_config(async_scheduling=True), "async scheduling is not implemented yet"),
     (
         EngineConfig(model=MODEL, cache=CacheConfig(block_size=12)),
         "block_size must be a power of two, got 12",
