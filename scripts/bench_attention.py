@@ -14,8 +14,6 @@ twice, on its pure-torch path and with the compiled kernel (cpu_kernel.py), side
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import time
@@ -28,6 +26,9 @@ import torch
 
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import machine_info  # noqa: E402
 
 from worker.attention.cpu_kernel import load_kernel  # noqa: E402
 from worker.attention.metadata_builder import build_attention_metadata  # noqa: E402
@@ -158,16 +159,7 @@ def make_backends(args, device: torch.device, dtype: torch.dtype) -> dict[str, o
 
 
 def describe_machine(device: torch.device) -> str:
-    cpu = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    text = f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-    text += f"{torch.get_num_threads()} threads"
-    if device.type == "cuda":
-        text += f", GPU {torch.cuda.get_device_name(device)}"
-    return text
+    return ", ".join(f"{k}={v}" for k, v in machine_info(device=str(device)).items())
 
 
 def parse_args() -> argparse.Namespace:

@@ -3,6 +3,12 @@
     python scripts/bench_offline.py --model /tmp/bench --workload equal --num-requests 64 \
         --max-num-seqs 64 --max-num-batched-tokens 2048 --json
 
+    python scripts/bench_offline.py --model /tmp/bench --workload mix --compare
+
+--compare times the in-process engine, the multi-process engine and the multi-process engine
+with async scheduling on the same prompts, interleaved, and prints their ratios (one run, one
+machine state). --engine inprocess runs everything in this process.
+
 Workloads (greedy, ignore_eos, so every request produces exactly its output length):
   equal  N requests of 128 prompt tokens and 128 output tokens;
   mix    N requests alternating (32 prompt, 32 output) and (512 prompt, 128 output).
@@ -17,8 +23,6 @@ import contextlib
 import cProfile
 import io
 import json
-import os
-import platform
 import pstats
 import sys
 import time
@@ -27,6 +31,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import Timing, machine_info  # noqa: E402
 
 from frontend import LLM  # noqa: E402
 from frontend.engine_args import EngineArgs, add_engine_args  # noqa: E402
@@ -57,6 +64,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="equal")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--num-warmup-requests", type=int, default=8)
+    parser.add_argument(
+        "--engine",
+        choices=("mp", "inprocess"),
+        default="mp",
+        help="mp: engine core and workers in their own processes (default); inprocess: one process",
+    )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="time in-process, multi-process sync and multi-process async scheduling in one run "
+        "(interleaved --repeats times) and report ratios to in-process",
+    )
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per setup (--compare)")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--profile", action="store_true", help="cProfile the timed run")
     parser.add_argument(
@@ -66,37 +86,63 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def main() -> int:
-    args = parse_args()
-    engine_args = EngineArgs.from_cli(args)
+def engine_kwargs(engine_args: EngineArgs, **overrides: object) -> dict[str, object]:
     kwargs = {k: v for k, v in vars(engine_args).items() if k != "model"}
-    llm = LLM(engine_args.model, **kwargs)
+    kwargs.update(overrides)
+    return kwargs
+
+
+def start_llm(engine_args: EngineArgs, workload: str, num_warmup: int, **overrides) -> LLM:
+    """An engine, warmed up on prompts the timed run will not hit in the prefix cache."""
+    llm = LLM(engine_args.model, **engine_kwargs(engine_args, **overrides))
     vocab_size = min(len(llm.get_tokenizer()), llm.config.model.vocab_size)
-    warmup = make_requests(args.workload, args.num_warmup_requests, vocab_size, seed=1)
-    llm.generate(*warmup, use_tqdm=False)
-    calibration = measure_matmul_gflops()
-    prompts, params = make_requests(args.workload, args.num_requests, vocab_size, seed=0)
-    profiler = cProfile.Profile() if args.profile else None
-    op_profiler = _torch_profiler() if args.torch_profile else contextlib.nullcontext()
-    with op_profiler, Timing() as timing:
-        if profiler is not None:
-            profiler.enable()
-        outputs = llm.generate(prompts, params, use_tqdm=not args.json)
-        if profiler is not None:
-            profiler.disable()
+    llm.generate(*make_requests(workload, num_warmup, vocab_size, seed=1), use_tqdm=False)
+    return llm
+
+
+def timed_run(
+    llm: LLM, args: argparse.Namespace, progress: bool, repeat: int = 0
+) -> dict[str, object]:
+    """One timed batch; each repeat gets new prompts, so none hits the prefix cache."""
+    vocab_size = min(len(llm.get_tokenizer()), llm.config.model.vocab_size)
+    seed = 0 if repeat == 0 else 100 + repeat
+    prompts, params = make_requests(args.workload, args.num_requests, vocab_size, seed=seed)
+    with Timing() as timing:
+        outputs = llm.generate(prompts, params, use_tqdm=progress)
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_prompt = sum(len(p) for p in prompts)
-    result = {
-        "workload": args.workload,
-        "num_requests": args.num_requests,
+    return {
         "output_tok_s": round(num_output / timing.seconds, 1),
         "total_tok_s": round((num_output + num_prompt) / timing.seconds, 1),
         **timing.summary(),
         "num_output_tokens": num_output,
         "num_prompt_tokens": num_prompt,
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    engine_args = EngineArgs.from_cli(args)
+    if args.compare:
+        return compare(args, engine_args)
+    llm = start_llm(engine_args, args.workload, args.num_warmup_requests, engine=args.engine)
+    calibration = measure_matmul_gflops()
+    profiler = cProfile.Profile() if args.profile else None
+    op_profiler = _torch_profiler() if args.torch_profile else contextlib.nullcontext()
+    with op_profiler:
+        if profiler is not None:
+            profiler.enable()
+        run = timed_run(llm, args, progress=not args.json)
+        if profiler is not None:
+            profiler.disable()
+    result = {
+        "workload": args.workload,
+        "num_requests": args.num_requests,
+        "engine": args.engine,
+        **run,
         "model": llm.config.model.model,
-        "config": {k: v for k, v in vars(engine_args).items() if k != "model"},
-        "machine": _machine(calibration),
+        "config": engine_kwargs(engine_args),
+        "machine": machine_info(matmul_gflops=calibration),
     }
     llm.shutdown()
     if profiler is not None:
@@ -108,43 +154,51 @@ def main() -> int:
     return 0
 
 
-class Timing:
-    """Wall time of a block, and how much of the machine this process and others used."""
-
-    def __enter__(self) -> Timing:
-        self._start = time.perf_counter(), _cpu_seconds(), _system_busy()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        wall, cpu, busy = self._start
-        self.seconds = time.perf_counter() - wall
-        self.cpu_seconds = _cpu_seconds() - cpu
-        self.busy_seconds = _system_busy() - busy
-
-    def summary(self) -> dict[str, float]:
-        num_cpus = len(os.sched_getaffinity(0))
-        others = max(0.0, self.busy_seconds - self.cpu_seconds)
-        return {
-            "seconds": round(self.seconds, 3),
-            # CPU seconds per wall second per core: well under 1 means this run did not get
-            # the cores it asked for.
-            "cpu_utilization": round(self.cpu_seconds / self.seconds / num_cpus, 3),
-            # Share of the cores busy with OTHER processes meanwhile (Linux): runs on a shared
-            # machine are only comparable when this is near 0.
-            "other_load": round(others / self.seconds / num_cpus, 3),
-        }
+# name -> LLM overrides; the first is the baseline the others are divided by.
+SETUPS: dict[str, dict[str, object]] = {
+    "inprocess": {"engine": "inprocess", "async_scheduling": False},
+    "mp_sync": {"engine": "mp", "async_scheduling": False},
+    "mp_async": {"engine": "mp", "async_scheduling": True},
+}
 
 
-def _machine(matmul_gflops: float) -> dict[str, object]:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "num_cpus": len(os.sched_getaffinity(0)),
-        # fp32 GEMM speed measured just before the run: this machine's speed varies from run to
-        # run (shared host), so compare tok/s between runs relative to this.
-        "matmul_gflops": matmul_gflops,
-        "python": platform.python_version(),
+def compare(args: argparse.Namespace, engine_args: EngineArgs) -> int:
+    """Every setup on the same prompts, runs interleaved so drift on a shared host hits all."""
+    llms = {
+        name: start_llm(engine_args, args.workload, args.num_warmup_requests, **overrides)
+        for name, overrides in SETUPS.items()
     }
+    calibration = measure_matmul_gflops()
+    runs: dict[str, list[dict[str, object]]] = {name: [] for name in SETUPS}
+    try:
+        for repeat in range(args.repeats):
+            for name, llm in llms.items():
+                runs[name].append(timed_run(llm, args, progress=False, repeat=repeat))
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    best = {name: max(float(r["output_tok_s"]) for r in rs) for name, rs in runs.items()}
+    baseline = best[next(iter(SETUPS))]
+    result = {
+        "workload": args.workload,
+        "num_requests": args.num_requests,
+        "best_output_tok_s": best,
+        "ratio_to_inprocess": {name: round(v / baseline, 3) for name, v in best.items()},
+        "runs": runs,
+        "config": engine_kwargs(engine_args),
+        "machine": machine_info(matmul_gflops=calibration),
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print("machine:", ", ".join(f"{k}={v}" for k, v in result["machine"].items()))
+    print(f"workload: {args.workload}, {args.num_requests} requests, best of {args.repeats}")
+    print(f"{'setup':>10} {'output tok/s':>13} {'ratio':>7}  runs (output tok/s, other_load)")
+    for name, rs in runs.items():
+        per_run = ", ".join(f"{r['output_tok_s']} ({r['other_load']})" for r in rs)
+        ratio = result["ratio_to_inprocess"][name]
+        print(f"{name:>10} {best[name]:>13} {ratio:>7}  {per_run}")
+    return 0
 
 
 def measure_matmul_gflops(repeats: int = 10) -> float:
@@ -159,22 +213,6 @@ def measure_matmul_gflops(repeats: int = 10) -> float:
         a @ b
         best = min(best, time.perf_counter() - start)
     return round(2 * 2048 * 512 * 3072 / best / 1e9, 1)
-
-
-def _cpu_seconds() -> float:
-    times = os.times()
-    return times.user + times.system
-
-
-def _system_busy() -> float:
-    """CPU seconds all processes spent busy (Linux /proc/stat), 0.0 where unavailable."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(v) for v in stat.readline().split()[1:]]
-    except OSError:
-        return 0.0
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _torch_profiler():

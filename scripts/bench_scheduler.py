@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -22,7 +20,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_common import machine_info  # noqa: E402
 from msgspec.structs import replace  # noqa: E402
 
 from engine_core import Request, Scheduler  # noqa: E402
@@ -111,15 +111,6 @@ def measure(num_running: int, num_waiting: int, pool_scale: int, steps: int) -> 
     }
 
 
-def machine() -> dict[str, object]:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-    }
-
-
 def print_table(report: dict) -> None:
     print("machine:", ", ".join(f"{k}={v}" for k, v in report["machine"].items()))
     print("config: ", ", ".join(f"{k}={v}" for k, v in report["config"].items()))
@@ -147,7 +138,7 @@ def main() -> None:
     cases += [(args.running, 10 * args.waiting, 1), (args.running, args.waiting, 10)]
     rows = [measure(*case, args.steps) for case in cases]
     report = {
-        "machine": machine(),
+        "machine": machine_info(),
         "config": {
             "prompt_len": PROMPT_LEN,
             "block_size": BLOCK_SIZE,

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -24,8 +22,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import msgspec  # noqa: E402
+from bench_common import machine_info  # noqa: E402
 from msgspec.structs import replace  # noqa: E402
 
 from engine_core import Request, Scheduler  # noqa: E402
@@ -165,21 +165,6 @@ def step_and_keep(scheduler: Scheduler) -> tuple[SchedulerOutput, SchedulerOutpu
     return output, full
 
 
-def machine() -> dict[str, object]:
-    cpu = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    return {
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "msgspec": msgspec.__version__,
-    }
-
-
 def print_table(report: dict) -> None:
     print("machine:", ", ".join(f"{k}={v}" for k, v in report["machine"].items()))
     print("config: ", ", ".join(f"{k}={v}" for k, v in report["config"].items()))
@@ -196,7 +181,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     report = {
-        "machine": machine(),
+        "machine": machine_info(msgspec=msgspec.__version__),
         "config": {
             "requests": args.requests,
             "block_size": BLOCK_SIZE,

@@ -21,7 +21,7 @@ def test_bench_wire_json_shows_a_diff_independent_of_prompt_length():
     )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["machine"]["cpu_count"] >= 1 and report["config"]["requests"] == 32
+    assert report["machine"]["num_cpus"] >= 1 and report["config"]["requests"] == 32
     short, long = report["rows"]
     assert (short["prompt_len"], long["prompt_len"]) == (100, 2000)
     # 20x the prompt: the full resend grows about 20x, the diff only by wider integers.

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_offline.py"
 
 
@@ -42,3 +44,23 @@ def test_json_report(tiny_model_dir, monkeypatch, capsys):
     expected_rate = report["num_output_tokens"] / report["seconds"]
     assert abs(report["output_tok_s"] - expected_rate) < 0.1 * expected_rate
     assert report["config"]["max_num_seqs"] == 4 and report["machine"]["num_cpus"] >= 1
+    assert report["engine"] == "mp" and report["cpu_utilization"] > 0.1
+
+
+@pytest.mark.slow
+def test_compare_times_every_setup_on_the_same_prompts(tiny_model_dir, monkeypatch, capsys):
+    bench = _load_script()
+    argv = ["bench_offline.py", "--model", str(tiny_model_dir), "--workload", "mix", "--compare"]
+    argv += ["--num-requests", "2", "--num-warmup-requests", "1", "--repeats", "1", "--json"]
+    argv += ["--kv-cache-memory", "32M", "--max-num-seqs", "4"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert bench.main() == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["runs"]) == {"inprocess", "mp_sync", "mp_async"}
+    assert report["ratio_to_inprocess"]["inprocess"] == 1.0
+    for name, (run,) in report["runs"].items():
+        assert run["num_output_tokens"] == 32 + 128, name
+        ratio = run["output_tok_s"] / report["best_output_tok_s"]["inprocess"]
+        assert abs(ratio - report["ratio_to_inprocess"][name]) < 0.01
+        # The engine and workers are child processes: their CPU time must be counted.
+        assert run["cpu_utilization"] > 0.1, name
