@@ -168,6 +168,7 @@ def main(
         return 2
     install_shutdown_signals()
     executor: Executor | None = None
+    core: EngineCore | None = None
     process: EngineCoreProcess | None = None
     reason, exit_code = "the engine was shut down", 0
     try:
@@ -191,6 +192,8 @@ def main(
         ignore_shutdown_signals()  # the cleanup is bounded; a second Ctrl-C must not cut it short
         if process is not None:
             process.close(reason)
-        if executor is not None:
+        if core is not None:
+            core.shutdown()  # also closes the step trace
+        elif executor is not None:
             executor.shutdown()
     return exit_code

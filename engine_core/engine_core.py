@@ -22,6 +22,7 @@ from msgspec.structs import replace
 from engine_core.executor import Executor
 from engine_core.request import Request
 from engine_core.scheduler import Scheduler
+from engine_core.step_trace import StepTracer
 from protocol import (
     EngineConfig,
     EngineCoreOutput,
@@ -53,6 +54,8 @@ class EngineCore:
         self._split_steps = hasattr(executor, "submit_step") and hasattr(
             executor, "wait_for_output"
         )
+        trace_path = config.observability.trace_steps
+        self.tracer = StepTracer(trace_path) if trace_path else None
 
     def add_request(
         self, request: EngineCoreRequest, client_index: int = 0
@@ -120,8 +123,11 @@ class EngineCore:
             # Nothing for the workers; outputs of aborted requests still go out.
             runner_output = ModelRunnerOutput(step_id=scheduler_output.step_id)
         else:
+            self._trace_submitted(scheduler_output)
             runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            self._trace_done()
         self._forget_finished(outputs)
         return outputs
 
@@ -141,10 +147,12 @@ class EngineCore:
             self._submit(following)
         done = self._in_flight.popleft()
         outputs = scheduler.update_from_output(done, self._wait())
+        self._trace_done()
         self._forget_finished(outputs)
         return outputs
 
     def _submit(self, scheduler_output: SchedulerOutput) -> None:
+        self._trace_submitted(scheduler_output)
         if self._split_steps:
             self.executor.submit_step(scheduler_output)  # type: ignore[attr-defined]
         else:
@@ -155,6 +163,19 @@ class EngineCore:
         if self._split_steps:
             return self.executor.wait_for_output()  # type: ignore[attr-defined]
         return self._ran.popleft()
+
+    def _trace_submitted(self, scheduler_output: SchedulerOutput) -> None:
+        if self.tracer is not None:
+            num_reqs = len(scheduler_output.scheduled_new_reqs) + len(
+                scheduler_output.scheduled_cached_reqs.req_ids
+            )
+            self.tracer.step_submitted(
+                scheduler_output.step_id, self.scheduler.make_stats(), num_reqs
+            )
+
+    def _trace_done(self) -> None:
+        if self.tracer is not None:
+            self.tracer.step_done(self.scheduler.make_stats())
 
     def _forget_finished(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         requests = self._requests
@@ -185,4 +206,6 @@ class EngineCore:
             raise AssertionError(f"{len(self._requests)} request ids still mapped")
 
     def shutdown(self) -> None:
+        if self.tracer is not None:
+            self.tracer.close()
         self.executor.shutdown()

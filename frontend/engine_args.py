@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from protocol import (
     CacheConfig,
     EngineConfig,
+    ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
     check_engine_config,
@@ -47,6 +49,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     tensor_parallel_size: int = 1
     async_scheduling: bool = False
+    trace_steps: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model directory and build the checked, frozen config tree."""
@@ -71,6 +74,9 @@ class EngineArgs:
                 async_scheduling=self.async_scheduling,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            observability=ObservabilityConfig(
+                trace_steps=str(Path(self.trace_steps).resolve()) if self.trace_steps else None
+            ),
             device=self.device,
         )
         check_engine_config(config)
@@ -134,6 +140,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         default=d.async_scheduling,
         help="schedule the next step while the workers run the current one (same outputs)",
+    )
+    group.add_argument(
+        "--trace-steps",
+        metavar="FILE",
+        default=d.trace_steps,
+        help="write one JSON line per executed step to FILE (see scripts/plot_trace.py)",
     )
     return parser
 

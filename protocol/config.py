@@ -63,11 +63,17 @@ class ParallelConfig(msgspec.Struct, frozen=True):
     tensor_parallel_size: int = 1
 
 
+class ObservabilityConfig(msgspec.Struct, frozen=True):
+    # A JSON-lines file the engine core writes one record per executed step to (None = off).
+    trace_steps: str | None = None
+
+
 class EngineConfig(msgspec.Struct, frozen=True):
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
     # "auto" = CUDA when available, else CPU.
     device: str = "auto"
 

@@ -75,3 +75,16 @@ def test_async_scheduling_through_processes_matches_the_synchronous_engine(
     got, num_preemptions = _run(tiny_model_dir, "mp", True, params, memory)
     assert got == expected
     assert (num_preemptions > 0) == tiny_pool
+
+
+def test_the_engine_process_writes_its_step_trace(tiny_model_dir, tmp_path):
+    from engine_core.step_trace import read_trace
+
+    trace = tmp_path / "steps.jsonl"
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(str(tiny_model_dir), kv_cache_memory=32 << 20, trace_steps=str(trace)) as llm:
+        outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        num_prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    records = read_trace(trace)  # complete once the engine has stopped
+    assert sum(r.num_prefill_tokens for r in records) == num_prompt_tokens
+    assert sum(r.num_decode_tokens for r in records) == 3 * (8 - 1)

@@ -1,0 +1,84 @@
+"""--trace-steps: one record per executed step, with what the step held, in sync and async mode."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from engine_core import EngineCore
+from engine_core.step_trace import read_trace
+from protocol import (
+    CacheConfig,
+    EngineConfig,
+    EngineCoreRequest,
+    ModelConfig,
+    ObservabilityConfig,
+    SamplingParams,
+    SchedulerConfig,
+)
+from tests.fake_executor import FakeExecutor
+
+VOCAB = 50
+PLOT_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "plot_trace.py"
+
+
+def make_engine(trace: Path, async_scheduling: bool) -> tuple[EngineCore, FakeExecutor]:
+    config = EngineConfig(
+        model=ModelConfig(model="fake", architecture="Fake", vocab_size=VOCAB, max_model_len=64),
+        cache=CacheConfig(block_size=4, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=8, max_model_len=64, async_scheduling=async_scheduling
+        ),
+        observability=ObservabilityConfig(trace_steps=str(trace)),
+    )
+    executor = FakeExecutor(60, VOCAB, block_size=4)
+    return EngineCore(config, executor), executor
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_one_record_per_executed_step_with_its_token_mix(tmp_path, async_scheduling):
+    trace = tmp_path / "steps.jsonl"
+    engine, executor = make_engine(trace, async_scheduling)
+    prompts = [[1] * 13, [2] * 3, [3] * 6]
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=5, ignore_eos=True)
+        engine.add_request(EngineCoreRequest(str(i), prompt, params, arrival_time=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.shutdown()
+    records = read_trace(trace)
+    executed = executor.scheduler_outputs
+    assert [r.step_id for r in records] == [s.step_id for s in executed]
+    # Budget 8 chunks the 13-token prompt: steps mixing prompt chunks and decodes must show up.
+    assert sum(r.num_prefill_tokens for r in records) == sum(len(p) for p in prompts)
+    # Every output token but the last of each request is fed back as a decode token.
+    assert sum(r.num_decode_tokens for r in records) == len(prompts) * (5 - 1)
+    assert all(
+        r.num_prefill_tokens + r.num_decode_tokens == s.total_num_scheduled_tokens
+        for r, s in zip(records, executed)
+    )
+    assert any(r.num_prefill_tokens and r.num_decode_tokens for r in records)
+    assert all(r.duration_ms >= 0 for r in records)
+    assert [r.time for r in records] == sorted(r.time for r in records)
+    assert records[-1].num_running == 0 and records[-1].kv_cache_usage == 0.0
+    assert max(r.kv_cache_usage for r in records) > 0
+
+
+def test_plot_trace_summarizes_and_draws(tmp_path, capsys):
+    trace = tmp_path / "steps.jsonl"
+    engine, _ = make_engine(trace, async_scheduling=False)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request(EngineCoreRequest("a", [5] * 10, params, arrival_time=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.shutdown()
+    spec = importlib.util.spec_from_file_location("plot_trace", PLOT_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "steps.png"
+    assert module.main([str(trace), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = capsys.readouterr().out
+    assert "prefill_tokens: 10" in summary and "decode_tokens: 3" in summary
