@@ -26,6 +26,8 @@ from engine_core.client_registry import ClientRegistry
 from protocol import Abort, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
 from protocol.messages import (
+    AllFreeReport,
+    CheckAllFree,
     EngineCoreServerMessage,
     EngineDead,
     EngineOutputsFrame,
@@ -47,7 +49,7 @@ class ClientInput:
     """A request or an abort from an attached client, for the busy loop."""
 
     client_index: int
-    message: Union[EngineCoreRequest, Abort]
+    message: Union[EngineCoreRequest, Abort, CheckAllFree]
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,9 @@ class ClientIO:
 
     def send_outputs(self, client_index: int, outputs: EngineCoreOutputs) -> None:
         self._put((client_index, outputs))
+
+    def send_report(self, client_index: int, report: AllFreeReport) -> None:
+        self._put((client_index, report))
 
     def broadcast_engine_dead(self, reason: str) -> None:
         self._put(EngineDead(reason))
@@ -240,10 +245,13 @@ class ClientIO:
                 for identity in self.registry.identities():
                     self._send(identity, item)
                 continue
-            client_index, outputs = item  # type: ignore[misc]
+            client_index, payload = item  # type: ignore[misc]
             identity = self.registry.identity_of(client_index)
-            if identity is not None:  # else the client left: its outputs go nowhere
-                self._send(identity, EngineOutputsFrame(outputs))
+            if identity is None:  # the client left: its outputs go nowhere
+                continue
+            if isinstance(payload, EngineCoreOutputs):
+                payload = EngineOutputsFrame(payload)
+            self._send(identity, payload)
 
     def _send(self, identity: bytes, message: EngineCoreServerMessage) -> None:
         # A ROUTER never blocks on send: a peer over its high-water mark loses the frame instead.

@@ -11,7 +11,11 @@ non-zero exit; SIGTERM/SIGINT become the same message with exit 0.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import threading
+import time
+from collections.abc import Callable
 
 import msgspec
 from msgspec.structs import replace
@@ -27,6 +31,7 @@ from engine_core.lifecycle import (
     tie_to_parent,
 )
 from protocol import Abort, EngineConfig, EngineCoreRequest
+from protocol.messages import AllFreeReport, CheckAllFree
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +57,32 @@ class EngineCoreProcess:
         self._inputs: queue.Queue[BusyLoopInput] = queue.Queue()
         self.io = ClientIO(address, ready_config_msgpack(core), self._inputs, heartbeat_timeout_s)
         self.address = self.io.address
+        self.watchdog = StepWatchdog(core.config.observability.step_timeout_s, self._hung)
 
     def run(self) -> None:
         """The busy loop; returns after ``stop``, raises on a fatal error."""
         self.io.start()
-        core, io = self.core, self.io
+        self.watchdog.start()
+        core, io, watchdog = self.core, self.io, self.watchdog
         while self._take_inputs(block=not core.has_unfinished_requests()):
             if core.has_unfinished_requests():
-                for client_index, outputs in core.step().items():
-                    io.send_outputs(client_index, outputs)
+                watchdog.step_started()
+                outputs = core.step()
+                watchdog.step_ended()
+                for client_index, client_outputs in outputs.items():
+                    io.send_outputs(client_index, client_outputs)
+
+    def _hung(self, reason: str) -> None:
+        """From the watchdog's thread: the busy loop is stuck, so it cannot clean up itself.
+
+        Tell every client (bounded), then exit at once; the workers watch this process and
+        stop when it is gone, and the supervisor sees a non-zero exit.
+        """
+        logger.error("%s; exiting", reason)
+        self.io.broadcast_engine_dead(reason)
+        self.io.stop()
+        logging.shutdown()
+        os._exit(3)
 
     def stop(self) -> None:
         """Ask the busy loop to return after its current step (any thread)."""
@@ -104,6 +126,9 @@ class EngineCoreProcess:
                     self.io.send_outputs(item.client_index, rejected)
             elif isinstance(message, Abort):
                 core.abort_requests(message.request_ids, item.client_index)
+            elif isinstance(message, CheckAllFree):
+                report = AllFreeReport(message.query_id, self._find_leftovers())
+                self.io.send_report(item.client_index, report)
         elif isinstance(item, ClientGone):
             num_aborted = core.abort_client(item.client_index)
             if num_aborted:
@@ -115,6 +140,50 @@ class EngineCoreProcess:
                 )
         elif isinstance(item, IOFailed):
             raise EngineFatalError(item.reason)
+
+    def _find_leftovers(self) -> str:
+        """Empty if no request is left and every KV block is free, else what is left."""
+        if not self.core.config.observability.debug_queries:
+            return "debug queries are disabled: start the engine with --enable-debug-queries"
+        try:
+            self.core.check_all_free()
+        except AssertionError as exc:
+            return str(exc) or "not all free"
+        return ""
+
+
+class StepWatchdog:
+    """A thread that calls ``on_hang`` once if a step runs longer than ``timeout_s`` (0 = off).
+
+    The busy loop marks each step's start and end (two attribute writes); the watchdog looks
+    every ``timeout_s / 20`` (at most once a second), so a hang is noticed within ~5 % of the
+    timeout.
+    """
+
+    def __init__(self, timeout_s: float, on_hang: Callable[[str], None]) -> None:
+        self.timeout_s = timeout_s
+        self._on_hang = on_hang
+        self._started: float | None = None
+        self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
+
+    def start(self) -> None:
+        if self.timeout_s > 0:
+            self._thread.start()
+
+    def step_started(self) -> None:
+        self._started = time.monotonic()
+
+    def step_ended(self) -> None:
+        self._started = None
+
+    def _watch(self) -> None:
+        interval = min(1.0, self.timeout_s / 20)
+        while True:
+            time.sleep(interval)
+            started = self._started
+            if started is not None and time.monotonic() - started > self.timeout_s:
+                self._on_hang(f"a step has run for over {self.timeout_s:g} s: the engine is hung")
+                return
 
 
 def ready_config_msgpack(core: EngineCore) -> bytes:

@@ -50,6 +50,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     async_scheduling: bool = False
     trace_steps: str | None = None
+    enable_debug_queries: bool = False
+    step_timeout_s: float = 600.0
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model directory and build the checked, frozen config tree."""
@@ -75,7 +77,9 @@ class EngineArgs:
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             observability=ObservabilityConfig(
-                trace_steps=str(Path(self.trace_steps).resolve()) if self.trace_steps else None
+                trace_steps=str(Path(self.trace_steps).resolve()) if self.trace_steps else None,
+                debug_queries=self.enable_debug_queries,
+                step_timeout_s=self.step_timeout_s,
             ),
             device=self.device,
         )
@@ -146,6 +150,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="FILE",
         default=d.trace_steps,
         help="write one JSON line per executed step to FILE (see scripts/plot_trace.py)",
+    )
+    group.add_argument(
+        "--enable-debug-queries",
+        action="store_true",
+        default=d.enable_debug_queries,
+        help="let clients ask whether every request is gone and every KV block free (tests)",
+    )
+    group.add_argument(
+        "--step-timeout-s",
+        type=float,
+        default=d.step_timeout_s,
+        help="a step running longer means the engine is hung: it reports itself dead and exits "
+        "non-zero (0 = never)",
     )
     return parser
 

@@ -57,6 +57,8 @@ class LLM:
             raise ValueError(f"engine must be 'mp' or 'inprocess', got {engine!r}")
         if model is None:
             model = str(_default_model())
+        # The engine is private to this LLM: answering block-accounting queries exposes nothing.
+        engine_args.setdefault("enable_debug_queries", True)
         args = engine_args_from_kwargs(model, engine_args)
         self.config = args.create_engine_config()
         self.tokenizer = load_tokenizer(self.config.model.model)

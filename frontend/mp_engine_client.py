@@ -44,12 +44,21 @@ from protocol import (
     SchedulerStats,
 )
 from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
-from protocol.messages import EngineDead, EngineOutputsFrame, Goodbye, Heartbeat, Ready
+from protocol.messages import (
+    AllFreeReport,
+    CheckAllFree,
+    EngineDead,
+    EngineOutputsFrame,
+    Goodbye,
+    Heartbeat,
+    Ready,
+)
 
 logger = logging.getLogger(__name__)
 
 _STOP_FRAME = b""  # never a real message: every encoded message has at least one byte
 _pipe_names = itertools.count()
+_query_ids = itertools.count()
 _PIPE_SEND_TIMEOUT_MS = 2000
 # How long step() waits for outputs before handing control back to the caller's loop.
 STEP_TIMEOUT_S = 1.0
@@ -165,27 +174,41 @@ class MPEngineClient:
         """True while a request of ours has not sent its final output."""
         return bool(self._unfinished)
 
-    def check_all_free(self) -> None:
-        """AssertionError unless none of our requests is left and the engine reported itself empty.
+    def check_all_free(self, timeout_s: float = CHECK_TIMEOUT_S) -> None:
+        """AssertionError unless none of our requests is left and the engine itself is empty.
 
-        Waits (bounded) for the final outputs of requests we aborted: the abort is on its way.
-        Weaker than the in-process check: it trusts the stats of the last outputs we received
-        (nothing running or waiting, KV usage 0), so it speaks for the whole engine only while
-        this client is the only one attached.
+        Waits (bounded) for the final outputs of requests we aborted (the abort is on its way),
+        then asks the engine (``CheckAllFree``, answered by engines started with debug queries):
+        no request in any queue, every KV block free with ref count 0. Asks again until the
+        answer is "free" or ``timeout_s`` passes, as an engine may still be finishing a step.
         """
-        deadline = time.monotonic() + CHECK_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while self._unfinished == self._aborted and self._aborted:
             if time.monotonic() > deadline:
                 break
             self.get_outputs(0.1)
         if self._unfinished:
             raise AssertionError(f"{len(self._unfinished)} requests still unfinished")
-        stats = self.stats
-        if stats is not None and (stats.num_running or stats.num_waiting or stats.kv_cache_usage):
-            raise AssertionError(
-                f"the engine reported {stats.num_running} running, {stats.num_waiting} waiting, "
-                f"KV usage {stats.kv_cache_usage:.3f}"
-            )
+        while True:
+            problem = self.ask_all_free(max(0.1, deadline - time.monotonic()))
+            if not problem or time.monotonic() > deadline or "disabled" in problem:
+                break
+            time.sleep(0.05)
+        if problem:
+            raise AssertionError(f"the engine is not empty: {problem}")
+
+    def ask_all_free(self, timeout_s: float = CHECK_TIMEOUT_S) -> str:
+        """One ``CheckAllFree`` round trip: "" if the engine is empty, else what is left."""
+        query_id = next(_query_ids)
+        self._send(CLIENT_TO_ENGINE.encode(CheckAllFree(query_id)))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                report = self._session.reports.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError("the engine did not answer CheckAllFree in time") from None
+            if report.query_id == query_id:
+                return report.problem
 
     def shutdown(self) -> None:
         """Say Goodbye, stop the socket thread and, if we started it, the engine. Idempotent."""
@@ -244,6 +267,7 @@ class _Session(threading.Thread):
         self._heartbeat_interval_s = heartbeat_interval_s
         self._heartbeat = CLIENT_TO_ENGINE.encode(Heartbeat())
         self.outputs: queue.SimpleQueue[_QueueItem] = queue.SimpleQueue()
+        self.reports: queue.SimpleQueue[AllFreeReport] = queue.SimpleQueue()
         self.dead_reason: str | None = None
 
     def run(self) -> None:
@@ -297,6 +321,8 @@ class _Session(threading.Thread):
                 continue
             if isinstance(message, EngineOutputsFrame):
                 self.outputs.put(message.outputs)
+            elif isinstance(message, AllFreeReport):
+                self.reports.put(message)
             elif isinstance(message, EngineDead):
                 self._die(message.reason)
                 return False

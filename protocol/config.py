@@ -66,6 +66,11 @@ class ParallelConfig(msgspec.Struct, frozen=True):
 class ObservabilityConfig(msgspec.Struct, frozen=True):
     # A JSON-lines file the engine core writes one record per executed step to (None = off).
     trace_steps: str | None = None
+    # Answer CheckAllFree (block accounting) queries; for tests and debugging, off in production.
+    debug_queries: bool = False
+    # A step that runs longer than this (seconds) means the engine is hung: it tells every client
+    # it is dead and exits non-zero, so the supervisor stops everything (0 = never).
+    step_timeout_s: float = 600.0
 
 
 class EngineConfig(msgspec.Struct, frozen=True):

@@ -154,7 +154,16 @@ class Goodbye(msgspec.Struct, tag=5, array_like=True, gc=False):
     """A client detaches cleanly: its requests are aborted at once."""
 
 
-EngineCoreClientMessage = Union[EngineCoreRequest, Abort, Hello, Heartbeat, Goodbye]
+class CheckAllFree(msgspec.Struct, tag=6, array_like=True, gc=False):
+    """Debug query: is the engine empty (no request anywhere, every KV block free, ref count 0)?
+
+    Answered by ``AllFreeReport``; an engine started without debug queries says so instead.
+    """
+
+    query_id: int
+
+
+EngineCoreClientMessage = Union[EngineCoreRequest, Abort, Hello, Heartbeat, Goodbye, CheckAllFree]
 
 
 class Ready(msgspec.Struct, tag=10, array_like=True, gc=False):
@@ -175,4 +184,11 @@ class EngineOutputsFrame(msgspec.Struct, tag=12, array_like=True, gc=False):
     outputs: EngineCoreOutputs
 
 
-EngineCoreServerMessage = Union[EngineOutputsFrame, Ready, EngineDead]
+class AllFreeReport(msgspec.Struct, tag=13, array_like=True, gc=False):
+    """The answer to ``CheckAllFree``: ``problem`` is empty when everything is free."""
+
+    query_id: int
+    problem: str = ""
+
+
+EngineCoreServerMessage = Union[EngineOutputsFrame, Ready, EngineDead, AllFreeReport]

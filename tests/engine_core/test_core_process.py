@@ -18,12 +18,13 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from msgspec.structs import replace
 
 from engine_core import EngineCore
 from engine_core.client_registry import ClientRegistry
-from engine_core.core_process import EngineCoreProcess, find_address_problem
+from engine_core.core_process import EngineCoreProcess, StepWatchdog, find_address_problem
 from frontend.engine_session import EngineDeadError
-from protocol import ModelRunnerOutput, SchedulerOutput
+from protocol import EngineConfig, ModelRunnerOutput, ObservabilityConfig, SchedulerOutput
 from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
 from protocol.messages import EngineOutputsFrame, Heartbeat, Hello, Ready
 from tests.engine_core.core_process_helpers import (
@@ -62,8 +63,14 @@ class SlowFakeExecutor(FakeExecutor):
 class ThreadedEngine:
     """An EngineCoreProcess busy loop in a thread, run and closed the way ``main`` does it."""
 
-    def __init__(self, executor: FakeExecutor, address: str, heartbeat_timeout_s: float) -> None:
-        self.core = EngineCore(fake_config(), executor)
+    def __init__(
+        self,
+        executor: FakeExecutor,
+        address: str,
+        heartbeat_timeout_s: float,
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.core = EngineCore(config or fake_config(), executor)
         self.process = EngineCoreProcess(self.core, address, heartbeat_timeout_s)
         self.address = self.process.address
         self.error: BaseException | None = None
@@ -93,10 +100,14 @@ class ThreadedEngine:
 def make_engine(tmp_path: Path) -> Iterator:
     engines: list[ThreadedEngine] = []
 
-    def make(executor: FakeExecutor | None = None, heartbeat_timeout_s: float = 10.0):
+    def make(
+        executor: FakeExecutor | None = None,
+        heartbeat_timeout_s: float = 10.0,
+        config: EngineConfig | None = None,
+    ):
         executor = executor or FakeExecutor(200, VOCAB, block_size=BLOCK_SIZE)
         address = f"ipc://{tmp_path / f'engine{len(engines)}.sock'}"
-        engines.append(ThreadedEngine(executor, address, heartbeat_timeout_s))
+        engines.append(ThreadedEngine(executor, address, heartbeat_timeout_s, config))
         return engines[-1]
 
     yield make
@@ -322,3 +333,32 @@ def test_an_idle_engine_blocks_and_still_notices_dead_workers(make_engine, make_
     executor.dead = True
     with pytest.raises(EngineDeadError, match="killed by SIGKILL"):
         client.get_outputs(5.0)
+
+
+def test_debug_queries_report_what_is_left_only_when_enabled(make_engine, make_client):
+    plain = make_client(make_engine().address)
+    assert "disabled" in plain.ask_all_free()
+    config = replace(fake_config(), observability=ObservabilityConfig(debug_queries=True))
+    engine = make_engine(SlowFakeExecutor(200, VOCAB, block_size=BLOCK_SIZE), config=config)
+    client = make_client(engine.address)
+    assert client.ask_all_free() == ""
+    client.add_request(request("long", [1, 2, 3, 4, 5, 6], max_tokens=400))
+    assert client.get_outputs(5.0) is not None
+    assert "1 running" in client.ask_all_free()
+    client.abort(["long"])
+    client.check_all_free()  # waits for the abort's final output, then asks until empty
+    assert engine.core.scheduler.kv_cache_manager.num_free_blocks == 199
+
+
+def test_the_watchdog_fires_once_for_a_step_over_its_timeout():
+    fired: list[str] = []
+    watchdog = StepWatchdog(0.2, fired.append)
+    watchdog.start()
+    watchdog.step_started()
+    watchdog.step_ended()  # a quick step: nothing
+    time.sleep(0.4)
+    assert fired == []
+    watchdog.step_started()
+    wait_for(lambda: fired, 2.0, "the watchdog")
+    time.sleep(0.3)
+    assert len(fired) == 1 and "hung" in fired[0]

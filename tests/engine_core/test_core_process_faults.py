@@ -120,3 +120,24 @@ def test_a_worker_fault_is_fatal_engine_dead_and_nonzero_exit(
     assert time.monotonic() - failed_at < 5.0
     assert engine.process.wait(10.0) == 1
     assert wait_until_gone(children, 5.0) == []
+
+
+@pytest.mark.slow
+def test_a_hung_step_is_fatal_within_the_step_timeout(
+    tiny_model_dir, engine_processes, make_client, monkeypatch
+):
+    monkeypatch.setenv("CONVEYOR_FAULT_INJECT", "hang@step=4")
+    config = EngineArgs(
+        model=str(tiny_model_dir), kv_cache_memory=16 << 20, step_timeout_s=2.0
+    ).create_engine_config()
+    engine = engine_processes(config, executor_backend="mp")
+    children = descendants(engine.pid)
+    client = make_client(engine.address)
+    client.add_request(tiny_request("stuck"))
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="hung"):
+        collect(client, timeout_s=30.0)
+    assert time.monotonic() - started < 2.0 + 4.0
+    assert engine.process.wait(10.0) == 3
+    # The hung worker notices its engine is gone and exits too.
+    assert wait_until_gone(children, 5.0) == []
