@@ -30,12 +30,14 @@ from engine_core.lifecycle import (
     install_shutdown_signals,
     tie_to_parent,
 )
-from protocol import Abort, EngineConfig, EngineCoreRequest
+from protocol import Abort, EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from protocol.messages import AllFreeReport, CheckAllFree
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+# Tests only: "raise@request=ID" makes handling the request named ID raise inside the engine.
+ENGINE_FAULT_ENV = "CONVEYOR_ENGINE_FAULT_INJECT"
 # How often an idle engine wakes up to ask the executor whether its workers are alive.
 _IDLE_WAIT_S = 1.0
 
@@ -58,6 +60,7 @@ class EngineCoreProcess:
         self.io = ClientIO(address, ready_config_msgpack(core), self._inputs, heartbeat_timeout_s)
         self.address = self.io.address
         self.watchdog = StepWatchdog(core.config.observability.step_timeout_s, self._hung)
+        self._faulty_request_id = _parse_engine_fault(os.environ.get(ENGINE_FAULT_ENV))
 
     def run(self) -> None:
         """The busy loop; returns after ``stop``, raises on a fatal error."""
@@ -121,9 +124,7 @@ class EngineCoreProcess:
         if isinstance(item, ClientInput):
             message = item.message
             if isinstance(message, EngineCoreRequest):
-                rejected = core.add_request(message, item.client_index)
-                if rejected is not None:
-                    self.io.send_outputs(item.client_index, rejected)
+                self._add_request(message, item.client_index)
             elif isinstance(message, Abort):
                 core.abort_requests(message.request_ids, item.client_index)
             elif isinstance(message, CheckAllFree):
@@ -140,6 +141,20 @@ class EngineCoreProcess:
                 )
         elif isinstance(item, IOFailed):
             raise EngineFatalError(item.reason)
+
+    def _add_request(self, request: EngineCoreRequest, client_index: int) -> None:
+        """Queue a request; one that makes the engine raise fails alone, never the engine."""
+        try:
+            if request.request_id == self._faulty_request_id:
+                raise RuntimeError(f"injected fault ({ENGINE_FAULT_ENV})")
+            rejected = self.core.add_request(request, client_index)
+        except Exception as exc:
+            logger.exception("request %r could not be added", request.request_id)
+            self.core.abort_requests([request.request_id], client_index)
+            output = EngineCoreOutput(request.request_id, [], "error", f"engine error: {exc!r}")
+            rejected = EngineCoreOutputs([output], time.monotonic())
+        if rejected is not None:
+            self.io.send_outputs(client_index, rejected)
 
     def _find_leftovers(self) -> str:
         """Empty if no request is left and every KV block is free, else what is left."""
@@ -184,6 +199,14 @@ class StepWatchdog:
             if started is not None and time.monotonic() - started > self.timeout_s:
                 self._on_hang(f"a step has run for over {self.timeout_s:g} s: the engine is hung")
                 return
+
+
+def _parse_engine_fault(text: str | None) -> str | None:
+    if not text:
+        return None
+    if not text.startswith("raise@request="):
+        raise ValueError(f"{ENGINE_FAULT_ENV}={text!r}: expected raise@request=ID")
+    return text.removeprefix("raise@request=")
 
 
 def ready_config_msgpack(core: EngineCore) -> bytes:

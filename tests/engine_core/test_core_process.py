@@ -362,3 +362,18 @@ def test_the_watchdog_fires_once_for_a_step_over_its_timeout():
     wait_for(lambda: fired, 2.0, "the watchdog")
     time.sleep(0.3)
     assert len(fired) == 1 and "hung" in fired[0]
+
+
+def test_a_request_that_makes_the_engine_raise_fails_alone(make_engine, make_client, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_ENGINE_FAULT_INJECT", "raise@request=poison")
+    engine = make_engine()
+    client = make_client(engine.address)
+    client.add_request(request("before", [1, 2, 3], max_tokens=5))
+    client.add_request(request("poison", [4, 5, 6], max_tokens=5))
+    client.add_request(request("after", [7, 8, 9], max_tokens=5))
+    results = collect(client)
+    assert results["poison"] == ([], "error")
+    assert results["before"] == (expected_tokens([1, 2, 3], 5), "length")
+    assert results["after"] == (expected_tokens([7, 8, 9], 5), "length")
+    assert engine.thread.is_alive() and engine.error is None
+    engine.core.check_all_free()
