@@ -34,6 +34,8 @@ from frontend.engine_session import (
 from protocol import Abort, EngineConfig, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
 from protocol.messages import (
+    AllFreeReport,
+    CheckAllFree,
     EngineCoreClientMessage,
     EngineDead,
     EngineOutputsFrame,
@@ -70,6 +72,8 @@ class AsyncEngineClient:
         # The engine's latest scheduler stats, from the last outputs this client received.
         self.stats: SchedulerStats | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._reports: dict[int, asyncio.Future[AllFreeReport]] = {}
+        self._next_query_id = 0
 
     @classmethod
     async def start(
@@ -137,6 +141,29 @@ class AsyncEngineClient:
         if request_ids and self.dead_reason is None:
             await self._send(Abort(list(request_ids)))
 
+    def abort_nowait(self, request_ids: list[str]) -> None:
+        """``abort`` without awaiting, for cleanup that must not await (a cancelled handler).
+
+        Aborting a request that already finished does nothing.
+        """
+        if request_ids and self.dead_reason is None:
+            self._post(Abort(list(request_ids)))
+
+    async def ask_all_free(self, timeout_s: float = 5.0) -> str:
+        """Ask the engine whether it is empty: "" if no request is left anywhere and every KV
+        block is free with ref count 0, else what is left (or that debug queries are off)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        self._next_query_id += 1
+        query_id = self._next_query_id
+        future: asyncio.Future[AllFreeReport] = asyncio.get_running_loop().create_future()
+        self._reports[query_id] = future
+        try:
+            await self._send(CheckAllFree(query_id))
+            return (await asyncio.wait_for(future, timeout_s)).problem
+        finally:
+            self._reports.pop(query_id, None)
+
     async def _iterate(
         self, request_id: str, stream: asyncio.Queue[_StreamItem]
     ) -> AsyncIterator[EngineCoreOutput]:
@@ -160,14 +187,17 @@ class AsyncEngineClient:
 
     # ------------------------------------------------------------------ shutdown
 
-    async def shutdown(self) -> None:
-        """Say Goodbye, stop the tasks and, if we started it, the engine. Idempotent."""
+    async def shutdown(self, reason: str = "the client was shut down") -> None:
+        """Say Goodbye, stop the tasks and, if we started it, the engine. Idempotent.
+
+        Open streams raise ``EngineDeadError(reason)``; the engine aborts their requests.
+        """
         if self._socket.closed:
             return
         if self.dead_reason is None:
             with contextlib.suppress(zmq.ZMQError):
                 await self._send(Goodbye())
-        self._fail_all("the client was shut down")
+        self._fail_all(reason, expected=True)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -190,6 +220,10 @@ class AsyncEngineClient:
                     continue
                 if isinstance(message, EngineOutputsFrame):
                     self._dispatch(message)
+                elif isinstance(message, AllFreeReport):
+                    future = self._reports.get(message.query_id)
+                    if future is not None and not future.done():
+                        future.set_result(message)
                 elif isinstance(message, EngineDead):
                     self._fail_all(message.reason)
         except asyncio.CancelledError:
@@ -226,11 +260,15 @@ class AsyncEngineClient:
                 return
             await asyncio.sleep(LIVENESS_INTERVAL_S)
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, expected: bool = False) -> None:
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
-        logger.error("engine dead: %s", reason)
+        # Our own shutdown is no news to an operator; a dead engine is.
+        if expected:
+            logger.info("engine session closed: %s", reason)
+        else:
+            logger.error("engine dead: %s", reason)
         error = EngineDeadError(reason)
         for stream in self._streams.values():
             stream.put_nowait(error)

@@ -1,0 +1,85 @@
+"""HTTP errors in the shape OpenAI clients expect: ``{"error": {message, type, param, code}}``.
+
+Runs in an HTTP frontend process. Every failure a handler can foresee is an ``ApiError`` carrying
+its status; the server turns it into a JSON body. Messages are truncated, so a body that echoes
+part of a huge input (a stop string, a model name) stays small whatever the client sent.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.responses import Response
+
+# Long enough for any message we write, short enough that echoed input cannot bloat a response.
+MAX_MESSAGE_CHARS = 512
+_ELLIPSIS = "..."
+
+# OpenAI's "type" for each status we send.
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+class ApiError(Exception):
+    """A failure with an HTTP status; ``param`` names the offending request field, if one."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+def truncate(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - len(_ELLIPSIS)] + _ELLIPSIS
+
+
+def error_body(status: int, message: str, param: str | None = None) -> ErrorResponse:
+    error_type = _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "ServerError")
+    param = truncate(param, 64) if param is not None else None
+    return ErrorResponse(ErrorInfo(truncate(message), error_type, param, status))
+
+
+def error_json(status: int, message: str, param: str | None = None) -> bytes:
+    return msgspec.json.encode(error_body(status, message, param))
+
+
+def error_response(error: ApiError) -> Response:
+    headers = {}
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(error.retry_after_s)
+    return Response(
+        error_json(error.status, error.message, error.param),
+        status_code=error.status,
+        headers=headers,
+        media_type="application/json",
+    )

@@ -1,0 +1,142 @@
+"""OpenAI response bodies as msgspec Structs: completions, chat, streaming chunks, usage, models.
+
+Runs in an HTTP frontend process. Field names and nesting follow OpenAI's API (and vLLM's
+``stop_reason`` extension), so the official client parses them. ``None`` fields are written as
+``null`` where OpenAI writes them; only a chat delta omits what it does not carry.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+# ---------------------------------------------------------------- /v1/completions
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """The legacy completions format: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    # The stop string or stop token id that ended the choice (vLLM's extension).
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    object: str = "text_completion"
+
+
+# ---------------------------------------------------------------- /v1/chat/completions
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatChoiceLogprobs(msgspec.Struct):
+    content: list[ChatLogprobEntry] | None = None
+
+
+class ChatMessageOut(msgspec.Struct):
+    role: str
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    object: str = "chat.completion"
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    # The first chunk of a choice carries the role, later ones only content.
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    object: str = "chat.completion.chunk"
+
+
+# ---------------------------------------------------------------- /v1/models
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    max_model_len: int
+    owned_by: str = "conveyor"
+    object: str = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+_ENCODER = msgspec.json.Encoder()
+
+
+def encode_json(body: msgspec.Struct) -> bytes:
+    return _ENCODER.encode(body)
+
+
+def sse_event(body: msgspec.Struct) -> bytes:
+    """One server-sent event: ``data: {json}`` and a blank line."""
+    return b"data: " + _ENCODER.encode(body) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

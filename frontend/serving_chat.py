@@ -1,0 +1,179 @@
+"""POST /v1/chat/completions: messages through the model's chat template, n choices out.
+
+Runs in an HTTP frontend process, on its event loop. The conversation is rendered with the
+tokenizer's own template (``add_generation_prompt=True``) and tokenized here, so every frontend
+process spends its own CPU on it. A stream starts with a ``role`` delta for every choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from starlette.responses import Response
+from starlette.types import Receive
+
+from frontend.choice_stream import stream_choices
+from frontend.choice_tracker import ChoiceDelta, ChoiceTracker, LogprobRow
+from frontend.http_errors import ApiError, bad_request, error_body
+from frontend.logprobs_format import chat_logprobs
+from frontend.openai_protocol import (
+    ChatCompletionRequest,
+    chat_max_tokens,
+    chat_num_logprobs,
+    message_text,
+    to_sampling_params,
+)
+from frontend.openai_responses import (
+    SSE_DONE,
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    ChatStreamChoice,
+    encode_json,
+    sse_event,
+)
+from frontend.serving_common import (
+    ServingState,
+    SSEResponse,
+    check_model,
+    check_prompt,
+    make_choices,
+    raise_on_error,
+    run_unless_disconnected,
+    usage,
+)
+from protocol import EngineCoreRequest
+
+ROLE = "assistant"
+
+
+async def create_chat_completion(
+    state: ServingState, body: ChatCompletionRequest, receive: Receive
+) -> Response:
+    arrival_time = time.monotonic()
+    check_model(state, body.model)
+    num_logprobs = chat_num_logprobs(body)
+    max_tokens = chat_max_tokens(body)
+    prompt = render_chat(state, body)
+    check_prompt(state, prompt, max_tokens)
+    params = to_sampling_params(body, max_tokens, num_logprobs, state.config.model.vocab_size)
+    requests, trackers = make_choices(state, [prompt], params, body.priority, arrival_time)
+    run = _ChatRun(state, body, prompt, requests, trackers, num_logprobs)
+    if body.stream:
+        return SSEResponse(run.events())
+    response = await run_unless_disconnected(receive, run.collect())
+    return Response(encode_json(response), media_type="application/json")
+
+
+def render_chat(state: ServingState, body: ChatCompletionRequest) -> list[int]:
+    """The conversation as prompt token ids, through the model's chat template."""
+    if not body.messages:
+        raise bad_request("messages must not be empty", "messages")
+    conversation = [
+        {"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)
+    ]
+    tokenizer = state.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions")
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=False
+        )
+    except Exception as exc:  # a template may raise anything on input it does not expect
+        raise bad_request(
+            f"the chat template cannot render these messages: {exc}", "messages"
+        ) from None
+    # The template wrote the special tokens itself.
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+class _ChatRun:
+    """One chat request in flight."""
+
+    def __init__(
+        self,
+        state: ServingState,
+        body: ChatCompletionRequest,
+        prompt: list[int],
+        requests: list[EngineCoreRequest],
+        trackers: list[ChoiceTracker],
+        num_logprobs: int | None,
+    ) -> None:
+        self.state = state
+        self.body = body
+        self.prompt = prompt
+        self.requests = requests
+        self.trackers = trackers
+        self.num_logprobs = num_logprobs
+        self.response_id = f"chatcmpl-{requests[0].request_id.rsplit('-', 1)[0]}"
+        self.created = int(time.time())
+
+    def _deltas(self) -> AsyncIterator[ChoiceDelta]:
+        state = self.state
+        return stream_choices(state.client, self.requests, self.trackers, state.metrics)
+
+    def _logprobs(self, rows: list[LogprobRow]) -> ChatChoiceLogprobs | None:
+        if self.num_logprobs is None:
+            return None
+        return ChatChoiceLogprobs(chat_logprobs(self.state.tokenizer, rows, self.num_logprobs))
+
+    async def collect(self) -> ChatCompletionResponse:
+        async with contextlib.aclosing(self._deltas()) as deltas:
+            async for _ in deltas:
+                pass
+        raise_on_error(self.trackers)
+        choices = [
+            ChatChoice(
+                t.index,
+                ChatMessageOut(ROLE, t.text),
+                self._logprobs(t.logprobs),
+                t.finish_reason,
+                t.stop_reason,
+            )
+            for t in self.trackers
+        ]
+        return ChatCompletionResponse(
+            self.response_id,
+            self.created,
+            self.state.model_name,
+            choices,
+            usage([self.prompt], self.trackers),
+        )
+
+    def _chunk(self, choices: list[ChatStreamChoice], with_usage: bool = False) -> bytes:
+        chunk = ChatCompletionChunk(self.response_id, self.created, self.state.model_name, choices)
+        if with_usage:
+            chunk.usage = usage([self.prompt], self.trackers)
+        return sse_event(chunk)
+
+    async def events(self) -> AsyncIterator[bytes]:
+        for tracker in self.trackers:
+            yield self._chunk([ChatStreamChoice(tracker.index, ChatDelta(ROLE, ""))])
+        try:
+            async with contextlib.aclosing(self._deltas()) as deltas:
+                async for delta in deltas:
+                    if delta.text or delta.logprobs or delta.finish_reason:
+                        yield self._chunk([self._stream_choice(delta)])
+            raise_on_error(self.trackers)
+        except ApiError as exc:
+            yield sse_event(error_body(exc.status, exc.message))
+        except Exception as exc:  # EngineDeadError above all: the stream ends with an error event
+            yield sse_event(error_body(503, f"the engine failed: {exc}"))
+        else:
+            options = self.body.stream_options
+            if options is not None and options.include_usage:
+                yield self._chunk([], with_usage=True)
+        yield SSE_DONE
+
+    def _stream_choice(self, delta: ChoiceDelta) -> ChatStreamChoice:
+        choice = ChatStreamChoice(
+            delta.index, ChatDelta(content=delta.text), self._logprobs(delta.logprobs)
+        )
+        if delta.finish_reason is not None and delta.finish_reason != "error":
+            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+        return choice

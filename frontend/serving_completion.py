@@ -1,0 +1,144 @@
+"""POST /v1/completions: prompts in, n choices per prompt out, whole or streamed.
+
+Runs in an HTTP frontend process, on its event loop. Everything a client can get wrong is
+checked before the first engine request is sent, so a 400 never leaves work behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from starlette.responses import Response
+from starlette.types import Receive
+
+from frontend.choice_stream import stream_choices
+from frontend.choice_tracker import ChoiceDelta, ChoiceTracker
+from frontend.http_errors import ApiError, error_body
+from frontend.logprobs_format import completion_logprobs
+from frontend.openai_protocol import (
+    CompletionRequest,
+    check_completion_request,
+    prompt_list,
+    to_sampling_params,
+)
+from frontend.openai_responses import (
+    SSE_DONE,
+    CompletionChoice,
+    CompletionResponse,
+    encode_json,
+    sse_event,
+)
+from frontend.serving_common import (
+    ServingState,
+    SSEResponse,
+    check_model,
+    check_prompt,
+    make_choices,
+    raise_on_error,
+    run_unless_disconnected,
+    tokenize,
+    usage,
+)
+from protocol import EngineCoreRequest
+
+
+async def create_completion(
+    state: ServingState, body: CompletionRequest, receive: Receive
+) -> Response:
+    arrival_time = time.monotonic()
+    check_model(state, body.model)
+    check_completion_request(body)
+    prompts = [p if isinstance(p, list) else tokenize(state, p) for p in prompt_list(body.prompt)]
+    for i, token_ids in enumerate(prompts):
+        check_prompt(state, token_ids, body.max_tokens, i if len(prompts) > 1 else None)
+    params = to_sampling_params(body, body.max_tokens, body.logprobs, state.config.model.vocab_size)
+    requests, trackers = make_choices(state, prompts, params, body.priority, arrival_time)
+    run = _CompletionRun(state, body, prompts, requests, trackers)
+    if body.stream:
+        return SSEResponse(run.events())
+    response = await run_unless_disconnected(receive, run.collect())
+    return Response(encode_json(response), media_type="application/json")
+
+
+class _CompletionRun:
+    """One completion request in flight: its engine requests, trackers and response id."""
+
+    def __init__(
+        self,
+        state: ServingState,
+        body: CompletionRequest,
+        prompts: list[list[int]],
+        requests: list[EngineCoreRequest],
+        trackers: list[ChoiceTracker],
+    ) -> None:
+        self.state = state
+        self.body = body
+        self.prompts = prompts
+        self.requests = requests
+        self.trackers = trackers
+        self.response_id = f"cmpl-{requests[0].request_id.rsplit('-', 1)[0]}"
+        self.created = int(time.time())
+        self._text_offsets = [0] * len(trackers)
+
+    def _deltas(self) -> AsyncIterator[ChoiceDelta]:
+        state = self.state
+        return stream_choices(state.client, self.requests, self.trackers, state.metrics)
+
+    async def collect(self) -> CompletionResponse:
+        async with contextlib.aclosing(self._deltas()) as deltas:
+            async for _ in deltas:
+                pass
+        raise_on_error(self.trackers)
+        choices = []
+        for tracker in self.trackers:
+            choices.append(self._choice(tracker.index, tracker.text, tracker.logprobs))
+            choices[-1].finish_reason = tracker.finish_reason
+            choices[-1].stop_reason = tracker.stop_reason
+        return CompletionResponse(
+            self.response_id,
+            self.created,
+            self.state.model_name,
+            choices,
+            usage(self.prompts, self.trackers),
+        )
+
+    async def events(self) -> AsyncIterator[bytes]:
+        try:
+            async with contextlib.aclosing(self._deltas()) as deltas:
+                async for delta in deltas:
+                    if delta.text or delta.logprobs or delta.finish_reason:
+                        yield sse_event(self._chunk(delta))
+            raise_on_error(self.trackers)
+        except ApiError as exc:
+            yield sse_event(error_body(exc.status, exc.message))
+        except Exception as exc:  # EngineDeadError above all: the stream ends with an error event
+            yield sse_event(error_body(503, f"the engine failed: {exc}"))
+        else:
+            options = self.body.stream_options
+            if options is not None and options.include_usage:
+                yield sse_event(
+                    CompletionResponse(
+                        self.response_id,
+                        self.created,
+                        self.state.model_name,
+                        [],
+                        usage(self.prompts, self.trackers),
+                    )
+                )
+        yield SSE_DONE
+
+    def _chunk(self, delta: ChoiceDelta) -> CompletionResponse:
+        choice = self._choice(delta.index, delta.text, delta.logprobs)
+        if delta.finish_reason is not None and delta.finish_reason != "error":
+            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+        return CompletionResponse(self.response_id, self.created, self.state.model_name, [choice])
+
+    def _choice(self, index: int, text: str, rows: list) -> CompletionChoice:
+        choice = CompletionChoice(index, text)
+        if self.body.logprobs is not None:
+            choice.logprobs, self._text_offsets[index] = completion_logprobs(
+                self.state.tokenizer, rows, self.body.logprobs, self._text_offsets[index]
+            )
+        return choice

@@ -1,0 +1,320 @@
+"""The OpenAI-compatible HTTP server, through the official ``openai`` client, against real processes.
+
+One ``scripts/serve.py --frontends 2`` per module (engine core, one worker, two frontends sharing a
+port) plus one frontend attached by hand with ``python -m frontend``. Greedy outputs are compared
+with ``frontend.LLM`` on the same prompts. The last test kills a frontend (which stops the whole
+server), so it must stay last.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from frontend import LLM
+from frontend.tokenizer import load_tokenizer
+from protocol import SamplingParams
+from tests.frontend.http_helpers import (
+    MODEL_NAME,
+    ServedHttp,
+    frontend_pids,
+    get,
+    metric,
+    parse_metrics,
+    post_json,
+    read_events,
+    send_completion,
+    start_attached_frontend,
+    start_served_http,
+    wait_for,
+)
+from tests.process_tree import descendants, kill_all, wait_until_gone
+
+# One server per module: with --dist loadgroup, xdist keeps a module on one worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http-openai")]
+
+TEXT_PROMPTS = ["def main():", "import os\nimport sys\n", "class Foo(object):"]
+TOKEN_PROMPT = [5, 6, 7, 8, 9, 10]
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+MAX_TOKENS = 12
+SEEDED = dict(n=3, temperature=1.0, seed=7, max_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedHttp]:
+    log = tmp_path_factory.mktemp("http") / "serve.log"
+    extra = ["--frontends", "2", "--demo-prompt", TEXT_PROMPTS[0]]
+    served = start_served_http(tiny_model_dir, log, extra)
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> dict[str, object]:
+    """What ``frontend.LLM`` (in-process engine) produces for the prompts the tests send."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    chat_text = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    chat_ids = list(tokenizer(chat_text, add_special_tokens=False).input_ids)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    with LLM(str(tiny_model_dir), engine="inprocess", kv_cache_memory=16 << 20) as llm:
+        outputs = llm.generate([*TEXT_PROMPTS, TOKEN_PROMPT, chat_ids], greedy, use_tqdm=False)
+        seeded = llm.generate([TEXT_PROMPTS[0]], SamplingParams(**SEEDED), use_tqdm=False)
+        demo_params = SamplingParams(temperature=0.0, max_tokens=32)
+        demo = llm.generate([TEXT_PROMPTS[0]], demo_params, use_tqdm=False)
+    return {"greedy": outputs, "seeded": seeded[0], "demo": demo[0]}
+
+
+@pytest.fixture(scope="module")
+def client(served: ServedHttp) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def _by_index(choices: list) -> list:
+    return sorted(choices, key=lambda c: c.index)
+
+
+def test_the_demo_prompt_prints_the_greedy_completion(served, reference):
+    # The README's quick start relies on this line.
+    line = served.stdout.get(timeout=30.0).strip()
+    demo = reference["demo"].outputs[0]
+    expected = f"completion ({demo.finish_reason}): {TEXT_PROMPTS[0]!r} -> {demo.text!r}"
+    assert line == expected
+    assert served.stdout.get(timeout=5.0).startswith("try: curl ")
+
+
+def test_completions_equal_llm_whole_and_streamed(client, reference):
+    greedy = reference["greedy"]
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=TEXT_PROMPTS, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert response.object == "text_completion" and response.model == MODEL_NAME
+    assert [c.text for c in _by_index(response.choices)] == [o.outputs[0].text for o in greedy[:3]]
+    assert [c.finish_reason for c in _by_index(response.choices)] == ["length"] * 3
+    assert response.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in greedy[:3])
+    assert response.usage.completion_tokens == 3 * MAX_TOKENS
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 3 * MAX_TOKENS
+
+    by_ids = client.completions.create(
+        model=MODEL_NAME, prompt=TOKEN_PROMPT, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert by_ids.choices[0].text == greedy[3].outputs[0].text
+
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt=TEXT_PROMPTS,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    texts, finish = ["", "", ""], [None, None, None]
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finish[choice.index] = choice.finish_reason or finish[choice.index]
+    assert texts == [o.outputs[0].text for o in greedy[:3]]
+    assert finish == ["length"] * 3
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3 * MAX_TOKENS
+
+
+def test_chat_equals_llm_on_the_templated_prompt(client, reference):
+    expected = reference["greedy"][4]
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0
+    )
+    message = response.choices[0].message
+    assert response.object == "chat.completion" and message.role == "assistant"
+    assert message.content == expected.outputs[0].text
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=CHAT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    entries = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == MAX_TOKENS
+    for entry in entries:
+        assert len(entry.top_logprobs) == 2
+        # Greedy takes the most likely token, so its logprob is the best of the top-k.
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)
+
+
+def test_seeded_samples_are_reproducible_and_match_llm(client, reference):
+    kwargs = dict(model=MODEL_NAME, prompt=TEXT_PROMPTS[0], **SEEDED)
+    first = [c.text for c in _by_index(client.completions.create(**kwargs).choices)]
+    again = [c.text for c in _by_index(client.completions.create(**kwargs).choices)]
+    assert first == again
+    assert first == [o.text for o in reference["seeded"].outputs]
+    assert len(set(first)) > 1, "n samples with seed + i should differ"
+
+
+def test_completion_logprobs_in_openai_format(client):
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=TEXT_PROMPTS[1], max_tokens=8, temperature=0, logprobs=3
+    )
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 8
+    assert logprobs.text_offset[0] == 0
+    assert all(a <= b for a, b in zip(logprobs.text_offset, logprobs.text_offset[1:]))
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert value <= 0.0 and 1 <= len(top) <= 4 and top[token] == value
+        assert value == pytest.approx(max(top.values()), abs=1e-5)
+
+
+def test_stop_strings_end_and_truncate_the_text(client, reference):
+    full = reference["greedy"][0].outputs[0].text
+    # Two plain characters from the middle: the model's byte tokens may also print U+FFFD.
+    windows = [full[i : i + 2] for i in range(3, len(full) - 2)]
+    stop = next(w for w in windows if "\ufffd" not in w and w.strip())
+    cut = full.find(stop)
+    assert stop and cut + len(stop) < len(full), f"the reference text is too short: {full!r}"
+    kwargs = dict(model=MODEL_NAME, prompt=TEXT_PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+
+    choice = client.completions.create(stop=[stop, "never-seen-stop"], **kwargs).choices[0]
+    assert (choice.text, choice.finish_reason) == (full[:cut], "stop")
+    assert choice.to_dict()["stop_reason"] == stop
+
+    streamed = list(client.completions.create(stop=stop, stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in streamed) == full[:cut]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+    kept = client.completions.create(
+        stop=stop, extra_body={"include_stop_str_in_output": True}, **kwargs
+    )
+    assert kept.choices[0].text == full[: cut + len(stop)]
+
+
+def _frontend_counts(base_url: str, num_scrapes: int = 40) -> dict[str, float]:
+    """Finished choices per frontend pid, from scrapes that land on whichever frontend."""
+    counts: dict[str, float] = {}
+    for _ in range(num_scrapes):
+        samples = parse_metrics(get(base_url, "/metrics")[1])
+        pid = next(k for k in samples if k.startswith("conveyor:frontend_info"))
+        pid = pid.split('pid="')[1].split('"')[0]
+        counts[pid] = metric(samples, "conveyor:request_success_total")
+        if len(counts) == 2:
+            break
+    return counts
+
+
+def test_two_frontends_serve_parallel_requests(served, reference):
+    prompts = [*TEXT_PROMPTS, TOKEN_PROMPT] * 6
+    expected = [o.outputs[0].text for o in reference["greedy"][:4]] * 6
+    body = dict(model=MODEL_NAME, max_tokens=MAX_TOKENS, temperature=0)
+
+    def complete(prompt: str | list[int]) -> str:
+        # A fresh connection each: the kernel spreads connections over the two frontends.
+        status, _, response = post_json(
+            served.base_url, "/v1/completions", {**body, "prompt": prompt}
+        )
+        assert status == 200, response
+        return response["choices"][0]["text"]
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(complete, prompts)) == expected
+    counts = _frontend_counts(served.base_url)
+    assert len(counts) == 2 and all(n > 0 for n in counts.values()), counts
+
+
+@pytest.fixture(scope="module")
+def attached(served: ServedHttp, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A third frontend, started by hand on its own port against the running engine."""
+    log = tmp_path_factory.mktemp("attached") / "frontend.log"
+    process, base_url = start_attached_frontend(served.engine_address, log)
+    try:
+        yield base_url
+        assert process.poll() is None, "the attached frontend died"
+        # Whether or not the engine is gone (the last test stops it), SIGTERM drains, exits 0.
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(15.0) == 0, log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(5.0)
+
+
+def _engine_metrics(base_url: str) -> dict[str, float]:
+    samples = parse_metrics(get(base_url, "/metrics")[1])
+    return {
+        "running": metric(samples, "conveyor:num_requests_running"),
+        "kv": metric(samples, "conveyor:kv_cache_usage_perc"),
+        "aborted": metric(samples, "conveyor:request_success_total", finished_reason="abort"),
+        "seconds_per_token": metric(samples, "conveyor:inter_token_latency_seconds_sum")
+        / metric(samples, "conveyor:inter_token_latency_seconds_count"),
+    }
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "whole"])
+def test_a_disconnect_aborts_the_request_and_frees_its_blocks(attached, reference, stream):
+    prompt = TEXT_PROMPTS[2]
+    greedy = {"prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS}
+    response = post_json(attached, "/v1/completions", greedy)[2]
+    assert response["choices"][0]["text"] == reference["greedy"][2].outputs[0].text
+    before = _engine_metrics(attached)
+    long_request = {"prompt": prompt, "max_tokens": 4000, "ignore_eos": True, "stream": stream}
+    sock = send_completion(attached, long_request)
+    try:
+        if stream:
+            read_events(sock, 3)
+        busy = wait_for(lambda: (m := _engine_metrics(attached))["running"] > 0 and m, 10.0)
+        assert busy and busy["kv"] > 0, busy
+    finally:
+        sock.close()
+    closed_at = time.monotonic()
+    idle = wait_for(lambda: (m := _engine_metrics(attached))["running"] == 0 and m, 10.0)
+    assert idle and idle["kv"] == 0.0, idle
+    assert idle["aborted"] == before["aborted"] + 1
+    # Idle because it was aborted, not because it ran to the end: that takes far longer.
+    assert time.monotonic() - closed_at < 0.25 * 4000 * idle["seconds_per_token"]
+
+
+def test_a_dead_frontend_stops_the_supervisor_and_the_engine(served, attached):
+    children = descendants(served.process.pid)
+    pids = frontend_pids(served.process.pid)
+    assert len(pids) == 2
+    # A stream on the attached frontend, open while the engine goes away.
+    long_request = {"prompt": TEXT_PROMPTS[0], "max_tokens": 4000, "ignore_eos": True}
+    sock = send_completion(attached, {**long_request, "stream": True})
+    try:
+        received = read_events(sock, 1)
+        os.kill(pids[0], signal.SIGKILL)
+        assert served.process.wait(15.0) == 1
+        while b"data: [DONE]" not in received:
+            data = sock.recv(65536)
+            assert data, f"the stream closed without [DONE]: {received[-300:]!r}"
+            received += data
+    finally:
+        sock.close()
+        kill_all(children)
+    assert wait_until_gone(children, 10.0) == [], "the supervisor left children behind"
+    death = rf"frontend-\d \(pid {pids[0]}\) exited with code -9; stopping everything"
+    assert re.search(death, served.log.read_text())
+    # The stream ended with an error event, then [DONE].
+    error_event = received[received.rindex(b'data: {"error"') : received.rindex(b"data: [DONE]")]
+    assert b'"code":503' in error_event and b"engine" in error_event
+    # The frontend outlives the engine: it says so, and refuses new work with 503.
+    assert wait_for(lambda: get(attached, "/health")[0] == 503, 10.0)
+    status, headers, body = post_json(attached, "/v1/completions", {"prompt": "x"})
+    assert status == 503 and int(headers["retry-after"]) > 0
+    assert body["error"]["code"] == 503 and "engine" in body["error"]["message"]
+    # The attached fixture then checks that a SIGTERMed frontend still drains and exits 0.

@@ -1,0 +1,180 @@
+"""The HTTP frontend's pure parts, without a server: body decoding and checks, streamed text
+with stop strings, and the Prometheus text.
+
+Runs in the test process, in milliseconds (the tokenizer is the tiny model's).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from frontend.choice_tracker import ChoiceTracker
+from frontend.http_errors import MAX_MESSAGE_CHARS, ApiError
+from frontend.http_metrics import ServerMetrics
+from frontend.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_max_tokens,
+    chat_num_logprobs,
+    check_completion_request,
+    decode_body,
+    message_text,
+    prompt_list,
+    to_sampling_params,
+)
+from frontend.tokenizer import load_tokenizer
+from protocol import EngineCoreOutput, SamplingParams, SchedulerStats
+
+VOCAB_SIZE = 2048
+
+
+def _convert_completion(raw: bytes) -> None:
+    body = decode_body(raw, CompletionRequest)
+    check_completion_request(body)
+    prompt_list(body.prompt)
+    to_sampling_params(body, body.max_tokens, body.logprobs, VOCAB_SIZE)
+
+
+def _convert_chat(raw: bytes) -> None:
+    body = decode_body(raw, ChatCompletionRequest)
+    num_logprobs = chat_num_logprobs(body)
+    for i, message in enumerate(body.messages):
+        message_text(message, i)
+    to_sampling_params(body, chat_max_tokens(body), num_logprobs, VOCAB_SIZE)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+COMPLETION_FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
+                     "stop_token_ids", "logprobs", "min_tokens", "stream_options", "model", "echo",
+                     "priority", "presence_penalty", "logit_bias", "best_of"]  # fmt: skip
+CHAT_FIELDS = ["messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
+               "temperature", "n", "tools", "response_format", "stop"]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(COMPLETION_FIELDS), json_values, max_size=5))
+def test_any_completion_body_is_accepted_or_a_bounded_400(fields: dict[str, Any]):
+    body = {"prompt": "def f():", **fields}
+    try:
+        _convert_completion(json.dumps(body).encode())
+    except ApiError as error:
+        assert error.status == 400 and len(error.message) < 4 * MAX_MESSAGE_CHARS
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(CHAT_FIELDS), json_values, max_size=5))
+def test_any_chat_body_is_accepted_or_a_400(fields: dict[str, Any]):
+    body = {"messages": [{"role": "user", "content": "hi"}], **fields}
+    try:
+        _convert_chat(json.dumps(body).encode())
+    except ApiError as error:
+        assert error.status == 400
+
+
+@given(st.binary(max_size=64))
+def test_any_bytes_are_a_body_or_a_400(raw: bytes):
+    try:
+        _convert_completion(raw)
+    except ApiError as error:
+        assert error.status == 400
+
+
+def test_a_deeply_nested_body_is_a_400_not_a_crash():
+    raw = b'{"prompt": "x", "unknown": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(ApiError, match="nested too deeply"):
+        _convert_completion(raw)
+
+
+def test_the_sampling_error_names_its_field():
+    body = decode_body(b'{"prompt": "x", "top_p": 0}', CompletionRequest)
+    with pytest.raises(ApiError) as error:
+        to_sampling_params(body, 16, None, VOCAB_SIZE)
+    assert error.value.param == "top_p" and "top_p" in error.value.message
+
+
+def test_the_four_prompt_forms_and_the_mixed_one():
+    assert prompt_list("a") == ["a"]
+    assert prompt_list(["a", "b"]) == ["a", "b"]
+    assert prompt_list([1, 2]) == [[1, 2]]
+    assert prompt_list([[1], [2, 3]]) == [[1], [2, 3]]
+    with pytest.raises(ApiError):
+        prompt_list([[1], "a"])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    return load_tokenizer(tiny_model_dir)
+
+
+def _run_tracker(tokenizer: Any, text: str, stop: list[str]) -> tuple[ChoiceTracker, list[str]]:
+    """Feed ``text``'s tokens one engine output at a time; the text deltas handed out."""
+    token_ids = list(tokenizer(text).input_ids)
+    params = SamplingParams(stop=stop, max_tokens=len(token_ids))
+    tracker = ChoiceTracker(0, "r", tokenizer, [5, 6], params, 0.0)
+    deltas = []
+    for i, token_id in enumerate(token_ids):
+        last = i == len(token_ids) - 1
+        output = EngineCoreOutput("r", [token_id], "length" if last else None)
+        deltas.append(tracker.update(output).text)
+        if tracker.finished:
+            break
+    return tracker, deltas
+
+
+def test_streamed_text_never_shows_a_stop_string_or_its_start(tokenizer):
+    text = "x = compute(1)\nreturn value_of_x + 1\n# trailing words"
+    tracker, deltas = _run_tracker(tokenizer, text, ["return value", "never"])
+    assert "".join(deltas) == "x = compute(1)\n" == tracker.text
+    assert (tracker.finish_reason, tracker.stop_reason) == ("stop", "return value")
+    assert len(deltas) < len(tokenizer(text).input_ids), "it stopped at the stop string"
+
+
+def test_without_a_stop_the_deltas_add_up_to_the_whole_decode(tokenizer):
+    text = "def main():\n    print('héllo wörld ✓')\n"
+    tracker, deltas = _run_tracker(tokenizer, text, [])
+    whole = tokenizer.decode(tracker.token_ids, skip_special_tokens=True)
+    assert "".join(deltas) == whole and tracker.finish_reason == "length"
+
+
+def _samples(text: str) -> dict[str, float]:
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def test_metrics_render_cumulative_histograms_and_engine_gauges():
+    metrics = ServerMetrics('a "quoted" name')
+    for ttft in (0.003, 0.05, 0.05, 3.0):
+        metrics.observe_tokens(arrival=0.0, previous=None, now=ttft)
+    metrics.observe_finished("length", 0.0, 2.0, num_prompt=7, num_generated=5)
+    stats = SchedulerStats(num_running=3, kv_cache_usage=0.25, prefix_cache_queries=64,
+                           prefix_cache_hits=16, num_preemptions=2)  # fmt: skip
+    samples = _samples(metrics.render(stats))
+    label = 'model_name="a \\"quoted\\" name"'
+    name = "conveyor:time_to_first_token_seconds"
+    assert samples[f'{name}_bucket{{{label},le="0.005"}}'] == 1
+    assert samples[f'{name}_bucket{{{label},le="0.06"}}'] == 3
+    assert samples[f'{name}_bucket{{{label},le="+Inf"}}'] == 4
+    assert samples[f"{name}_count{{{label}}}"] == 4
+    assert samples[f"{name}_sum{{{label}}}"] == pytest.approx(3.103)
+    reason = f'conveyor:request_success_total{{{label},finished_reason="length"}}'
+    assert samples[reason] == 1
+    assert samples[f"conveyor:prompt_tokens_total{{{label}}}"] == 7
+    assert samples[f"conveyor:num_requests_running{{{label}}}"] == 3
+    assert samples[f"conveyor:kv_cache_usage_perc{{{label}}}"] == 0.25
+    assert samples[f"conveyor:prefix_cache_hit_rate{{{label}}}"] == 0.25
+    assert samples[f"conveyor:num_preemptions_total{{{label}}}"] == 2
