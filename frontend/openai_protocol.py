@@ -108,6 +108,9 @@ def decode_body(body: bytes, body_type: type[Any]) -> Any:
     except RecursionError:
         # Even an unknown field is parsed to skip it: deep nesting must be a 400, not a 500.
         raise bad_request("the request body is nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        # msgspec decodes a string's bytes lazily: invalid UTF-8 inside one surfaces as this.
+        raise bad_request(f"the request body is not valid UTF-8: {exc.reason}") from None
 
 
 def _raise_invalid(message: str) -> Any:

@@ -43,3 +43,21 @@ def test_importing_engine_core_and_protocol_leaves_torch_unimported():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+UNPICKLERS = {"pickle", "cloudpickle", "dill", "marshal", "shelve", "joblib"}
+PICKLING_CALLS = {"recv_pyobj", "send_pyobj", "recv_serialized", "send_serialized"}
+
+
+def test_nothing_unpickles_what_arrives():
+    """Row 16: messages are msgspec Structs; nothing that crosses a process boundary (or comes
+    from a model directory: weights are safetensors) goes through pickle."""
+    for package in ("protocol", "engine_core", "frontend", "worker"):
+        for path, names in _imported_top_levels(package).items():
+            assert not names & UNPICKLERS, path
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Attribute):
+                    assert node.attr not in PICKLING_CALLS, f"{path}: {node.attr}"
+                    is_torch_load = isinstance(node.value, ast.Name) and node.value.id == "torch"
+                    assert not (is_torch_load and node.attr == "load"), f"{path}: torch.load"

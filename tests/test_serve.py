@@ -21,12 +21,15 @@ from pathlib import Path
 import pytest
 
 from frontend.engine_client import MPEngineClient
+from frontend.frontend_process import RestartBudget
 from protocol import EngineCoreRequest, SamplingParams
+from tests.frontend.http_helpers import free_port
 from tests.process_tree import descendants, kill_all, wait_until_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = ROOT / "scripts" / "serve.py"
 READY = re.compile(r"^ready: engine_core pid=(\d+) address=(\S+)$")
+HTTP_READY = re.compile(r"^ready: http://")
 
 
 @dataclass
@@ -38,8 +41,10 @@ class Served:
     children: list[int] = field(default_factory=list)
 
 
-def _start(model_dir: Path, log: Path, timeout_s: float = 60.0) -> Served:
+def _start(model_dir: Path, log: Path, frontends: int = 0, timeout_s: float = 60.0) -> Served:
+    # Mostly the engine alone: tests/frontend/test_http_*.py run the supervisor with frontends.
     command = [sys.executable, str(SERVE), "--model", str(model_dir), "--kv-cache-memory", "16M"]
+    command += ["--frontends", str(frontends), "--port", str(free_port())]
     with log.open("w") as log_file:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True)
     served = Served(process, log)
@@ -47,6 +52,8 @@ def _start(model_dir: Path, log: Path, timeout_s: float = 60.0) -> Served:
     threading.Thread(target=lambda: [lines.put(x) for x in process.stdout], daemon=True).start()
     try:
         match = READY.match(lines.get(timeout=timeout_s).strip())
+        if match and frontends:
+            assert HTTP_READY.match(lines.get(timeout=timeout_s)), "no ready: http line"
     except queue.Empty:
         match = None
     finally:
@@ -60,8 +67,8 @@ def _start(model_dir: Path, log: Path, timeout_s: float = 60.0) -> Served:
 def serve(tiny_model_dir: Path, tmp_path: Path) -> Iterator:
     started: list[Served] = []
 
-    def start() -> Served:
-        served = _start(tiny_model_dir, tmp_path / f"serve{len(started)}.log")
+    def start(frontends: int = 0) -> Served:
+        served = _start(tiny_model_dir, tmp_path / f"serve{len(started)}.log", frontends)
         started.append(served)
         return served
 
@@ -102,31 +109,54 @@ def test_sigterm_stops_everything_and_exits_zero(serve):
 
 @pytest.mark.slow
 def test_a_sigkilled_supervisor_leaves_no_orphans(serve):
-    served = serve()
+    """Row 9: the engine, its worker and an HTTP frontend all notice and exit."""
+    served = serve(frontends=1)
     children = descendants(served.process.pid)
-    assert len(children) >= 2
+    assert len(children) >= 3
     served.process.kill()
     served.process.wait(5.0)
     assert wait_until_gone(children, 10.0) == [], "children outlived the supervisor"
 
 
 @pytest.mark.slow
-def test_a_dead_engine_stops_the_supervisor_with_an_error(serve):
+@pytest.mark.parametrize("victim", ["engine_core", "worker"])
+def test_a_dead_engine_or_worker_stops_the_supervisor_with_an_error(serve, victim):
+    """Rows 6 and 7 at the supervisor (tests/frontend/test_http_openai.py has the streams)."""
     served = serve()
     children = descendants(served.process.pid)
-    os.kill(served.engine_pid, signal.SIGKILL)
+    if victim == "engine_core":
+        os.kill(served.engine_pid, signal.SIGKILL)
+    else:
+        (worker,) = descendants(served.engine_pid)
+        os.kill(worker, signal.SIGKILL)
     assert served.process.wait(10.0) != 0
     assert wait_until_gone(children, 5.0) == []
-    assert "exited with code -9" in served.log.read_text()
+    code = "-9" if victim == "engine_core" else "1"
+    assert (
+        f"engine_core (pid {served.engine_pid}) exited with code {code}" in served.log.read_text()
+    )
+
+
+def test_the_restart_budget_allows_so_many_restarts_per_window():
+    now = [0.0]
+    budget = RestartBudget(2, 60.0, clock=lambda: now[0])
+    assert budget.take() and budget.take() and not budget.take()
+    now[0] = 30.0
+    assert not budget.take(), "both restarts are still within the window"
+    now[0] = 60.5
+    assert budget.take() and budget.num_recent == 1
+    assert not RestartBudget(0, 60.0).take(), "0: never restart"
 
 
 @pytest.mark.slow
 def test_a_signal_while_the_model_loads_exits_cleanly(tiny_model_dir, tmp_path):
+    """Row 11, at three moments of the start-up."""
     command = [sys.executable, str(SERVE), "--model", str(tiny_model_dir)]
-    command += ["--kv-cache-memory", "16M"]
+    command += ["--kv-cache-memory", "16M", "--frontends", "1", "--port", str(free_port())]
     # Wait for the state rather than sleep: under load a fixed delay can land before the
-    # supervisor runs at all. 1 descendant: the engine is starting; 2: its worker loads the model.
-    for num_descendants in (1, 2):
+    # supervisor runs at all. 1 descendant: the engine is starting; 2: its worker loads the
+    # model; 3: the frontend starts (imports, attaches, loads its tokenizer).
+    for num_descendants in (1, 2, 3):
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         children: list[int] = []
         try:
@@ -144,7 +174,16 @@ def test_a_signal_while_the_model_loads_exits_cleanly(tiny_model_dir, tmp_path):
             kill_all(children)
 
 
-def test_frontends_are_refused_until_they_exist():
-    command = [sys.executable, str(SERVE), "--model", "/nonexistent", "--frontends", "1"]
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--frontends", "-1"], "--frontends must be >= 0"),
+        (["--port", "0"], "--port must be"),
+        (["--heartbeat-timeout-s", "1"], "--heartbeat-timeout-s must be at least 3"),
+        (["--frontend-max-restarts", "-1"], "--frontend-max-restarts and --drain-timeout-s"),
+    ],
+)
+def test_bad_frontend_flags_are_refused(flags, message):
+    command = [sys.executable, str(SERVE), "--model", "/nonexistent", *flags]
     result = subprocess.run(command, capture_output=True, text=True, timeout=30)
-    assert result.returncode == 2 and "not available yet" in result.stderr
+    assert result.returncode == 2 and message in result.stderr

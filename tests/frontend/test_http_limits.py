@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from frontend.api_server import ServerSettings, build_app
 from tests.frontend.http_helpers import (
     MODEL_NAME,
     ServedHttp,
@@ -159,6 +160,10 @@ def _call(base_url: str, method: str, path: str, headers: dict[str, str]) -> tup
 
 
 def test_api_key_guards_every_v1_route_and_leaves_health_and_metrics_open(served):
+    # Every API route the app has is in ROUTES: a new route cannot slip past this test.
+    app_routes = {route.path for route in build_app(ServerSettings("ipc://unused")).routes}
+    assert {p for p in app_routes if p.startswith("/v1")} <= {path for _, path, _ in ROUTES}
+    assert app_routes - {path for _, path, _ in ROUTES} == {"/health", "/metrics"}
     wrong_keys = [{}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": API_KEY},
                   {"Authorization": f"Basic {API_KEY}"}]  # fmt: skip
     for method, path, allowed_status in ROUTES:
@@ -185,6 +190,9 @@ def test_requests_beyond_the_in_flight_cap_get_429_with_retry_after(served):
         error = _assert_error_body(status, raw, 429)
         assert error["type"] == "RateLimitError" and int(headers["retry-after"]) >= 1
         assert get(served.base_url, "/health")[0] == 200, "health is never rate limited"
+        # The refusal came before the request was admitted: in flight is still exactly the cap.
+        samples = parse_metrics(get(served.base_url, "/metrics")[1])
+        assert metric(samples, "conveyor:num_http_requests_in_flight") == MAX_IN_FLIGHT
     finally:
         for sock in streams:
             sock.close()

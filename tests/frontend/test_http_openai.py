@@ -2,8 +2,8 @@
 
 One ``scripts/serve.py --frontends 2`` per module (engine core, one worker, two frontends sharing a
 port) plus one frontend attached by hand with ``python -m frontend``. Greedy outputs are compared
-with ``frontend.LLM`` on the same prompts. The last test kills a frontend (which stops the whole
-server), so it must stay last.
+with ``frontend.LLM`` on the same prompts. The last test kills the engine core (which stops the
+whole server), so it must stay last; tests/frontend/test_http_faults.py kills a frontend.
 """
 
 from __future__ import annotations
@@ -288,26 +288,28 @@ def test_a_disconnect_aborts_the_request_and_frees_its_blocks(attached, referenc
     assert time.monotonic() - closed_at < 0.25 * 4000 * idle["seconds_per_token"]
 
 
-def test_a_dead_frontend_stops_the_supervisor_and_the_engine(served, attached):
+def test_a_dead_engine_fails_open_streams_and_stops_the_supervisor(served, attached):
+    """Row 6 through HTTP: SIGKILL the engine core with a stream open."""
     children = descendants(served.process.pid)
-    pids = frontend_pids(served.process.pid)
-    assert len(pids) == 2
-    # A stream on the attached frontend, open while the engine goes away.
+    assert len(frontend_pids(served.process.pid)) == 2
+    # A stream on the attached frontend, which outlives the supervisor and so can be watched.
     long_request = {"prompt": TEXT_PROMPTS[0], "max_tokens": 4000, "ignore_eos": True}
     sock = send_completion(attached, {**long_request, "stream": True})
     try:
         received = read_events(sock, 1)
-        os.kill(pids[0], signal.SIGKILL)
-        assert served.process.wait(15.0) == 1
+        os.kill(served.engine_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
         while b"data: [DONE]" not in received:
             data = sock.recv(65536)
             assert data, f"the stream closed without [DONE]: {received[-300:]!r}"
             received += data
+        assert time.monotonic() - killed_at < 10.0
+        assert served.process.wait(15.0) == 1
     finally:
         sock.close()
         kill_all(children)
     assert wait_until_gone(children, 10.0) == [], "the supervisor left children behind"
-    death = rf"frontend-\d \(pid {pids[0]}\) exited with code -9; stopping everything"
+    death = rf"engine_core \(pid {served.engine_pid}\) exited with code -9; stopping everything"
     assert re.search(death, served.log.read_text())
     # The stream ended with an error event, then [DONE].
     error_event = received[received.rindex(b'data: {"error"') : received.rindex(b"data: [DONE]")]

@@ -91,6 +91,13 @@ def test_any_bytes_are_a_body_or_a_400(raw: bytes):
         assert error.status == 400
 
 
+def test_invalid_utf8_inside_a_string_is_a_400_not_a_crash():
+    # Found by tests/frontend/test_http_fuzz.py: msgspec raised UnicodeDecodeError (a 500).
+    with pytest.raises(ApiError, match="not valid UTF-8") as error:
+        _convert_completion(b'{"prompt": "def \x85ain():", "max_tokens": 2}')
+    assert error.value.status == 400
+
+
 def test_a_deeply_nested_body_is_a_400_not_a_crash():
     raw = b'{"prompt": "x", "unknown": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     with pytest.raises(ApiError, match="nested too deeply"):
