@@ -1,0 +1,65 @@
+"""scripts/policy_study.py end to end in its --smoke mode: the tiny model, a few requests.
+
+Runs the study as a child process (it starts its own engines and servers) and reads what it
+wrote: the report, its plots, and a numeric table row per policy in every section. About 40 s
+on an idle 2-core machine (five engine starts), hence slow.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+POLICIES = ("static", "orca", "prefill-first", "stall-free")
+PLOTS = ("offline_throughput.png", "online_latency.png", "capacity.png")
+NUMBER = re.compile(r"^(≥ )?-?\d+(\.\d+)?x?$")
+
+
+def section_tables(report: str) -> dict[str, list[list[str]]]:
+    """Section title -> the data rows (cells) of the tables in it."""
+    tables: dict[str, list[list[str]]] = {}
+    title = ""
+    for line in report.splitlines():
+        if line.startswith("## "):
+            title = line[3:]
+        elif line.startswith("| ") and not line.startswith("| policy |"):
+            tables.setdefault(title, []).append([c.strip() for c in line.strip("|").split("|")])
+    return tables
+
+
+@pytest.fixture(scope="module")
+def smoke_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("policy_study")
+    command = [sys.executable, str(ROOT / "scripts" / "policy_study.py"), "--smoke"]
+    done = subprocess.run(
+        [*command, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out
+
+
+@pytest.mark.slow
+def test_the_smoke_study_writes_a_report_and_its_plots(smoke_study: Path):
+    report = (smoke_study / "report.md").read_text()
+    for plot in PLOTS:
+        assert (smoke_study / plot).stat().st_size > 1000, plot
+        assert f"({plot})" in report, f"the report does not link {plot}"
+    assert "python scripts/policy_study.py --smoke" in report
+    assert '"num_cpus"' in report, "machine info"
+
+
+@pytest.mark.slow
+def test_every_section_has_a_numeric_row_per_policy(smoke_study: Path):
+    tables = section_tables((smoke_study / "report.md").read_text())
+    assert len(tables) == 3, list(tables)
+    for title, rows in tables.items():
+        for policy in POLICIES:
+            row = next((r for r in rows if r[0] == policy), None)
+            assert row is not None, f"{title}: no row for {policy}"
+            numeric = [c for c in row[1:] if NUMBER.match(c)]
+            assert len(numeric) >= 2, f"{title}: {row}"
