@@ -256,6 +256,11 @@ class Scheduler:
         if request.req_id in self._worker_req_ids:
             self._worker_req_ids.discard(request.req_id)
             self._finished_req_ids.append(request.req_id)
+            # Preempted in a step that had no tokens, then finished by the token that was in
+            # flight (async scheduling): its preemption never reached the workers, and telling
+            # them both would ask them to drop one mirror twice.
+            if self._preempted_req_ids and request.req_id in self._preempted_req_ids:
+                self._preempted_req_ids.remove(request.req_id)
 
     # ------------------------------------------------------------------ after the step ran
 

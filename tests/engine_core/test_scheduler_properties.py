@@ -232,3 +232,33 @@ def test_a_tiny_pool_forces_preemption_and_tokens_still_match(policy: str, async
     run = run_workload(workload)
     assert run.scheduler.make_stats().num_preemptions > 0
     assert any(r.num_preemptions > 0 and r.status.finish_reason != "abort" for r in run.requests)
+
+
+def test_a_request_preempted_in_an_empty_step_then_finished_is_only_sent_as_finished():
+    # Found by the property test: with async scheduling, req 2 was preempted in a step that had
+    # no tokens (so its preemption waited for the next step) and then finished by the token in
+    # flight; the next step told the workers it was both finished and preempted.
+    workload = {
+        "arrivals": [
+            Arrival(0, (1,), 1, 0, False),
+            Arrival(0, (7,) + (1,) * 12, 6, 0, False),
+            Arrival(0, tuple(PREFIX[:10]) + (32, 46), 6, 0, True),
+            Arrival(1, (1,), 1, 0, False),
+        ],
+        "aborts": [],
+        "options": {
+            "policy": "stall-free",
+            "queue_order": "fcfs",
+            "max_num_seqs": 2,
+            "max_num_batched_tokens": 2,
+            "long_prefill_token_threshold": 1,
+            "num_blocks": 10,
+            "enable_prefix_caching": False,
+            "async_scheduling": True,
+        },
+    }
+    run = run_workload(workload)
+    assert run.requests[2].num_preemptions >= 1, "the workload no longer reaches the case"
+    sent = run.executor.scheduler_outputs
+    for output in sent:
+        assert not set(output.finished_req_ids) & set(output.preempted_req_ids), output.step_id
