@@ -5,8 +5,9 @@ not thread-safe, and a ROUTER must receive and send from the same thread). It de
 frames and hands requests and aborts to the busy loop through a queue; the busy loop hands outputs
 back through another queue plus a wake-up pipe the thread polls beside the socket, so the loop
 never touches the socket and the thread never blocks the loop. Session traffic (Hello, Heartbeat,
-Goodbye) is answered here without the busy loop. A frame that does not decode is logged and
-dropped: one bad client must not stop the engine for everyone.
+Goodbye) is answered here without the busy loop, and so is any frame from a client that is not
+attached (dropped for silence, say): an ``EngineDead`` for that client alone. A frame that does
+not decode is logged and dropped: one bad client must not stop the engine for everyone.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Union
 import zmq
 
 from engine_core.client_registry import ClientRegistry
-from protocol import Abort, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from protocol import Abort, EngineCoreOutputs, EngineCoreRequest
 from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
 from protocol.messages import (
     AllFreeReport,
@@ -192,8 +193,6 @@ class ClientIO:
             logger.info("client %d attached (%s)", client.client_index, client.name or "unnamed")
             ready = Ready(client.client_index, self._config_msgpack, os.getpid())
             self._send(identity, ready)
-        elif isinstance(message, Heartbeat):
-            registry.touch(identity)
         elif isinstance(message, Goodbye):
             client = registry.detach(identity)
             if client is not None:
@@ -201,16 +200,20 @@ class ClientIO:
                 self._inputs.put(ClientGone(client.client_index, "goodbye"))
         else:
             client = registry.touch(identity)
-            if client is not None:
+            if client is None:
+                self._reject_unattached(identity)
+            elif not isinstance(message, Heartbeat):
                 self._inputs.put(ClientInput(client.client_index, message))  # type: ignore[arg-type]
-            elif isinstance(message, EngineCoreRequest):
-                self._reject_unattached(identity, message)
 
-    def _reject_unattached(self, identity: bytes, request: EngineCoreRequest) -> None:
-        # A client dropped for silence may still be sending: tell it, do not leave it waiting.
-        reason = "client is not attached (no Hello, or dropped after missing heartbeats)"
-        output = EngineCoreOutput(request.request_id, [], "error", reason)
-        self._send(identity, EngineOutputsFrame(EngineCoreOutputs([output], time.monotonic())))
+    def _reject_unattached(self, identity: bytes) -> None:
+        # A client dropped for silence (its process was stalled, say) comes back still sending
+        # heartbeats and requests: tell it its session is over, so that it neither waits for
+        # outputs that never come nor goes on looking healthy.
+        reason = (
+            "this client is not attached to the engine: it was dropped after missing heartbeats "
+            f"for over {self.registry.heartbeat_timeout_s:g} s (or never said Hello)"
+        )
+        self._send(identity, EngineDead(reason, client_dropped=True))
 
     def _drop(self, identity: bytes, why: str) -> None:
         self.num_dropped_frames += 1

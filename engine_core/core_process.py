@@ -31,7 +31,7 @@ from engine_core.lifecycle import (
     tie_to_parent,
 )
 from protocol import Abort, EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from protocol.messages import AllFreeReport, CheckAllFree
+from protocol.messages import AddRequests, AllFreeReport, CheckAllFree
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,9 @@ class EngineCoreProcess:
             message = item.message
             if isinstance(message, EngineCoreRequest):
                 self._add_request(message, item.client_index)
+            elif isinstance(message, AddRequests):
+                for request in message.requests:
+                    self._add_request(request, item.client_index)
             elif isinstance(message, Abort):
                 core.abort_requests(message.request_ids, item.client_index)
             elif isinstance(message, CheckAllFree):

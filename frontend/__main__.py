@@ -6,7 +6,8 @@ Runs as an HTTP frontend process. Started N times by ``scripts/serve.py --fronte
 hand to add one more frontend to an engine that already runs (its address is in serve.py's
 ``ready: engine_core ...`` line). The port is bound with SO_REUSEPORT, so frontends given the same
 port share it. SIGTERM/SIGINT drain: /health turns 503, in-flight requests get up to
---drain-timeout-s to finish, then the process exits 0.
+--drain-timeout-s to finish, then the process exits 0. A frontend the engine dropped (it stalled
+past the heartbeat timeout) exits 1, for its supervisor to start a new one.
 """
 
 from __future__ import annotations

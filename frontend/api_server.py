@@ -6,7 +6,8 @@ from the directory the engine names; each frontend process is its own engine cli
 of them (sharing one port through SO_REUSEPORT) add tokenizing and streaming CPU.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 while
-the engine is dead or this frontend drains), GET /metrics (Prometheus text).
+the engine is dead, has dropped this frontend or this frontend drains), GET /metrics (Prometheus
+text).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -73,11 +74,16 @@ async def read_body(request: Request, limit: int) -> bytes:
         if int(declared) > limit:
             raise ApiError(413, f"the request body exceeds {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body exceeds {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body exceeds {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # A hang-up mid-upload is the client's choice, not a server error: nothing was sent
+        # to the engine yet, and nobody is left to read an answer.
+        raise ClientDisconnected() from None
     return b"".join(chunks)
 
 
@@ -107,8 +113,10 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     state = _serving(request)
-    if state.client.dead_reason is not None:
-        return JSONResponse({"status": "engine dead", "reason": state.client.dead_reason}, 503)
+    client = state.client
+    if client.dead_reason is not None:
+        status = "engine session lost" if client.session_lost else "engine dead"
+        return JSONResponse({"status": status, "reason": client.dead_reason}, 503)
     if state.draining:
         return JSONResponse({"status": "draining"}, 503)
     return JSONResponse({"status": "ok"})
@@ -205,25 +213,38 @@ def build_app(settings: ServerSettings) -> Starlette:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, plus a drain on SIGTERM and a ready file.
+    """uvicorn's server, plus a drain on SIGTERM, a ready file and an exit on a lost session.
 
     Draining keeps the listening socket open, so a new request is answered 503 + Retry-After (by
     the gate; /health says 503 too) rather than refused; requests in flight get up to
     ``drain_timeout_s`` to finish. Those still running then are aborted in the engine and end
     with an error (a 503, or an error event and [DONE] on a stream) before uvicorn closes the
     connections.
+
+    An engine that dropped this frontend (it stalled past the heartbeat timeout) serves it
+    nothing more, while its own /health could only say 503 forever: the server stops and
+    ``run_server`` returns 1, so that the supervisor starts a frontend that attaches anew.
     """
 
     def __init__(self, config: uvicorn.Config, ready_file: Path | None, drain_timeout_s: float):
         super().__init__(config)
         self._ready_file = ready_file
         self._drain_timeout_s = drain_timeout_s
+        self.session_lost = False
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         serving = getattr(self.config.app.state, "serving", None)
         if serving is not None:
             serving.draining = True
         super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        serving: ServingState | None = getattr(self.config.app.state, "serving", None)
+        if serving is not None and serving.client.session_lost and not self.session_lost:
+            logger.error("the engine dropped this frontend; exiting, to be restarted")
+            self.session_lost = True
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -300,4 +321,4 @@ def run_server(
         uvloop.run(server.serve(sockets=[sock]))
     else:
         asyncio.run(server.serve(sockets=[sock]))
-    return 0 if server.started else 1
+    return 0 if server.started and not server.session_lost else 1

@@ -3,8 +3,10 @@
 Runs in a frontend process, on its event loop. Every request gets its own queue and an async
 iterator over its outputs; one task receives and dispatches the engine's frames, another sends
 heartbeats and checks the engine process is alive. When the engine dies, every open stream raises
-``EngineDeadError`` and so does every later ``add_request``. Everything runs on the loop's thread,
-so the one DEALER socket is used by one thread only.
+``EngineDeadError`` and so does every later ``add_request``; the same happens, with
+``session_lost`` set, when the engine serves on but has dropped this client (it missed its
+heartbeats: its process stalled). Everything runs on the loop's thread, so the one DEALER socket
+is used by one thread only.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class AsyncEngineClient:
         self._engine: EngineProcess | None = None
         self._streams: dict[str, asyncio.Queue[_StreamItem]] = {}
         self.dead_reason: str | None = None
+        self._session_lost = False
         # The engine's latest scheduler stats, from the last outputs this client received.
         self.stats: SchedulerStats | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -133,8 +136,21 @@ class AsyncEngineClient:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         stream: asyncio.Queue[_StreamItem] = asyncio.Queue()
         self._streams[request.request_id] = stream
-        await self._send(request)
+        try:
+            await self._send(request)
+        except BaseException:
+            # Cancelled mid-send (its HTTP client left, say): the frame may be out already, and
+            # nobody will ever iterate the stream whose cleanup would abort it.
+            self._streams.pop(request.request_id, None)
+            self.abort_nowait([request.request_id])
+            raise
         return self._iterate(request.request_id, stream)
+
+    @property
+    def session_lost(self) -> bool:
+        """The engine serves on but dropped this client: nothing more will be served through
+        it, and only a new client (a new attach) is served again."""
+        return self._session_lost
 
     async def abort(self, request_ids: list[str]) -> None:
         """Abort in the engine; each open stream then ends with finish_reason "abort"."""
@@ -225,7 +241,7 @@ class AsyncEngineClient:
                     if future is not None and not future.done():
                         future.set_result(message)
                 elif isinstance(message, EngineDead):
-                    self._fail_all(message.reason)
+                    self._fail_all(message.reason, session_lost=message.client_dropped)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug here must reach the streams, not leave them hanging
@@ -260,13 +276,16 @@ class AsyncEngineClient:
                 return
             await asyncio.sleep(LIVENESS_INTERVAL_S)
 
-    def _fail_all(self, reason: str, expected: bool = False) -> None:
+    def _fail_all(self, reason: str, expected: bool = False, session_lost: bool = False) -> None:
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
-        # Our own shutdown is no news to an operator; a dead engine is.
+        self._session_lost = session_lost
+        # Our own shutdown is no news to an operator; a dead engine or a lost session is.
         if expected:
             logger.info("engine session closed: %s", reason)
+        elif session_lost:
+            logger.error("engine session lost: %s", reason)
         else:
             logger.error("engine dead: %s", reason)
         error = EngineDeadError(reason)

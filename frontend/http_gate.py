@@ -42,9 +42,12 @@ class GateMiddleware:
             await self.app(scope, receive, send)
             return
         metrics = state.metrics
+        started = False
 
         async def send_counted(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 metrics.observe_response(message["status"])
             await send(message)
 
@@ -52,14 +55,20 @@ class GateMiddleware:
         if refusal is not None:
             await error_response(refusal)(scope, receive, send_counted)
             return
-        if scope["path"] not in GENERATION_PATHS:
-            await self.app(scope, receive, send_counted)
-            return
-        metrics.num_in_flight += 1
+        generation = scope["path"] in GENERATION_PATHS
+        if generation:
+            metrics.num_in_flight += 1
         try:
             await self.app(scope, receive, send_counted)
+        except Exception:
+            # The 500 for an unexpected error is sent by Starlette's outermost middleware,
+            # around this gate: count it here, or failures would be what /metrics never shows.
+            if not started:
+                metrics.observe_response(500)
+            raise
         finally:
-            metrics.num_in_flight -= 1
+            if generation:
+                metrics.num_in_flight -= 1
 
     def _refusal(self, scope: Scope, state: ServingState) -> ApiError | None:
         path: str = scope["path"]

@@ -45,6 +45,7 @@ from protocol import (
 )
 from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
 from protocol.messages import (
+    AddRequests,
     AllFreeReport,
     CheckAllFree,
     EngineDead,
@@ -139,6 +140,13 @@ class MPEngineClient:
         """Send a request; a rejection comes back later as an output with finish_reason "error"."""
         self._send(CLIENT_TO_ENGINE.encode(request))
         self._unfinished.add(request.request_id)
+        return []
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> list[EngineCoreOutput]:
+        """Send several requests in one message: the engine adds them all before its next step."""
+        if requests:
+            self._send(CLIENT_TO_ENGINE.encode(AddRequests(list(requests))))
+            self._unfinished.update(r.request_id for r in requests)
         return []
 
     def abort(self, request_ids: list[str]) -> None:

@@ -147,7 +147,8 @@ class Hello(msgspec.Struct, tag=3, array_like=True, gc=False):
 
 class Heartbeat(msgspec.Struct, tag=4, array_like=True, gc=False):
     """Sent by a client every few seconds; a client silent for too long is dropped and its
-    requests aborted. The engine answers nothing (it knows the client is alive)."""
+    requests aborted. The engine answers nothing (it knows the client is alive), unless it has
+    dropped the client already: then it answers ``EngineDead`` with ``client_dropped``."""
 
 
 class Goodbye(msgspec.Struct, tag=5, array_like=True, gc=False):
@@ -163,7 +164,20 @@ class CheckAllFree(msgspec.Struct, tag=6, array_like=True, gc=False):
     query_id: int
 
 
-EngineCoreClientMessage = Union[EngineCoreRequest, Abort, Hello, Heartbeat, Goodbye, CheckAllFree]
+class AddRequests(msgspec.Struct, tag=7, array_like=True, gc=False):
+    """Several requests at once, added in order before the engine schedules again.
+
+    An offline batch sent as single requests reaches an idle engine one by one: its first step
+    would see only the first few, which is unfair to policies that admit a batch only once
+    (static batching). One message makes the batch arrive as a batch.
+    """
+
+    requests: list[EngineCoreRequest]
+
+
+EngineCoreClientMessage = Union[
+    EngineCoreRequest, Abort, Hello, Heartbeat, Goodbye, CheckAllFree, AddRequests
+]
 
 
 class Ready(msgspec.Struct, tag=10, array_like=True, gc=False):
@@ -175,9 +189,15 @@ class Ready(msgspec.Struct, tag=10, array_like=True, gc=False):
 
 
 class EngineDead(msgspec.Struct, tag=11, array_like=True, gc=False):
-    """The engine hit a fatal error and is exiting; every open request has failed."""
+    """The engine hit a fatal error and is exiting; every open request has failed.
+
+    With ``client_dropped`` only the receiving client's session is over (the engine dropped it
+    for missing heartbeats and aborted its requests) while the engine serves on: that client
+    must attach again (a new Hello) to be served.
+    """
 
     reason: str
+    client_dropped: bool = False
 
 
 class EngineOutputsFrame(msgspec.Struct, tag=12, array_like=True, gc=False):

@@ -7,6 +7,7 @@ ipc://. Every engine and client started here is stopped by a fixture finalizer, 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -23,10 +24,11 @@ from msgspec.structs import replace
 from engine_core import EngineCore
 from engine_core.client_registry import ClientRegistry
 from engine_core.core_process import EngineCoreProcess, StepWatchdog, find_address_problem
+from frontend.async_engine_client import AsyncEngineClient
 from frontend.engine_session import EngineDeadError
 from protocol import EngineConfig, ModelRunnerOutput, ObservabilityConfig, SchedulerOutput
 from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
-from protocol.messages import EngineOutputsFrame, Heartbeat, Hello, Ready
+from protocol.messages import EngineDead, Heartbeat, Hello, Ready
 from tests.engine_core.core_process_helpers import (
     BLOCK_SIZE,
     VOCAB,
@@ -231,14 +233,14 @@ def test_junk_frames_are_dropped_and_the_engine_keeps_serving(make_engine, make_
     junk.send(msgspec.msgpack.encode([3, 12345]))  # a Hello whose name is not a string
     junk.send(b"")
     junk.send(os.urandom(4096))
-    junk.send(CLIENT_TO_ENGINE.encode(Heartbeat()))  # before any Hello: ignored
-    # A request from a socket that never said Hello is answered with an error, not dropped.
+    # A heartbeat or a request from a socket that never said Hello is answered, not dropped:
+    # that client's session is over (the engine is not).
+    junk.send(CLIENT_TO_ENGINE.encode(Heartbeat()))
     junk.send(CLIENT_TO_ENGINE.encode(request("orphan", [1, 2])))
-    reply = ENGINE_TO_CLIENT.decode(junk.recv())
-    assert isinstance(reply, EngineOutputsFrame)
-    (output,) = reply.outputs.outputs
-    assert (output.request_id, output.finish_reason) == ("orphan", "error")
-    assert "not attached" in output.stop_reason
+    for _ in range(2):
+        reply = ENGINE_TO_CLIENT.decode(junk.recv())
+        assert isinstance(reply, EngineDead) and reply.client_dropped
+        assert "not attached" in reply.reason
     wait_for(lambda: engine.process.io.num_dropped_frames >= 6, 5.0, "junk to be counted")
     client = make_client(engine.address)
     client.add_request(request("fine", [5, 6, 7], 5))
@@ -264,13 +266,40 @@ def test_a_silent_client_is_dropped_and_its_requests_aborted(make_engine, make_c
     # Once dropped, the silent client hears nothing more of "long" and is told it is detached.
     silent.send(CLIENT_TO_ENGINE.encode(request("late", [1])))
     outputs = []
-    while not outputs or outputs[-1].request_id != "late":
-        frame = ENGINE_TO_CLIENT.decode(silent.recv())
-        outputs += frame.outputs.outputs
+    while not isinstance(message := ENGINE_TO_CLIENT.decode(silent.recv()), EngineDead):
+        outputs += message.outputs.outputs
+    assert message.client_dropped and "missing heartbeats for over 1 s" in message.reason
     long_tokens = [t for o in outputs if o.request_id == "long" for t in o.new_token_ids]
     assert 0 < len(long_tokens) < 400
     assert all(o.finish_reason is None for o in outputs if o.request_id == "long")
-    assert outputs[-1].finish_reason == "error"
+    assert "late" not in {o.request_id for o in outputs}
+
+
+def test_a_dropped_async_client_learns_its_session_is_lost(make_engine, make_client):
+    """A client that stalled past the heartbeat timeout (as a SIGSTOPped frontend does) hears,
+    at its next heartbeat, that it was dropped: it is not served, while the engine serves on."""
+    engine = make_engine(heartbeat_timeout_s=1.0)
+    alive = make_client(engine.address, heartbeat_interval_s=0.1)
+
+    async def scenario() -> None:
+        # Heartbeats 1.5 s apart: the engine drops the client before the second one.
+        client = await AsyncEngineClient.start(address=engine.address, heartbeat_interval_s=1.5)
+        try:
+            assert not client.session_lost
+            deadline = time.monotonic() + 5.0
+            while client.dead_reason is None:
+                assert time.monotonic() < deadline, "the dropped client was never told"
+                await asyncio.sleep(0.05)
+            assert client.session_lost and "missing heartbeats" in client.dead_reason
+            with pytest.raises(EngineDeadError, match="not attached"):
+                await client.add_request(request("late", [1, 2], 3))
+        finally:
+            await client.shutdown()
+
+    asyncio.run(scenario())
+    alive.add_request(request("served", [3, 4], 3))
+    assert collect(alive) == {"served": (expected_tokens([3, 4], 3), "length")}
+    assert engine.error is None
 
 
 def test_goodbye_aborts_the_clients_requests_at_once(make_engine, make_client):

@@ -1,10 +1,12 @@
-"""Faults around the HTTP frontends of a real server: an abort storm, and a SIGKILLed frontend.
+"""Faults around the HTTP frontends of a real server: an abort storm, a SIGKILLed frontend and a
+stalled (SIGSTOPped) one.
 
 One ``scripts/serve.py --frontends 2 --enable-debug-queries`` per module, with a 4 s heartbeat
 timeout (so a dead frontend's requests are aborted soon) and a restart budget of one. The engine's
 own block accounting (the debug query, asked by an ``MPEngineClient`` attached to the engine's
-address) says whether every KV block is free again. The last test kills frontends (the second
-death spends the restart budget and stops the server), so it must stay last.
+address) says whether every KV block is free again. The kill test kills frontends (the second
+death spends the restart budget and stops the server), so it must be the last test of that
+server; the stall test after it runs a server of its own.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ from tests.frontend.http_helpers import (
     post_json,
     read_events,
     read_to_end,
+    scrape_pid,
     send_completion,
     start_served_http,
     stream_text,
     wait_for,
 )
 from tests.multiproc_helpers import listening_tcp_addresses
-from tests.process_tree import descendants, kill_all, wait_until_gone
+from tests.process_tree import descendants, is_running, kill_all, wait_until_gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http-faults")]
 
@@ -131,9 +134,7 @@ def _open_streams_on(
 
 def _pid_in_metrics(base_url: str) -> str:
     """The pid of whichever frontend answered this scrape."""
-    samples = parse_metrics(get(base_url, "/metrics")[1])
-    key = next(k for k in samples if k.startswith("conveyor:frontend_info"))
-    return key.split('pid="')[1].split('"')[0]
+    return scrape_pid(parse_metrics(get(base_url, "/metrics")[1]))
 
 
 def test_a_killed_frontend_is_restarted_and_the_others_are_unaffected(served):
@@ -187,3 +188,50 @@ def test_a_killed_frontend_is_restarted_and_the_others_are_unaffected(served):
             for sock in socks:
                 sock.close()
         kill_all(children)
+
+
+STALL_HEARTBEAT_TIMEOUT_S = 3.0  # the least serve.py allows
+
+
+@pytest.fixture
+def served_alone(tiny_model_dir: Path, tmp_path: Path) -> Iterator[ServedHttp]:
+    """One frontend and a short heartbeat timeout, for a test that stalls that frontend."""
+    extra = ["--frontends", "1", "--heartbeat-timeout-s", str(STALL_HEARTBEAT_TIMEOUT_S)]
+    served = start_served_http(tiny_model_dir, tmp_path / "serve.log", extra)
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
+def test_a_frontend_dropped_for_stalling_exits_and_is_replaced(served_alone):
+    """A frontend stalled past the heartbeat timeout is dropped by the engine. Running again, it
+    must not answer every request with an error while /health says 200: the engine tells it its
+    session is over, it exits 1, and the supervisor starts one that attaches anew."""
+    served = served_alone
+    (stalled,) = frontend_pids(served.process.pid)
+    expected = _whole_text(served, PROMPTS[0], 8)
+    os.kill(stalled, signal.SIGSTOP)
+    try:
+        dropped = wait_for(
+            lambda: "silent for over 3.0 s" in served.log.read_text(),
+            STALL_HEARTBEAT_TIMEOUT_S + 15.0,
+            0.1,
+        )
+    finally:
+        os.kill(stalled, signal.SIGCONT)
+    assert dropped, "the engine did not drop the stalled frontend"
+    assert wait_until_gone([stalled], 15.0) == [], "the dropped frontend went on running"
+    restarted = f"frontend-0 (pid {stalled}) exited with code 1; restarting it"
+    assert wait_for(lambda: restarted in served.log.read_text(), 5.0, 0.1)
+    assert "engine session lost: this client is not attached" in served.log.read_text()
+
+    def replaced() -> list[int]:
+        pids = [p for p in frontend_pids(served.process.pid) if is_running(p)]
+        return pids if pids and stalled not in pids else []
+
+    assert wait_for(replaced, 15.0, 0.1), "no frontend was started in its place"
+    assert wait_for(lambda: "serves again" in served.log.read_text(), 60.0, 0.1)
+    assert get(served.base_url, "/health")[0] == 200
+    assert _whole_text(served, PROMPTS[0], 8) == expected
+    assert served.process.poll() is None, "the supervisor must keep serving"

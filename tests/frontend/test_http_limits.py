@@ -8,15 +8,19 @@ with SIGTERM, so it must stay last.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from frontend.api_server import ServerSettings, build_app
+from frontend.http_gate import GateMiddleware
+from frontend.http_metrics import ServerMetrics
 from tests.frontend.http_helpers import (
     MODEL_NAME,
     ServedHttp,
@@ -243,6 +247,61 @@ def test_a_body_over_the_limit_gets_413_before_it_is_read(served, baseline):
     padded = json.dumps(GREEDY).encode().ljust(BODY_LIMIT)  # JSON allows trailing whitespace
     assert post_raw(served.base_url, "/v1/completions", padded, AUTH)[0] == 200
     assert _greedy_tokens(served.base_url) == baseline
+
+
+def _num_responses(base_url: str, code: int) -> float:
+    samples = parse_metrics(get(base_url, "/metrics")[1])
+    name = "conveyor:http_responses_total"
+    return sum(v for k, v in samples.items() if k.startswith(name) and f'code="{code}"' in k)
+
+
+def test_a_client_hanging_up_mid_upload_is_counted_not_a_server_error(served, baseline):
+    """The head promises 1000 bytes of body, 10 come, then the client hangs up: a client's
+    close (499 in /metrics), not a 500 with tracebacks in the log."""
+    log_before = len(served.log.read_text())
+    num_closed = _num_responses(served.base_url, 499)
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += f"Authorization: Bearer {API_KEY}\r\nContent-Length: 1000\r\n\r\n"
+    port = int(served.base_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head.encode() + b'{"prompt":')
+
+    def counted() -> bool:
+        return _num_responses(served.base_url, 499) == num_closed + 1
+
+    assert wait_for(counted, 10.0, 0.1), "the hang-up was not counted as a client close"
+    assert _num_responses(served.base_url, 500) == 0
+    log = served.log.read_text()[log_before:]
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-2000:]
+    assert get(served.base_url, "/health")[0] == 200
+    assert _greedy_tokens(served.base_url) == baseline
+
+
+def test_the_gate_counts_a_request_that_raised_once_as_a_500():
+    """The 500 for an unexpected error is sent outside the gate; it must still be counted, and
+    a response already started when the error came is not counted twice."""
+    metrics = ServerMetrics(MODEL_NAME)
+    state = SimpleNamespace(
+        metrics=metrics, client=SimpleNamespace(dead_reason=None), draining=False
+    )
+
+    async def fails_before_answering(scope, receive, send) -> None:
+        raise RuntimeError("a bug")
+
+    async def fails_while_streaming(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise RuntimeError("a bug")
+
+    async def ignore(message) -> None:
+        pass
+
+    scope = {"type": "http", "path": "/v1/completions", "headers": []}
+    for app in (fails_before_answering, fails_while_streaming):
+        gate = GateMiddleware(app, lambda: state, api_key=None, max_queued_requests=None)
+        with pytest.raises(RuntimeError, match="a bug"):
+            asyncio.run(gate(scope, ignore, ignore))
+    assert metrics.responses_by_status == {500: 1, 200: 1}
+    assert metrics.num_in_flight == 0
 
 
 def test_sigterm_stops_the_supervisor_and_its_frontend_with_exit_zero(served):
