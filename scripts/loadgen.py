@@ -5,7 +5,8 @@ r"""Load generator for any OpenAI-compatible server: latency, throughput, goodpu
         --tokenizer /path/to/model --num-prompts 200 --request-rate 4 --burstiness 1 \
         --goodput ttft:500 tpot:50 --result-json out.json --plot out.png
 
-    python scripts/loadgen.py ... --capacity-search --slo-tbt-p99-ms 100 --num-prompts 50
+    python scripts/loadgen.py ... --capacity-search --slo-tbt-p99-ms 100 --num-prompts 50 \
+        --slo-ttft-median-ms 2000
     python scripts/loadgen.py --self-test      # how fast this client is, against a fake server
 
 Runs in its own process (asyncio, one aiohttp session, streaming always). Each request is timed
@@ -22,7 +23,6 @@ import contextlib
 import json
 import signal
 import sys
-import time
 from collections.abc import Coroutine
 from dataclasses import replace
 from datetime import datetime
@@ -43,9 +43,10 @@ from loadgen_args import (  # noqa: E402
     validate,
 )
 from loadgen_capacity import SearchStopped, search_capacity  # noqa: E402
-from loadgen_client import Endpoint, send_request  # noqa: E402
+from loadgen_client import Endpoint  # noqa: E402
 from loadgen_datasets import PromptMaker, SampleRequest, load_tokenizer, make_dataset  # noqa: E402
 from loadgen_metrics import detailed, format_summary, summarize  # noqa: E402
+from loadgen_ready import first_model, wait_until_ready  # noqa: E402
 from loadgen_runner import TrafficSpec, open_session, run_requests  # noqa: E402
 
 
@@ -56,34 +57,6 @@ def run_async(coroutine: Coroutine[Any, Any, Any]) -> Any:
     except ImportError:
         return asyncio.run(coroutine)
     return uvloop.run(coroutine)
-
-
-async def first_model(session: aiohttp.ClientSession, endpoint: Endpoint) -> str:
-    url = endpoint.base_url.rstrip("/") + "/v1/models"
-    async with session.get(url, headers=endpoint.headers()) as response:
-        response.raise_for_status()
-        return (await response.json())["data"][0]["id"]
-
-
-async def wait_until_ready(
-    session: aiohttp.ClientSession, endpoint: Endpoint, stop: asyncio.Event, timeout_s: float
-) -> None:
-    """Retry one tiny request while the server cannot be reached; an HTTP error is final.
-
-    Its prompt shares nothing with the dataset, so a prefix cache learns nothing from it.
-    """
-    probe = SampleRequest("ready check", prompt_len=2, output_len=1, ignore_eos=True)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        out = await send_request(session, endpoint, probe)
-        if out.success:
-            return
-        if out.error.startswith("HTTP") or time.monotonic() > deadline:
-            raise RuntimeError(f"the first request to {endpoint.url} failed: {out.error}")
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), 1.0)
-        if stop.is_set():
-            raise KeyboardInterrupt
 
 
 def _install_stop(stop: asyncio.Event) -> None:
@@ -124,7 +97,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     async with open_session(args.max_concurrency, args.request_timeout_s) as session:
         endpoint = Endpoint(args.base_url, args.model or "", args.endpoint, args.api_key, extra)
         if not args.model:
-            endpoint = replace(endpoint, model=await first_model(session, endpoint))
+            model = await first_model(session, endpoint, stop, args.ready_check_timeout_s)
+            endpoint = replace(endpoint, model=model)
         model = endpoint.model
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
         maker = PromptMaker(tokenizer, endpoint_takes_ids=args.endpoint == "completions")
@@ -182,11 +156,17 @@ async def _capacity(
         print("serving capacity: none (no probe held the SLO)")
     else:
         bound = "at least " if found.is_lower_bound else ""
+        ttft = args.slo_ttft_median_ms
+        ttft_text = "" if ttft is None else f", median TTFT <= {ttft} ms"
         print(
             f"serving capacity: {bound}{found.capacity:.3f} req/s "
-            f"(p99 ITL <= {args.slo_tbt_p99_ms} ms, no failures)"
+            f"(p99 ITL <= {args.slo_tbt_p99_ms} ms{ttft_text}, no failures)"
         )
-    return {"slo_tbt_p99_ms": args.slo_tbt_p99_ms, **found.as_dict()}
+    return {
+        "slo_tbt_p99_ms": args.slo_tbt_p99_ms,
+        "slo_ttft_median_ms": args.slo_ttft_median_ms,
+        **found.as_dict(),
+    }
 
 
 def _header(args: argparse.Namespace, model: str) -> dict[str, Any]:

@@ -93,6 +93,13 @@ def _report_args(group: argparse._ArgumentGroup) -> None:
 def _capacity_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--capacity-search", action="store_true")
     group.add_argument("--slo-tbt-p99-ms", type=float, default=None)
+    group.add_argument(
+        "--slo-ttft-median-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="a probe holds only if its median TTFT is within MS too (bounds queueing)",
+    )
     defaults = CapacitySpec(slo_itl_p99_ms=0.0)
     group.add_argument("--capacity-start-rate", type=float, default=defaults.start_rate)
     group.add_argument("--capacity-min-rate", type=float, default=defaults.min_rate)
@@ -115,6 +122,8 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(str(exc))
     if args.capacity_search and args.slo_tbt_p99_ms is None:
         parser.error("--capacity-search needs --slo-tbt-p99-ms")
+    if args.slo_ttft_median_ms is not None and args.slo_ttft_median_ms <= 0:
+        parser.error("--slo-ttft-median-ms must be positive")
     if args.dataset_name == "jsonl" and not args.dataset_path:
         parser.error("--dataset-name jsonl needs --dataset-path")
     if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
@@ -157,6 +166,7 @@ def traffic_spec(args: argparse.Namespace, request_rate: float | None = None) ->
 def capacity_spec(args: argparse.Namespace) -> CapacitySpec:
     return CapacitySpec(
         slo_itl_p99_ms=args.slo_tbt_p99_ms,
+        slo_ttft_median_ms=args.slo_ttft_median_ms,
         start_rate=args.capacity_start_rate,
         min_rate=args.capacity_min_rate,
         max_rate=args.capacity_max_rate,

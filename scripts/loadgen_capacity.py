@@ -2,10 +2,14 @@
 
 Runs in the load generator's process (scripts/loadgen.py --capacity-search). This is
 Sarathi-Serve's capacity metric: each probe is a short run at one request rate; a probe holds
-when no request failed and the p99 ITL (time between tokens, TBT) is within the SLO. The search
-first brackets the answer (doubling up from --capacity-start-rate while probes hold, halving
-down while they do not), then bisects between the highest rate that held and the lowest that did
-not, until they are within --capacity-tolerance of each other or the probes run out.
+when no request failed, the p99 ITL (time between tokens, TBT) is within the SLO and, when a
+median TTFT bound is given, the median TTFT is within it. The TBT SLO alone does not bound
+queueing: a policy that makes new requests wait (static batching) keeps TBT low at any rate while
+TTFT grows without limit. The TTFT bound stands in for Sarathi-Serve's median scheduling-delay
+bound, which a client cannot see apart from the prefill. The search first brackets the answer
+(doubling up from --capacity-start-rate while probes hold, halving down while they do not), then
+bisects between the highest rate that held and the lowest that did not, until they are within
+--capacity-tolerance of each other or the probes run out.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 @dataclass(frozen=True)
 class CapacitySpec:
     slo_itl_p99_ms: float
+    slo_ttft_median_ms: float | None = None  # None: queueing is not bounded
     start_rate: float = 1.0
     min_rate: float = 0.05
     max_rate: float = 1000.0
@@ -32,6 +37,7 @@ class Probe:
     request_rate: float
     holds: bool
     p99_itl_ms: float
+    median_ttft_ms: float
     completed: int
     failed: int
     request_throughput: float
@@ -42,7 +48,8 @@ class Probe:
         verdict = "holds" if self.holds else "BREAKS"
         return (
             f"probe {number:2d}: rate {self.request_rate:9.3f} req/s -> p99 ITL "
-            f"{self.p99_itl_ms:9.2f} ms, completed {self.completed}, failed {self.failed}, "
+            f"{self.p99_itl_ms:9.2f} ms, median TTFT {self.median_ttft_ms:9.2f} ms, "
+            f"completed {self.completed}, failed {self.failed}, "
             f"{self.request_throughput:.2f} req/s, {self.output_throughput:.1f} tok/s: {verdict}"
         )
 
@@ -70,14 +77,20 @@ class SearchStopped(Exception):
 ProbeRun = Callable[[float], Awaitable[dict[str, Any]]]  # rate -> loadgen_metrics.summarize()
 
 
-def make_probe(rate: float, result: dict[str, Any], slo_itl_p99_ms: float) -> Probe:
+def make_probe(rate: float, result: dict[str, Any], spec: CapacitySpec) -> Probe:
+    """One probe's verdict from its run's summary (loadgen_metrics.summarize())."""
+    ttft_bound = spec.slo_ttft_median_ms
     holds = (
-        result["failed"] == 0 and result["completed"] > 0 and result["p99_itl_ms"] <= slo_itl_p99_ms
+        result["failed"] == 0
+        and result["completed"] > 0
+        and result["p99_itl_ms"] <= spec.slo_itl_p99_ms
+        and (ttft_bound is None or result["median_ttft_ms"] <= ttft_bound)
     )
     return Probe(
         request_rate=rate,
         holds=holds,
         p99_itl_ms=result["p99_itl_ms"],
+        median_ttft_ms=result["median_ttft_ms"],
         completed=result["completed"],
         failed=result["failed"],
         request_throughput=result["request_throughput"],
@@ -97,7 +110,7 @@ class _Search:
 
     async def probe(self, rate: float) -> bool:
         result = await self.run_probe(rate)
-        self.probes.append(make_probe(rate, result, self.spec.slo_itl_p99_ms))
+        self.probes.append(make_probe(rate, result, self.spec))
         self.report(self.probes[-1].line(len(self.probes)))
         if self.probes[-1].holds:
             self.held = rate if self.held is None else max(self.held, rate)

@@ -3,8 +3,11 @@
 Runs in the load generator's process (scripts/loadgen.py), on its asyncio loop. A request is
 sent with ``stream: true`` and ``stream_options.include_usage``; every server-sent event carrying
 content (completion text, chat content or reasoning) is one content chunk. TTFT is the time to
-the first content chunk, each later gap is one inter-token latency, and the output token count is
-the usage chunk's ``completion_tokens`` where the server sends one, else the number of chunks.
+the first content chunk, each later gap is one inter-token latency, E2E latency is the time to the
+last content chunk (as in ``vllm bench serve``: the usage chunk and ``[DONE]`` that follow carry
+no token), and the output token count is the usage chunk's ``completion_tokens`` where the server
+sends one, else the number of chunks. A stream that cannot be read (an error event, a chunk that
+is not a JSON object of the OpenAI shape, no ``[DONE]``) fails the request with that reason.
 """
 
 from __future__ import annotations
@@ -21,6 +24,15 @@ from loadgen_datasets import SampleRequest
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 _MAX_REASON_CHARS = 200
 _DRAIN_TIMEOUT_S = 5.0  # a server that keeps the body open after [DONE]
+_JSON_TYPES = {
+    list: "array",
+    str: "string",
+    int: "number",
+    float: "number",
+    bool: "boolean",
+    type(None): "null",
+}
+_USAGE_COUNTS = ("completion_tokens", "prompt_tokens")
 
 
 @dataclass
@@ -109,6 +121,12 @@ class StreamState:
             self.done_time = now
             return True
         chunk = msgspec.json.decode(payload)
+        if reason := _shape_error(chunk):
+            # Valid JSON of the wrong shape: without this check ``chunk.get`` or the loops below
+            # raise outside send_request's handlers and take the whole run down.
+            excerpt = payload[:80].decode(errors="replace")
+            self.out.error = f"malformed stream chunk ({reason}): {excerpt}"[:_MAX_REASON_CHARS]
+            return True
         if "error" in chunk:
             self.out.error = "stream error: " + _error_message(chunk)[:_MAX_REASON_CHARS]
             return True
@@ -133,6 +151,24 @@ class StreamState:
             out.cancelled = True
             return True
         return False
+
+
+def _shape_error(chunk: Any) -> str | None:
+    """Why ``chunk`` is not a streamed completion or chat chunk, or None when it is one."""
+    if not isinstance(chunk, dict):
+        return f"a JSON {_JSON_TYPES.get(type(chunk), 'value')}, not an object"
+    usage = chunk.get("usage") or {}
+    if not isinstance(usage, dict):
+        return "usage is not an object"
+    if any(not isinstance(usage.get(key) or 0, int) for key in _USAGE_COUNTS):
+        return "usage token counts are not integers"
+    choices = chunk.get("choices") or []
+    if not isinstance(choices, list):
+        return "choices is not a list"
+    for choice in choices:
+        if not isinstance(choice, dict) or not isinstance(choice.get("delta") or {}, dict):
+            return "a choice or its delta is not an object"
+    return None
 
 
 def _content(choice: dict[str, Any]) -> str:
@@ -204,13 +240,15 @@ async def _read_stream(
     if state.done_time is None:
         out.error = "stream ended without [DONE]"
         return
-    out.latency = state.done_time - out.start_time
     out.success = True
     out.output_tokens = state.usage_tokens if state.usage_tokens is not None else out.num_chunks
     if state.usage_prompt_tokens is not None:
         out.prompt_len = state.usage_prompt_tokens
     if out.num_chunks == 0:
-        out.ttft = out.latency  # nothing streamed: the whole answer arrived at the end
+        # Nothing streamed: the whole (empty) answer arrived with [DONE].
+        out.latency = out.ttft = state.done_time - out.start_time
+    else:
+        out.latency = state.last_time - out.start_time
 
 
 async def _http_error(response: aiohttp.ClientResponse) -> str:

@@ -4,7 +4,9 @@ Runs in its own process (``python scripts/loadgen_fake_server.py --port 0`` prin
 or on a test's event loop. POST /v1/completions and /v1/chat/completions stream ``max_tokens``
 (or ``max_completion_tokens``) chunks as server-sent events: the first after ``ttft_ms``, each
 next one ``itl_ms`` later, or ``slow_itl_ms`` while more than ``slow_above`` streams are active (a
-server whose inter-token latency grows with load, for the capacity search). A usage chunk follows
+server whose inter-token latency grows with load, for the capacity search). With ``max_running``
+only that many streams generate at once and the rest wait for a slot before their first token (a
+server that queues: TTFT grows with load while ITL does not). A usage chunk follows
 when the request asks for ``stream_options.include_usage``, then ``data: [DONE]``. Every
 ``fail_every``-th request answers ``fail_status`` instead, requests over ``max_tokens_limit`` get
 a 400, and a wrong ``Authorization: Bearer`` key (when ``api_key`` is set) a 401. The stats count requests, completions, failures and clients that hung up mid-stream.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 from collections import deque
@@ -32,6 +35,7 @@ class FakeServerConfig:
     itl_ms: float = 0.0
     slow_itl_ms: float = 0.0
     slow_above: int = 0  # 0: never slow
+    max_running: int = 0  # 0: no limit; N: streams beyond N wait for a slot (queueing)
     fail_every: int = 0  # 0: never fail; N: requests N, 2N, ... fail
     fail_status: int = 500
     max_tokens_limit: int = 1 << 20
@@ -58,9 +62,12 @@ class FakeServer:
         self.config = config
         self.stats = FakeServerStats()
         self._runner: web.AppRunner | None = None
+        self._slots: asyncio.Semaphore | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen; returns the port (pick one with 0)."""
+        if self.config.max_running:
+            self._slots = asyncio.Semaphore(self.config.max_running)
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -122,9 +129,10 @@ class FakeServer:
         chunks = _Chunks(self.stats.num_requests, self.config.model, chat)
         if chat:
             await response.write(chunks.role())
-        for index in range(num_tokens):
-            await self._wait(self.config.ttft_ms if index == 0 else self._itl_ms())
-            await response.write(chunks.token(last=index == num_tokens - 1))
+        async with self._slots or contextlib.nullcontext():
+            for index in range(num_tokens):
+                await self._wait(self.config.ttft_ms if index == 0 else self._itl_ms())
+                await response.write(chunks.token(last=index == num_tokens - 1))
         if self.config.usage and (body.get("stream_options") or {}).get("include_usage"):
             await response.write(chunks.usage(_prompt_tokens(body), num_tokens))
         await response.write(b"data: [DONE]\n\n")
@@ -224,6 +232,7 @@ def main() -> None:
     parser.add_argument("--itl-ms", type=float, default=0.0)
     parser.add_argument("--slow-itl-ms", type=float, default=0.0)
     parser.add_argument("--slow-above", type=int, default=0)
+    parser.add_argument("--max-running", type=int, default=0, help="0: no queueing")
     parser.add_argument("--fail-every", type=int, default=0)
     parser.add_argument("--fail-status", type=int, default=500)
     parser.add_argument("--max-lifetime-s", type=float, default=3600.0)
@@ -235,6 +244,7 @@ def main() -> None:
         itl_ms=args.itl_ms,
         slow_itl_ms=args.slow_itl_ms,
         slow_above=args.slow_above,
+        max_running=args.max_running,
         fail_every=args.fail_every,
         fail_status=args.fail_status,
     )

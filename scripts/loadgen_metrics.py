@@ -5,7 +5,10 @@ Runs in the load generator's process (scripts/loadgen.py), after a run. Key name
 result files compare directly. Latency statistics cover completed requests only; requests the
 client dropped on purpose (--cancel-rate) are counted as ``cancelled``, neither completed nor
 failed. TPOT of a request is (E2E latency - TTFT) / (output tokens - 1); requests with one output
-token have none (and count as TPOT 0 for goodput, as vLLM does).
+token have none (and count as TPOT 0 for goodput, as vLLM does). The peaks follow vLLM too, in
+1 s buckets over completed requests: ``max_output_tokens_per_s`` is the busiest bucket's content
+chunks, ``max_concurrent_requests`` the most requests active in one bucket (requests that follow
+each other within a second all count); ``peak_in_flight_requests`` is the exact peak instead.
 """
 
 from __future__ import annotations
@@ -75,29 +78,47 @@ def _percentile_word(p: float) -> str:
     return str(int(p)) if int(p) == p else str(p)
 
 
-def output_tokens_per_second(outputs: Iterable[RequestOutput], start: float) -> np.ndarray:
-    """Output tokens of completed requests in 1 s bins from ``start`` (perf_counter seconds).
+def output_tokens_per_second(
+    outputs: Iterable[RequestOutput], start: float | None = None
+) -> np.ndarray:
+    """Output tokens of completed requests per 1 s bucket, counted as ``vllm bench serve`` does.
 
-    Each content chunk lands in the bin of its arrival; when the usage count differs from the
-    number of chunks (several tokens per chunk), each chunk carries its share.
+    Each content chunk is one token in the bucket of its arrival (a chunk that carries several
+    tokens still counts one, as in vLLM). Buckets start at ``start`` (perf_counter seconds),
+    by default at the earliest start of a completed request, vLLM's origin.
     """
-    times: list[np.ndarray] = []
-    weights: list[np.ndarray] = []
-    for out in outputs:
-        if not out.success or out.num_chunks == 0:
-            continue
-        arrivals = out.start_time + out.ttft + np.concatenate(([0.0], np.cumsum(out.itl)))
-        times.append(arrivals - start)
-        weights.append(np.full(len(arrivals), out.output_tokens / out.num_chunks))
-    if not times:
+    done = [o for o in outputs if o.success and o.num_chunks > 0]
+    if not done:
         return np.zeros(0)
-    all_times, all_weights = np.concatenate(times), np.concatenate(weights)
-    bins = np.floor(np.maximum(all_times, 0.0)).astype(int)
-    return np.bincount(bins, weights=all_weights)
+    origin = min(o.start_time for o in done) if start is None else start
+    arrivals = np.concatenate(
+        [o.start_time + o.ttft + np.concatenate(([0.0], np.cumsum(o.itl))) for o in done]
+    )
+    return np.bincount(np.floor(np.maximum(arrivals - origin, 0.0)).astype(int)).astype(float)
+
+
+def concurrent_requests_per_second(outputs: Iterable[RequestOutput]) -> np.ndarray:
+    """Completed requests active in each 1 s bucket, counted as ``vllm bench serve`` does.
+
+    Buckets start at the earliest start of a completed request; a request counts in every bucket
+    from the one it starts in to the one it ends in, both included. So short requests one after
+    another within a second all count there: this is a per-second load, not the exact peak
+    (``max_concurrency_seen`` is that).
+    """
+    done = [o for o in outputs if o.success]
+    if not done:
+        return np.zeros(0)
+    origin = min(o.start_time for o in done)
+    first = np.array([int(o.start_time - origin) for o in done])
+    last = np.array([int(o.start_time + o.latency - origin) for o in done])
+    steps = np.zeros(last.max() + 2)
+    np.add.at(steps, first, 1)
+    np.add.at(steps, last + 1, -1)
+    return np.cumsum(steps)[:-1]
 
 
 def max_concurrency_seen(outputs: Iterable[RequestOutput]) -> int:
-    """Most requests in flight at once (every sent request, over [start, start + latency))."""
+    """Exact peak of requests in flight (every sent request, over [start, start + latency))."""
     events = sorted(
         [(o.start_time, 1) for o in outputs] + [(o.start_time + o.latency, -1) for o in outputs]
     )
@@ -118,7 +139,8 @@ def summarize(
     duration = max(run.duration, 1e-9)
     total_input = sum(o.prompt_len for o in done)
     total_output = sum(o.output_tokens for o in done)
-    per_second = output_tokens_per_second(done, run.start_time)
+    tokens_per_second = output_tokens_per_second(done)
+    active_per_second = concurrent_requests_per_second(done)
     result: dict[str, Any] = {
         "duration": run.duration,
         "completed": len(done),
@@ -136,8 +158,9 @@ def summarize(
         else None,
         "output_throughput": total_output / duration,
         "total_token_throughput": (total_input + total_output) / duration,
-        "max_output_tokens_per_s": float(per_second.max()) if len(per_second) else 0.0,
-        "max_concurrent_requests": max_concurrency_seen(run.outputs),
+        "max_output_tokens_per_s": _peak(tokens_per_second),
+        "max_concurrent_requests": int(_peak(active_per_second)),
+        "peak_in_flight_requests": max_concurrency_seen(run.outputs),
         # asyncio runs on one core: near 1.0 the client, not the server, sets the pace.
         "client_cpu_cores": run.client_cpu_seconds / duration,
     }
@@ -150,6 +173,10 @@ def summarize(
     for name, _, _ in LATENCY_METRICS:
         result.update(latency_stats(name, samples[name], percentiles))
     return result
+
+
+def _peak(per_second: np.ndarray) -> float:
+    return float(per_second.max()) if len(per_second) else 0.0
 
 
 def detailed(run: RunResult) -> dict[str, list[Any]]:
@@ -194,6 +221,7 @@ def format_summary(result: dict[str, Any], percentiles: Sequence[float] = (90, 9
         num("Output token throughput (tok/s):", result["output_throughput"]),
         num("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"]),
         row("Peak concurrent requests:", result["max_concurrent_requests"]),
+        row("Peak in-flight requests (exact):", result["peak_in_flight_requests"]),
         num("Total token throughput (tok/s):", result["total_token_throughput"]),
         num("Client CPU (cores):", result["client_cpu_cores"]),
     ]

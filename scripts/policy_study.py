@@ -12,8 +12,9 @@ command, config), results.json (every number), and the PNG plots the report link
 2. Online: scripts/serve.py per policy on a free 127.0.0.1 port, driven by the load generator
    (scripts/loadgen.py, in this process) with sharegpt-like requests at rising rates: median
    TTFT and p99 TBT (ITL) per rate.
-3. Serving capacity under a p99 TBT SLO (the load generator's --capacity-search) per policy,
-   and for stall-free per token budget.
+3. Serving capacity under a p99 TBT SLO and a median TTFT bound (the load generator's
+   --capacity-search with --slo-ttft-median-ms) per policy, and for stall-free per token budget.
+   The TTFT bound keeps a policy that only queues (static) from holding the TBT SLO at any rate.
 
 Stall-free gets a small token budget, so long prompts are chunked; the whole-prompt policies
 need a budget of at least max_model_len and get exactly that (their smallest legal budget).
@@ -81,6 +82,10 @@ class StudyConfig:
     online_num_prompts: int = 16
     # Between a stall-free step at the default budget and a whole long prompt's prefill step.
     slo_tbt_p99_ms: float = 200.0
+    # Sarathi-Serve's capacity also bounds the median scheduling delay, at 2 s: without it a
+    # policy that lets requests queue holds the TBT SLO at any rate. The client sees TTFT
+    # (scheduling delay plus the prefill), a slightly stricter bound. None: no bound.
+    slo_ttft_median_ms: float | None = 2000.0
     capacity_probe_s: float = 5.0  # each probe sends for this long (rate x this many requests)
     capacity_max_probes: int = 4
     capacity_start_rate: float = 1.0
@@ -337,6 +342,8 @@ def capacity(
     argv += ["--capacity-max-rate", str(config.capacity_max_rate)]
     argv += ["--capacity-max-probes", str(config.capacity_max_probes)]
     argv += ["--capacity-tolerance", str(config.capacity_tolerance)]
+    if config.slo_ttft_median_ms is not None:
+        argv += ["--slo-ttft-median-ms", f"{config.slo_ttft_median_ms:g}"]
     result = run_loadgen(argv, path, commands)
     return {
         "capacity": result["capacity_request_rate"],
@@ -361,7 +368,13 @@ def run_online(
             found = capacity(config, url, model, slo_ms, policy, out, commands)
         capacities.append({"policy": policy, "token_budget": args.max_num_batched_tokens, **found})
     budgets = capacity_by_budget(config, model, policies, capacities, slo_ms, out, commands)
-    return {"slo_tbt_p99_ms": slo_ms, "sweep": sweep, "capacity": capacities, "budgets": budgets}
+    return {
+        "slo_tbt_p99_ms": slo_ms,
+        "slo_ttft_median_ms": config.slo_ttft_median_ms,
+        "sweep": sweep,
+        "capacity": capacities,
+        "budgets": budgets,
+    }
 
 
 def capacity_by_budget(
@@ -488,20 +501,19 @@ def capacity_text(row: dict[str, Any]) -> str:
 
 
 def capacity_section(online: dict[str, Any]) -> list[str]:
-    slo = online["slo_tbt_p99_ms"]
     header = [
         "policy",
         "token budget",
         "capacity (req/s)",
         "mean E2E at capacity (s)",
         "probes",
-        "p99 TBT per probe (ms @ req/s)",
+        "p99 TBT / median TTFT per probe (ms @ req/s)",
     ]
-    lines = [f"SLO: p99 TBT ≤ {slo:g} ms, no failed request.", ""]
+    lines = [f"SLO: {slo_text(online)}, no failed request.", ""]
     body = [_capacity_row(r, r["policy"]) for r in online["capacity"]]
     lines += [table(header, body), ""]
     lines.append("- " + capacity_sentence(online["capacity"]))
-    if sentence := queueing_sentence(online["capacity"]):
+    if sentence := queueing_sentence(online["capacity"], online.get("slo_ttft_median_ms")):
         lines.append("- " + sentence)
     if online["budgets"]:
         lines += ["", "Stall-free by token budget (`--max-num-batched-tokens`):", ""]
@@ -509,6 +521,13 @@ def capacity_section(online: dict[str, Any]) -> list[str]:
         lines += [table(header, body), ""]
         lines.append("- " + budget_sentence(online["budgets"]))
     return lines
+
+
+def slo_text(online: dict[str, Any]) -> str:
+    # .get: results.json files written before the TTFT bound existed have no such key.
+    ttft = online.get("slo_ttft_median_ms")
+    bound = "" if ttft is None else f", median TTFT ≤ {ttft:g} ms"
+    return f"p99 TBT ≤ {online['slo_tbt_p99_ms']:g} ms{bound}"
 
 
 def capacity_sentence(rows: list[dict[str, Any]]) -> str:
@@ -532,10 +551,18 @@ def capacity_sentence(rows: list[dict[str, Any]]) -> str:
 
 
 def _capacity_row(row: dict[str, Any], name: str) -> list[Any]:
-    probes = ", ".join(f"{p['p99_itl_ms']:.0f} @ {p['request_rate']:.2f}" for p in row["probes"])
+    probes = ", ".join(
+        f"{p['p99_itl_ms']:.0f} / {_ms_text(p.get('median_ttft_ms'))} @ {p['request_rate']:.2f}"
+        for p in row["probes"]
+    )
     e2el = _e2el_at_capacity(row)
     e2el_text = "n/a" if e2el is None else f"{e2el / 1000:.1f}"
     return [name, row["token_budget"], capacity_text(row), e2el_text, row["num_probes"], probes]
+
+
+def _ms_text(value: float | None) -> str:
+    # Probes recorded before the TTFT bound existed have no median TTFT.
+    return "n/a" if value is None else f"{value:.0f}"
 
 
 def _e2el_at_capacity(row: dict[str, Any]) -> float | None:
@@ -545,16 +572,21 @@ def _e2el_at_capacity(row: dict[str, Any]) -> float | None:
     )
 
 
-def queueing_sentence(rows: list[dict[str, Any]]) -> str | None:
-    """The TBT SLO does not bound queueing (Sarathi-Serve adds a median scheduling-delay
-    bound): say which policy held it only by making requests wait."""
+def queueing_sentence(rows: list[dict[str, Any]], ttft_bound_ms: float | None) -> str | None:
+    """How long requests took at each policy's capacity: without the median TTFT bound the TBT
+    SLO does not bound queueing, so this says which policy held it only by making requests
+    wait; with it, how far apart the policies still are within the bound."""
     measured = [(r, _e2el_at_capacity(r)) for r in rows if _e2el_at_capacity(r) is not None]
     if len(measured) < 2:
         return None
     worst, worst_ms = max(measured, key=lambda m: m[1])
     best, best_ms = min(measured, key=lambda m: m[1])
+    if ttft_bound_ms is None:
+        lead = "The TBT SLO does not bound queueing"
+    else:
+        lead = f"With queueing bounded (median TTFT ≤ {ttft_bound_ms:g} ms)"
     return (
-        f"The TBT SLO does not bound queueing: at its capacity rate {worst['policy']}'s mean "
+        f"{lead}: at its capacity rate {worst['policy']}'s mean "
         f"end-to-end latency is {worst_ms / 1000:.1f} s against {best_ms / 1000:.1f} s for "
         f"{best['policy']} at its own capacity rate."
     )
@@ -630,7 +662,7 @@ def plot_capacity(online: dict[str, Any], path: Path) -> None:
         labels = [str(r[name]) for r in rows]
         ax.bar(labels, [r["capacity"] or 0.0 for r in rows])
         ax.set_ylabel("req/s under the SLO")
-        ax.set_title(f"{title} (p99 TBT ≤ {online['slo_tbt_p99_ms']:g} ms)")
+        ax.set_title(f"{title}\n({slo_text(online)})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -682,7 +714,7 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
         "",
         "![online latency](online_latency.png)",
         "",
-        "## 3. Serving capacity under a TBT SLO",
+        "## 3. Serving capacity under latency SLOs",
         "",
         "Bracketing, then bisection over request rates (loadgen `--capacity-search`); each probe "
         f"sends for {config['capacity_probe_s']:g} s (rate x that many requests), at most "
@@ -727,6 +759,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(STUDY_POLICIES))
     parser.add_argument("--slo-tbt-p99-ms", type=float, default=None)
     parser.add_argument(
+        "--slo-ttft-median-ms",
+        type=float,
+        default=None,
+        help=f"capacity's queueing bound (default {StudyConfig.slo_ttft_median_ms:g}; 0: none)",
+    )
+    parser.add_argument(
         "--report-only", action="store_true", help="rewrite report.md and plots from results.json"
     )
     return parser.parse_args(argv)
@@ -737,6 +775,9 @@ def main(argv: list[str] | None = None) -> int:
     config = PRESETS["long" if args.long else "smoke" if args.smoke else "default"]
     if args.slo_tbt_p99_ms is not None:
         config = dataclasses.replace(config, slo_tbt_p99_ms=args.slo_tbt_p99_ms)
+    if args.slo_ttft_median_ms is not None:
+        ttft_bound = args.slo_ttft_median_ms or None  # 0 turns the bound off
+        config = dataclasses.replace(config, slo_ttft_median_ms=ttft_bound)
     policies = sorted(set(args.policies), key=STUDY_POLICIES.index)
     out = args.out.resolve()
     if args.report_only:

@@ -6,14 +6,18 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import loadgen
 import pytest
-from loadgen_capacity import CapacitySpec, search_capacity
+from loadgen_capacity import CapacitySpec, make_probe, search_capacity
+from loadgen_fake_server import FakeServer, FakeServerConfig
 
 from tests.process_tree import descendants, kill_all, wait_until_gone
 from tests.scripts.conftest import SCRIPTS
@@ -93,9 +97,38 @@ def test_capacity_bisection_on_a_known_curve():
     assert high.capacity == 20.0 and high.is_lower_bound
 
 
+def test_a_median_ttft_bound_breaks_a_probe_that_only_queues():
+    # A policy that queues keeps TBT low at any rate while TTFT grows: only the TTFT bound
+    # sees that the server is past its capacity.
+    queued = {"failed": 0, "completed": 20, "p99_itl_ms": 10.0, "median_ttft_ms": 5000.0}
+    queued |= {"request_throughput": 4.0, "output_throughput": 0.0, "mean_e2el_ms": 0.0}
+    unbounded = CapacitySpec(slo_itl_p99_ms=50.0)
+    bounded = CapacitySpec(slo_itl_p99_ms=50.0, slo_ttft_median_ms=2000.0)
+    assert make_probe(8.0, queued, unbounded).holds
+    assert not make_probe(8.0, queued, bounded).holds
+    assert make_probe(8.0, {**queued, "median_ttft_ms": 2000.0}, bounded).holds
+    assert "median TTFT   5000.00 ms" in make_probe(8.0, queued, bounded).line(1)
+
+    async def probe(rate: float) -> dict[str, float]:
+        # Past 10 req/s requests wait: TTFT grows with the rate, TBT does not.
+        ttft = 100.0 if rate <= 10.0 else 100.0 + 1000.0 * (rate - 10.0)
+        served = {"request_throughput": min(rate, 10.0), "failed": 0, "completed": 20}
+        return {"p99_itl_ms": 10.0, "median_ttft_ms": ttft, **served}
+
+    lines: list[str] = []
+    spec = CapacitySpec(50.0, slo_ttft_median_ms=2000.0, max_rate=64.0, tolerance=0.02)
+    found = asyncio.run(search_capacity(_with_output(probe), spec, lines.append))
+    assert 11.9 * 0.98 <= found.capacity <= 11.9 and not found.is_lower_bound
+    assert found.as_dict()["capacity_probes"][0]["median_ttft_ms"] == 100.0
+    unbounded_search = replace(spec, slo_ttft_median_ms=None)
+    found = asyncio.run(search_capacity(_with_output(probe), unbounded_search, lines.append))
+    assert found.capacity == 64.0 and found.is_lower_bound
+
+
 def _with_output(probe):
     async def wrapped(rate: float) -> dict[str, float]:
-        return {"output_throughput": 0.0, "mean_e2el_ms": 0.0, **await probe(rate)}
+        defaults = {"output_throughput": 0.0, "mean_e2el_ms": 0.0, "median_ttft_ms": 0.0}
+        return {**defaults, **await probe(rate)}
 
     return wrapped
 
@@ -122,6 +155,96 @@ def test_capacity_search_finds_the_fake_servers_threshold(fake_server_process, t
     assert 30 <= threshold <= 90  # 4 / 45 ms at best; a busy machine stretches the sleeps
     assert 0.75 * threshold <= result["capacity_request_rate"] <= 1.1 * threshold
     assert "serving capacity:" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_ttft_bound_finds_the_capacity_of_a_server_that_queues(fake_server_process, tmp_path):
+    # Two streams generate at once, each 10 tokens 5 ms apart (about 45 ms plus what the
+    # machine adds): about 40 req/s is all it serves, and past that requests queue. TBT stays
+    # 5 ms at any rate, so the TBT SLO alone calls every rate fine; a median TTFT bound of
+    # 100 ms finds the knee. (The SLOs sit far from what the machine adds, so a busy machine
+    # moves the knee but not the verdicts.)
+    base_url = fake_server_process("--itl-ms", "5", "--max-running", "2")
+    argv = ["--base-url", base_url, "--num-prompts", "40", "--random-input-len", "8"]
+    argv += ["--random-output-len", "10", "--burstiness", "inf", "--capacity-search"]
+    argv += ["--slo-tbt-p99-ms", "50", "--no-progress", "--ready-check-timeout-s", "10"]
+    tbt_only, bounded = tmp_path / "tbt_only.json", tmp_path / "bounded.json"
+    rates = ["--capacity-start-rate", "40", "--capacity-max-rate", "80"]
+    assert loadgen.main([*argv, *rates, "--result-json", str(tbt_only)]) == 0
+    result = json.loads(tbt_only.read_text())
+    assert result["capacity_request_rate"] == 80.0 and result["capacity_is_lower_bound"]
+    assert result["slo_ttft_median_ms"] is None
+    assert result["capacity_probes"][-1]["median_ttft_ms"] > 100  # at 80 req/s requests waited
+    argv += ["--slo-ttft-median-ms", "100", "--capacity-start-rate", "20"]
+    argv += ["--capacity-max-probes", "5", "--result-json", str(bounded)]
+    assert loadgen.main(argv) == 0
+    result = json.loads(bounded.read_text())
+    assert result["slo_ttft_median_ms"] == 100.0 and not result["capacity_is_lower_bound"]
+    assert 5 <= result["capacity_request_rate"] <= 70
+    broke = [p for p in result["capacity_probes"] if not p["holds"]]
+    assert broke and all(p["p99_itl_ms"] <= 50 and p["median_ttft_ms"] > 100 for p in broke)
+
+
+def test_the_model_is_asked_again_while_the_server_starts(tmp_path):
+    # GET /v1/models comes before the ready check: a server that listens a second late is
+    # asked again (with backoff) rather than failing the run.
+    port = _free_port()
+    server = LateServer(port, delay_s=1.0)
+    out = tmp_path / "late.json"
+    argv = ["--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "2"]
+    argv += ["--random-input-len", "4", "--random-output-len", "2", "--no-progress"]
+    try:
+        assert (
+            loadgen.main([*argv, "--ready-check-timeout-s", "20", "--result-json", str(out)]) == 0
+        )
+    finally:
+        server.stop()
+    assert json.loads(out.read_text())["model_id"] == "fake-model"
+
+
+def test_asking_for_the_model_gives_up_with_a_clear_message(fake_server, capsys):
+    argv = ["--num-prompts", "1", "--no-progress", "--ready-check-timeout-s"]
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    started = time.monotonic()
+    assert loadgen.main(["--base-url", url, *argv, "1"]) == 1
+    assert 1.0 <= time.monotonic() - started < 8.0
+    error = capsys.readouterr().err
+    assert f"GET {url}/v1/models gave no model within --ready-check-timeout-s 1" in error
+    assert "pass --model NAME" in error
+    # A 4xx will not change by waiting: it ends the run at once.
+    wrong_path = fake_server().base_url + "/nowhere"
+    started = time.monotonic()
+    assert loadgen.main(["--base-url", wrong_path, *argv, "30"]) == 1
+    assert time.monotonic() - started < 5.0
+    assert "HTTP 404" in capsys.readouterr().err
+
+
+class LateServer:
+    """A fake server that starts listening on ``port`` only ``delay_s`` after it is made."""
+
+    def __init__(self, port: int, delay_s: float) -> None:
+        self.server = FakeServer(FakeServerConfig())
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._serve, args=(port, delay_s), daemon=True)
+        self.thread.start()
+
+    def _serve(self, port: int, delay_s: float) -> None:
+        self.loop.run_until_complete(asyncio.sleep(delay_s))
+        self.loop.run_until_complete(self.server.start(port=port))
+        self.loop.run_forever()
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(timeout=10)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # closed again on return: nothing listens there
 
 
 def test_ctrl_c_stops_and_still_reports(fake_server):

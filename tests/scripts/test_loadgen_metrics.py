@@ -9,6 +9,7 @@ import pytest
 from loadgen_client import RequestOutput
 from loadgen_datasets import SampleRequest
 from loadgen_metrics import (
+    concurrent_requests_per_second,
     format_summary,
     latency_stats,
     max_concurrency_seen,
@@ -111,12 +112,36 @@ def test_throughput_bins_and_peak_concurrency():
     a = done(0.2, [0.5] * 4, start=0.0)
     b = done(0.5, [0.1], start=1.0)
     assert output_tokens_per_second([a, b], start=0.0).tolist() == [2, 4, 1]
-    # A chunk carrying two tokens (usage says 10 for 5 chunks) counts twice.
-    doubled = done(0.2, [0.5] * 4, tokens=10)
-    assert output_tokens_per_second([doubled], start=0.0).tolist() == [4, 4, 2]
     assert max_concurrency_seen([a, b]) == 2  # a runs 0..2.2, b 1.0..1.6
     back_to_back = [done(0.5, [], start=0.0), done(0.5, [], start=0.5)]
     assert max_concurrency_seen(back_to_back) == 1  # one ends as the next starts
+
+
+def test_peaks_use_vllms_one_second_buckets_over_completed_requests():
+    # vllm bench serve: buckets start at the earliest completed request's start; each content
+    # chunk counts one token in the bucket it arrived in; a request is active in every bucket
+    # from the one it starts in to the one it ends in, both included.
+    late = done(0.2, [0.5, 0.5], start=0.7)  # chunks at 0.9, 1.4, 1.9: 0.2, 0.7, 1.2 from 0.7
+    early_failure = failed("HTTP 500: boom")  # starts at 0.0, moves no bucket
+    assert output_tokens_per_second([late, early_failure]).tolist() == [2, 1]
+    assert output_tokens_per_second([late], start=0.0).tolist() == [1, 2]  # the plot's origin
+    # Several tokens in one chunk (usage says 10 for 5 chunks) still count one, as in vLLM.
+    bundled = done(0.2, [0.5] * 4, tokens=10)
+    assert output_tokens_per_second([bundled]).tolist() == [2, 2, 1]
+    # Five 0.1 s requests one after another: never two at once, but five in bucket 0.
+    serial = [done(0.1, [], start=0.1 * i) for i in range(5)]
+    assert concurrent_requests_per_second(serial).tolist() == [5]
+    assert max_concurrency_seen(serial) == 1
+    # [0, 1) and [1, 2) touch bucket 1 both: vLLM counts 2 there.
+    touching = [done(1.0, [], start=0.0), done(1.0, [], start=1.0)]
+    assert concurrent_requests_per_second(touching).tolist() == [1, 2, 1]
+    result = summarize(RunResult([*serial, late, failed("x")], 2.0, 0.0, np.zeros(7)), {})
+    assert result["max_concurrent_requests"] == 6  # bucket 0: the five and late
+    assert result["max_output_tokens_per_s"] == 6.0  # bucket 0: five single chunks and 0.9 s
+    # The exact peak counts every sent request: the failure (0 to 10 ms) overlaps the first.
+    assert result["peak_in_flight_requests"] == 2
+    assert "Peak in-flight requests (exact):" in format_summary(result)
+    assert concurrent_requests_per_second([failed("x")]).tolist() == []
 
 
 def test_arrivals_have_the_rate_and_the_burstiness_asked():
