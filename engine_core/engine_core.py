@@ -14,6 +14,7 @@ runs it at submission, which gives the same tokens without the overlap.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -32,6 +33,8 @@ from protocol import (
     SchedulerOutput,
 )
 
+logger = logging.getLogger(__name__)
+
 
 class EngineCore:
     """Owns the scheduler and drives the executor one step at a time."""
@@ -41,6 +44,21 @@ class EngineCore:
         self.executor = executor
         num_blocks = executor.determine_num_blocks()
         executor.initialize_cache(num_blocks)
+        # A request may hold no more tokens than the whole pool: cap the context at it, so that
+        # "until the context is full" ends with "length" rather than an out-of-blocks error, and
+        # clients learn the real limit from the config in Ready.
+        pool_tokens = (num_blocks - 1) * config.cache.block_size  # block 0 is the null block
+        if pool_tokens < config.scheduler.max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens (%d blocks), fewer than max_model_len %d: "
+                "max_model_len is lowered to %d; give it more memory to serve longer contexts",
+                pool_tokens,
+                num_blocks - 1,
+                config.scheduler.max_model_len,
+                pool_tokens,
+            )
+            config = replace(config, scheduler=replace(config.scheduler, max_model_len=pool_tokens))
+            self.config = config
         self.scheduler = Scheduler(config.scheduler, replace(config.cache, num_blocks=num_blocks))
         self._next_req_id = 0
         # In-flight requests by (client_index, request_id): a frontend names its requests with

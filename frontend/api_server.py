@@ -44,6 +44,7 @@ from frontend.serving_chat import create_chat_completion
 from frontend.serving_common import ClientDisconnected, ServingState
 from frontend.serving_completion import create_completion
 from frontend.tokenizer import load_tokenizer
+from frontend.validation import context_limit
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     state = _serving(request)
-    card = ModelCard(state.model_name, state.created, state.config.model.max_model_len)
+    card = ModelCard(state.model_name, state.created, context_limit(state.config))
     return Response(encode_json(ModelList([card])), media_type="application/json")
 
 

@@ -5,6 +5,10 @@ decode work per token, stop strings found there). A streamed delta holds back th
 ``len(longest stop) - 1`` characters while the choice runs: they may be the start of a stop
 string, which must never reach the client. When the engine ends the choice, the text is the
 whole output decoded once, so it equals what ``LLM.generate`` returns for the same tokens.
+
+A stop token's text is left out (``text_token_ids``), but its logprob row stays: logprobs, like
+the token ids and usage, cover every sampled token (as vLLM's do), and a stop string's text is
+cut the same way while its tokens' rows stay.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend.tokenizer import IncrementalDetokenizer
+from frontend.tokenizer import IncrementalDetokenizer, text_token_ids
 from protocol import EngineCoreOutput, FinishReason, SamplingParams
 
 # Per generated token: (token ids, log-probabilities), the sampled token first, then its top-k.
@@ -55,6 +59,8 @@ class ChoiceTracker:
         )
         self._hold_chars = max((len(s) for s in sampling_params.stop), default=1) - 1
         self.token_ids: list[int] = []
+        # token_ids[:num_text_tokens] make the text: all but a stop token that ended the choice.
+        self.num_text_tokens = 0
         self.logprobs: list[LogprobRow] = []
         self.text = ""  # what has been handed out in deltas so far
         self.finish_reason: FinishReason | None = None
@@ -85,9 +91,11 @@ class ChoiceTracker:
         if output.logprobs is not None:
             rows = list(zip(output.logprobs.token_ids, output.logprobs.logprobs))
             self.logprobs.extend(rows)
+        text_ids = text_token_ids(output, self.sampling_params.include_stop_str_in_output)
+        self.num_text_tokens += len(text_ids)
         stop_string = None
         if output.finish_reason != "error":
-            stop_string = self._detokenizer.add_tokens(new_token_ids)
+            stop_string = self._detokenizer.add_tokens(text_ids)
         if stop_string is not None:
             self.finish_reason, self.stop_reason = "stop", stop_string
         elif output.finish_reason is not None:
@@ -103,7 +111,8 @@ class ChoiceTracker:
         else:
             if stop_string is None and self.finish_reason != "error":
                 # Decoded whole once: an incomplete character the window held back comes out.
-                whole = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+                text_ids = self.token_ids[: self.num_text_tokens]
+                whole = self._tokenizer.decode(text_ids, skip_special_tokens=True)
                 if whole.startswith(self.text):
                     text = whole
             end = len(text)

@@ -11,6 +11,8 @@ which one it drives.
 
 from __future__ import annotations
 
+from msgspec.structs import replace
+
 from frontend.async_engine_client import AsyncEngineClient
 from frontend.engine_session import EngineDeadError, EngineStartError
 from frontend.mp_engine_client import MPEngineClient
@@ -38,12 +40,20 @@ class InProcessEngineClient:
         # and registered as an Executor here, where both are visible.
         Executor.register(InProcessExecutor)
         self._core = EngineCore(config, InProcessExecutor(config))
-        self.config = config
+        # As a client of an engine process gets it in Ready: the engine's own (max_model_len
+        # capped at the pool), with the num_blocks learned.
+        core_config = self._core.config
+        num_blocks = self._core.scheduler.kv_cache_manager.block_pool.num_blocks
+        self.config = replace(core_config, cache=replace(core_config.cache, num_blocks=num_blocks))
 
     def add_request(self, request: EngineCoreRequest) -> list[EngineCoreOutput]:
         """Submit a request; returns its outputs at once only if the engine rejected it."""
         rejected = self._core.add_request(request)
         return [] if rejected is None else list(rejected.outputs)
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> list[EngineCoreOutput]:
+        """Submit several requests; the outputs of those the engine rejected at once."""
+        return [output for request in requests for output in self.add_request(request)]
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:

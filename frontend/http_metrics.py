@@ -5,6 +5,11 @@ inter-token and end-to-end latency, HTTP status codes) are counted by this front
 request (one choice) at a time, as vLLM counts them. Engine-level ones (running, waiting, KV
 usage, preemptions, prefix cache) are the latest ``SchedulerStats`` this frontend's engine client
 received: they describe the whole engine, whichever frontend is scraped.
+
+Every series carries a ``pid`` label, this frontend's process id. Several frontends share one
+port and each counts for itself, so successive scrapes land on different processes: without the
+label one series would jump between their counts and seem to go backwards. With it each
+frontend is its own series, and ``sum without (pid)`` adds them up.
 """
 
 from __future__ import annotations
@@ -82,8 +87,9 @@ def _scalar(kind: str, name: str, help_text: str, samples: list[tuple[str, float
 class ServerMetrics:
     """Everything /metrics reports for one frontend process."""
 
-    def __init__(self, model_name: str) -> None:
-        self._labels = (("model_name", model_name),)
+    def __init__(self, model_name: str, pid: int | None = None) -> None:
+        pid = os.getpid() if pid is None else pid
+        self._labels = (("model_name", model_name), ("pid", str(pid)))
         self.finished = dict.fromkeys(FINISH_REASONS, 0)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -131,11 +137,8 @@ class ServerMetrics:
             (_labels((*self._labels, ("code", str(code)))), n)
             for code, n in sorted(self.responses_by_status.items())
         ]
-        # Several frontends may share one port, and each counts for itself: the pid says which
-        # one answered this scrape.
-        info = _labels((*self._labels, ("pid", str(os.getpid()))))
         return [
-            *_scalar("gauge", "frontend_info", "This frontend process.", [(info, 1)]),
+            *_scalar("gauge", "frontend_info", "This frontend process.", [(base, 1)]),
             *_scalar("counter", "request_success_total", "Finished requests by reason.", by_reason),
             *_scalar("counter", "prompt_tokens_total", "Prefill tokens processed.",
                      [(base, self.num_prompt_tokens)]),

@@ -23,7 +23,7 @@ from frontend.engine_client import InProcessEngineClient, MPEngineClient
 from frontend.outputs import RequestOutput
 from frontend.sample_tracker import SampleTracker
 from frontend.tokenizer import load_tokenizer
-from frontend.validation import find_prompt_problem
+from frontend.validation import context_limit, find_kv_cache_problem, find_prompt_problem
 from protocol import EngineCoreRequest, SamplingParams, SchedulerStats
 
 PromptType = Union[str, list[int]]
@@ -142,11 +142,18 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling params for {len(prompts)} prompts"
                 )
-        model = self.config.model
+        # The engine's config: with the KV pool size it learned at start-up.
+        config = self._engine.config
+        max_model_len = context_limit(config)
         batch = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             text, token_ids = self._tokenize(prompt)
-            problem = find_prompt_problem(token_ids, model.vocab_size, model.max_model_len)
+            problem = find_prompt_problem(token_ids, config.model.vocab_size, max_model_len)
+            if problem is None:
+                # The engine caps max_tokens at the context: the pool need hold no more.
+                room = max_model_len - len(token_ids)
+                max_tokens = None if params.max_tokens is None else min(params.max_tokens, room)
+                problem = find_kv_cache_problem(len(token_ids), max_tokens, config.cache)
             if problem is not None:
                 raise ValueError(f"prompt {i}: {problem}")
             batch.append(_Prompt(text, token_ids, _fan_out(params)))
@@ -165,15 +172,20 @@ class LLM:
     ) -> None:
         eos = list(self.config.model.eos_token_ids)
         now = time.time()
-        for request_id in trackers:
-            tracker = trackers[request_id]
-            prompt = batch[owners[request_id]]
-            request = EngineCoreRequest(
-                request_id, prompt.token_ids, tracker.sampling_params, now, eos_token_ids=eos
+        requests = [
+            EngineCoreRequest(
+                request_id,
+                batch[owners[request_id]].token_ids,
+                tracker.sampling_params,
+                now,
+                eos_token_ids=eos,
             )
-            for output in self._engine.add_request(request):
-                if output.finish_reason == "error":
-                    raise ValueError(f"request rejected: {output.stop_reason}")
+            for request_id, tracker in trackers.items()
+        ]
+        # One message: the whole batch is in the engine before its first step.
+        for output in self._engine.add_requests(requests):
+            if output.finish_reason == "error":
+                raise ValueError(f"request rejected: {output.stop_reason}")
 
     def _run(
         self,

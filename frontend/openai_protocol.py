@@ -15,7 +15,7 @@ import msgspec
 
 from frontend.http_errors import bad_request
 from protocol import SamplingParams
-from protocol.sampling_params import MAX_LOGPROBS
+from protocol.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 # Integers must fit the wire (msgpack int64); a bigger JSON number is a 400, not a crash.
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
@@ -30,10 +30,15 @@ class StreamOptions(msgspec.Struct):
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields both endpoints share; ``None`` means "the SamplingParams default"."""
+    """Fields both endpoints share; ``None`` means "the SamplingParams default".
+
+    OpenAI's clients send an explicit ``null`` for a parameter set to None, meaning "the default":
+    the fields they may send so are Optional here, and ``__post_init__`` (which msgspec runs on
+    decode) puts the default back, so the handlers never see None in them.
+    """
 
     model: str | None = None
-    n: Int64 = 1
+    n: Int64 | None = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int64 | None = None
@@ -48,19 +53,30 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     min_tokens: Int64 = 0
     include_stop_str_in_output: bool = False
     priority: Int64 = 0
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.n is None:
+            self.n = 1
+        if self.stream is None:
+            self.stream = False
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: PromptField
     max_tokens: Int64 | None = 16
     logprobs: Int64 | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: Int64 | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.echo is None:
+            self.echo = False
 
 
 class ContentPart(msgspec.Struct):
@@ -78,10 +94,15 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: Int64 | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.logprobs is None:
+            self.logprobs = False
 
 
 _OPTIONAL_SAMPLING_FIELDS = (
@@ -127,10 +148,20 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
 def to_sampling_params(
     body: SamplingFields, max_tokens: int | None, logprobs: int | None, vocab_size: int
 ) -> SamplingParams:
-    """The engine's sampling parameters for one sample of ``body`` (n is fanned out later)."""
+    """The engine's sampling parameters for one sample of ``body`` (n is fanned out later);
+    400 for any field, or combination of fields, that cannot be honoured."""
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
+    if body.stream_options is not None and not body.stream:
+        # OpenAI's rule: the options describe a stream, so without one they are a mistake.
+        raise bad_request("stream_options can only be given with stream: true", "stream_options")
     stop_token_ids = list(body.stop_token_ids or ())
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        # Counted as sent; SamplingParams counts the distinct ones it keeps.
+        raise bad_request(
+            f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_token_ids)}",
+            "stop_token_ids",
+        )
     if any(not 0 <= t < vocab_size for t in stop_token_ids):
         raise bad_request(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
     kwargs: dict[str, Any] = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from frontend.outputs import CompletionOutput, PositionLogprobs
-from frontend.tokenizer import IncrementalDetokenizer
+from frontend.tokenizer import IncrementalDetokenizer, text_token_ids
 from protocol import EngineCoreOutput, FinishReason, Logprobs, SamplingParams
 
 
@@ -26,6 +26,9 @@ class SampleTracker:
         self.sampling_params = sampling_params
         self._tokenizer = tokenizer
         self.token_ids: list[int] = []
+        # token_ids[:num_text_tokens] make the text: all but a stop token that ended the sample
+        # (its logprobs stay, as on the HTTP path).
+        self.num_text_tokens = 0
         self.logprobs: list[PositionLogprobs] | None = (
             [] if sampling_params.logprobs is not None else None
         )
@@ -56,10 +59,12 @@ class SampleTracker:
         """
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         self.token_ids.extend(output.new_token_ids)
+        text_ids = text_token_ids(output, self.sampling_params.include_stop_str_in_output)
+        self.num_text_tokens += len(text_ids)
         if output.logprobs is not None and self.logprobs is not None:
             self._add_logprobs(output.logprobs)
         if self._detokenizer is not None and output.finish_reason != "error":
-            stop = self._detokenizer.add_tokens(output.new_token_ids)
+            stop = self._detokenizer.add_tokens(text_ids)
             if stop is not None:
                 self.finish_reason, self.stop_reason = "stop", stop
                 return output.finish_reason is None
@@ -81,7 +86,8 @@ class SampleTracker:
         if self._detokenizer is not None:
             text = self._detokenizer.text
         else:
-            text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            text_ids = self.token_ids[: self.num_text_tokens]
+            text = self._tokenizer.decode(text_ids, skip_special_tokens=True)
         return CompletionOutput(
             index=self.index,
             text=text,

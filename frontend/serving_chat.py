@@ -2,7 +2,9 @@
 
 Runs in an HTTP frontend process, on its event loop. The conversation is rendered with the
 tokenizer's own template (``add_generation_prompt=True``) and tokenized here, so every frontend
-process spends its own CPU on it. A stream starts with a ``role`` delta for every choice.
+process spends its own CPU on it. In a stream, a choice's first chunk carries its ``role``: it
+goes out with the choice's first output, so a request that fails before the engine produced
+anything gets an error event, not the start of a message.
 """
 
 from __future__ import annotations
@@ -152,13 +154,16 @@ class _ChatRun:
         return sse_event(chunk)
 
     async def events(self) -> AsyncIterator[bytes]:
-        for tracker in self.trackers:
-            yield self._chunk([ChatStreamChoice(tracker.index, ChatDelta(ROLE, ""))])
+        started: set[int] = set()  # choices whose role went out
         try:
             async with contextlib.aclosing(self._deltas()) as deltas:
                 async for delta in deltas:
-                    if delta.text or delta.logprobs or delta.finish_reason:
-                        yield self._chunk([self._stream_choice(delta)])
+                    # A failed choice sends nothing itself: the error event below reports it.
+                    ended = delta.finish_reason not in (None, "error")
+                    if delta.text or delta.logprobs or ended:
+                        first = delta.index not in started
+                        started.add(delta.index)
+                        yield self._chunk([self._stream_choice(delta, first)])
             raise_on_error(self.trackers)
         except ApiError as exc:
             yield sse_event(error_body(exc.status, exc.message))
@@ -170,10 +175,9 @@ class _ChatRun:
                 yield self._chunk([], with_usage=True)
         yield SSE_DONE
 
-    def _stream_choice(self, delta: ChoiceDelta) -> ChatStreamChoice:
-        choice = ChatStreamChoice(
-            delta.index, ChatDelta(content=delta.text), self._logprobs(delta.logprobs)
-        )
+    def _stream_choice(self, delta: ChoiceDelta, first: bool) -> ChatStreamChoice:
+        message = ChatDelta(ROLE if first else None, delta.text)
+        choice = ChatStreamChoice(delta.index, message, self._logprobs(delta.logprobs))
         if delta.finish_reason is not None and delta.finish_reason != "error":
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
         return choice

@@ -22,7 +22,7 @@ from frontend.choice_tracker import ChoiceTracker
 from frontend.http_errors import ApiError, bad_request
 from frontend.http_metrics import ServerMetrics
 from frontend.openai_responses import UsageInfo
-from frontend.validation import find_prompt_problem
+from frontend.validation import context_limit, find_kv_cache_problem, find_prompt_problem
 from protocol import EngineConfig, EngineCoreRequest, SamplingParams
 
 T = TypeVar("T")
@@ -66,19 +66,24 @@ def tokenize(state: ServingState, text: str) -> list[int]:
 def check_prompt(
     state: ServingState, token_ids: list[int], max_tokens: int | None, index: int | None = None
 ) -> None:
-    """400 unless the prompt is valid and prompt + max_tokens fits the context (vLLM's rule)."""
-    model = state.config.model
+    """400 unless the prompt is valid, prompt + max_tokens fits the context (vLLM's rule) and
+    the engine's whole KV cache (else the engine could only fail it, a 500)."""
+    config = state.config
+    max_model_len = context_limit(config)
     where = "" if index is None else f"prompt {index}: "
-    problem = find_prompt_problem(token_ids, model.vocab_size, model.max_model_len)
+    problem = find_prompt_problem(token_ids, config.model.vocab_size, max_model_len)
     if problem is not None:
         raise bad_request(where + problem, "prompt")
-    if max_tokens is not None and len(token_ids) + max_tokens > model.max_model_len:
+    if max_tokens is not None and len(token_ids) + max_tokens > max_model_len:
         raise bad_request(
-            f"{where}this model's maximum context length is {model.max_model_len} tokens, but "
+            f"{where}this model's maximum context length is {max_model_len} tokens, but "
             f"{len(token_ids) + max_tokens} were requested ({len(token_ids)} in the prompt, "
             f"{max_tokens} for the completion); shorten the prompt or lower max_tokens",
             "max_tokens",
         )
+    problem = find_kv_cache_problem(len(token_ids), max_tokens, config.cache)
+    if problem is not None:
+        raise bad_request(where + problem, "max_tokens")
 
 
 def fan_out(params: SamplingParams) -> list[SamplingParams]:

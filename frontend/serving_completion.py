@@ -108,7 +108,9 @@ class _CompletionRun:
         try:
             async with contextlib.aclosing(self._deltas()) as deltas:
                 async for delta in deltas:
-                    if delta.text or delta.logprobs or delta.finish_reason:
+                    # A failed choice sends nothing itself: the error event below reports it.
+                    ended = delta.finish_reason not in (None, "error")
+                    if delta.text or delta.logprobs or ended:
                         yield sse_event(self._chunk(delta))
             raise_on_error(self.trackers)
         except ApiError as exc:

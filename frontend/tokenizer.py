@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from protocol import EngineCoreOutput
+
 # Prompt tokens kept as left context: decoders that drop a word's leading space at the start of
 # a decode (SentencePiece) need a few real tokens before the first output token.
 NUM_CONTEXT_TOKENS = 5
@@ -22,6 +24,19 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def text_token_ids(output: EngineCoreOutput, include_stop_str_in_output: bool) -> list[int]:
+    """The output's tokens that become text.
+
+    A stop token (EOS or a ``stop_token_ids`` entry: the engine's only "stop") ends the output.
+    Its text is left out unless ``include_stop_str_in_output``, as vLLM does, so a stop token
+    that is an ordinary word does not show; it still counts as generated (token ids, usage).
+    """
+    new_token_ids = output.new_token_ids
+    if output.finish_reason == "stop" and new_token_ids and not include_stop_str_in_output:
+        return new_token_ids[:-1]
+    return new_token_ids
 
 
 class IncrementalDetokenizer:

@@ -15,6 +15,10 @@ import msgspec
 MAX_N = 16
 # Top-k alternatives per token; the sampler sorts the full vocabulary row at most once per token.
 MAX_LOGPROBS = 20
+# Stop strings are searched in the text after every token, stop token ids looked up per token:
+# caps that keep one request's per-token stop checks (and its wire size) small.
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 256
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
@@ -33,7 +37,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop: list[str] = []
-    stop_token_ids: list[int] = []
+    # A set: the engine checks every sampled token against it. A list given here is converted.
+    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     logprobs: int | None = None
     presence_penalty: float = 0.0
@@ -43,6 +48,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stop_token_ids, frozenset):
+            msgspec.structs.force_setattr(self, "stop_token_ids", frozenset(self.stop_token_ids))
         problem = find_sampling_problem(self)
         if problem is not None:
             raise ValueError(problem)
@@ -74,9 +81,16 @@ def find_sampling_problem(p: SamplingParams) -> str | None:
         return f"min_tokens must be >= 0, got {p.min_tokens}"
     if p.max_tokens is not None and p.min_tokens > p.max_tokens:
         return f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})"
+    if len(p.stop) > MAX_STOP_STRINGS:
+        return f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(p.stop)}"
     if any(not s for s in p.stop):
         return "stop strings must be non-empty"
-    if any(t < 0 for t in p.stop_token_ids):
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        return (
+            f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} distinct ids, "
+            f"got {len(p.stop_token_ids)}"
+        )
+    if any(not isinstance(t, int) or t < 0 for t in p.stop_token_ids):
         return "stop_token_ids must be non-negative token ids"
     if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
         return f"logprobs must be between 0 and {MAX_LOGPROBS}, got {p.logprobs}"

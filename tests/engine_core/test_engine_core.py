@@ -173,3 +173,21 @@ def test_only_an_abort_pending_still_gets_delivered():
     assert len(executor.scheduler_outputs) == num_executed  # nothing to run
     assert not engine.has_unfinished_requests()
     engine.check_all_free()
+
+
+def test_a_pool_smaller_than_the_context_caps_max_model_len_so_no_request_overruns_it(caplog):
+    # 9 usable blocks of 4 tokens: 36 tokens, under MAX_MODEL_LEN (64).
+    engine, _ = make_engine(num_blocks=10)
+    assert engine.config.scheduler.max_model_len == 36
+    assert "max_model_len is lowered to 36" in caplog.text
+    # "Until the context is full" now ends at the pool's size with "length", not an error.
+    engine.add_request(make_request("until-full", max_tokens=None))
+    tokens, reason = run_to_end(engine)[(0, "until-full")]
+    assert (len(tokens), reason) == (36 - 5, "length")
+    assert tokens == expected_tokens([1, 2, 3, 4, 5], 36 - 5)
+    assert engine.add_request(make_request("too-long", prompt=[1] * 36)) is not None
+
+
+def test_a_pool_that_holds_the_context_leaves_max_model_len_alone():
+    engine, _ = make_engine(num_blocks=17)  # 16 usable blocks: exactly 64 tokens
+    assert engine.config.scheduler.max_model_len == MAX_MODEL_LEN

@@ -320,7 +320,10 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def metric(samples: dict[str, float], name: str, **labels: str) -> float:
-    """The value of ``name`` whose labels include ``labels``; summed if several match."""
+    """The value of ``name`` whose labels include ``labels``; summed if several match.
+
+    One scrape comes from one frontend process, so every series in it has the same ``pid``.
+    """
     total, found = 0.0, False
     for key, value in samples.items():
         key_name, _, label_text = key.partition("{")
@@ -330,6 +333,13 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
             total, found = total + value, True
     assert found, f"no sample {name} {labels}"
     return total
+
+
+def scrape_pid(samples: dict[str, float]) -> str:
+    """The frontend process that answered a scrape: every series carries its ``pid`` label."""
+    pids = {re.search(r'[{,]pid="(\d+)"', key)[1] for key in samples}  # type: ignore[index]
+    assert len(pids) == 1, f"one scrape, one frontend: {pids}"
+    return pids.pop()
 
 
 def wait_for(condition: Any, timeout_s: float, interval_s: float = 0.05) -> Any:

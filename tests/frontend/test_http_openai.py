@@ -31,6 +31,7 @@ from tests.frontend.http_helpers import (
     parse_metrics,
     post_json,
     read_events,
+    scrape_pid,
     send_completion,
     start_attached_frontend,
     start_served_http,
@@ -71,7 +72,7 @@ def reference(tiny_model_dir: Path) -> dict[str, object]:
         seeded = llm.generate([TEXT_PROMPTS[0]], SamplingParams(**SEEDED), use_tqdm=False)
         demo_params = SamplingParams(temperature=0.0, max_tokens=32)
         demo = llm.generate([TEXT_PROMPTS[0]], demo_params, use_tqdm=False)
-    return {"greedy": outputs, "seeded": seeded[0], "demo": demo[0]}
+    return {"greedy": outputs, "seeded": seeded[0], "demo": demo[0], "tokenizer": tokenizer}
 
 
 @pytest.fixture(scope="module")
@@ -204,14 +205,57 @@ def test_stop_strings_end_and_truncate_the_text(client, reference):
     assert kept.choices[0].text == full[: cut + len(stop)]
 
 
+def test_a_stop_token_ends_the_text_before_it_but_counts_as_a_token(client, reference):
+    greedy = reference["greedy"][0].outputs[0]
+    tokenizer = reference["tokenizer"]
+    # The first output token whose text is plain and non-empty: it would show if kept.
+    cut = next(
+        i
+        for i, t in enumerate(greedy.token_ids[1:], 1)
+        if tokenizer.decode([t]).strip() and "\ufffd" not in tokenizer.decode([t])
+    )
+    stop_id = greedy.token_ids[cut]
+    cut = greedy.token_ids.index(stop_id)  # it may come earlier: the first one stops
+    expected = tokenizer.decode(greedy.token_ids[:cut], skip_special_tokens=True)
+    kwargs = dict(model=MODEL_NAME, prompt=TEXT_PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+    body = {"stop_token_ids": [stop_id]}
+
+    whole = client.completions.create(extra_body=body, **kwargs)
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (expected, "stop")
+    assert whole.choices[0].to_dict()["stop_reason"] == stop_id
+    assert whole.usage.completion_tokens == cut + 1
+    streamed = list(client.completions.create(extra_body=body, stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    kept = client.completions.create(
+        extra_body={**body, "include_stop_str_in_output": True}, **kwargs
+    )
+    assert kept.choices[0].text == tokenizer.decode(
+        greedy.token_ids[: cut + 1], skip_special_tokens=True
+    )
+
+
+def test_nulls_the_client_sends_mean_the_defaults(client):
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=2, n=None, stream=None, logprobs=None
+    )
+    assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt=TEXT_PROMPTS[0], max_tokens=2, n=None, echo=None, stream=None
+    )
+    assert len(completion.choices) == 1
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        client.completions.create(
+            model=MODEL_NAME, prompt="x", max_tokens=2, stream_options={"include_usage": True}
+        )
+
+
 def _frontend_counts(base_url: str, num_scrapes: int = 40) -> dict[str, float]:
     """Finished choices per frontend pid, from scrapes that land on whichever frontend."""
     counts: dict[str, float] = {}
     for _ in range(num_scrapes):
         samples = parse_metrics(get(base_url, "/metrics")[1])
-        pid = next(k for k in samples if k.startswith("conveyor:frontend_info"))
-        pid = pid.split('pid="')[1].split('"')[0]
-        counts[pid] = metric(samples, "conveyor:request_success_total")
+        pid = scrape_pid(samples)
+        counts[pid] = metric(samples, "conveyor:request_success_total", pid=pid)
         if len(counts) == 2:
             break
     return counts

@@ -1,5 +1,5 @@
 """The HTTP frontend's pure parts, without a server: body decoding and checks, streamed text
-with stop strings, and the Prometheus text.
+with stop strings and stop tokens (and the offline API's), and the Prometheus text.
 
 Runs in the test process, in milliseconds (the tokenizer is the tiny model's).
 """
@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,8 +29,10 @@ from frontend.openai_protocol import (
     prompt_list,
     to_sampling_params,
 )
+from frontend.sample_tracker import SampleTracker
 from frontend.tokenizer import load_tokenizer
-from protocol import EngineCoreOutput, SamplingParams, SchedulerStats
+from protocol import EngineCoreOutput, Logprobs, SamplingParams, SchedulerStats
+from protocol.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 VOCAB_SIZE = 2048
 
@@ -164,14 +167,14 @@ def _samples(text: str) -> dict[str, float]:
 
 
 def test_metrics_render_cumulative_histograms_and_engine_gauges():
-    metrics = ServerMetrics('a "quoted" name')
+    metrics = ServerMetrics('a "quoted" name', pid=4321)
     for ttft in (0.003, 0.05, 0.05, 3.0):
         metrics.observe_tokens(arrival=0.0, previous=None, now=ttft)
     metrics.observe_finished("length", 0.0, 2.0, num_prompt=7, num_generated=5)
     stats = SchedulerStats(num_running=3, kv_cache_usage=0.25, prefix_cache_queries=64,
                            prefix_cache_hits=16, num_preemptions=2)  # fmt: skip
     samples = _samples(metrics.render(stats))
-    label = 'model_name="a \\"quoted\\" name"'
+    label = 'model_name="a \\"quoted\\" name",pid="4321"'
     name = "conveyor:time_to_first_token_seconds"
     assert samples[f'{name}_bucket{{{label},le="0.005"}}'] == 1
     assert samples[f'{name}_bucket{{{label},le="0.06"}}'] == 3
@@ -185,3 +188,112 @@ def test_metrics_render_cumulative_histograms_and_engine_gauges():
     assert samples[f"conveyor:kv_cache_usage_perc{{{label}}}"] == 0.25
     assert samples[f"conveyor:prefix_cache_hit_rate{{{label}}}"] == 0.25
     assert samples[f"conveyor:num_preemptions_total{{{label}}}"] == 2
+
+
+def test_every_metric_series_names_the_frontend_process():
+    # Frontends sharing a port each count for themselves: a scraper must see distinct series,
+    # or successive scrapes landing on different processes make counters go backwards.
+    text = ServerMetrics("tiny", pid=77).render(SchedulerStats())
+    series = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert series and all('pid="77"' in line.partition(" ")[0] for line in series)
+    assert all(line.count('pid="') == 1 for line in series)
+
+
+# ---------------------------------------------------------------- stop tokens
+
+
+def _stopped_by_token(
+    tokenizer: Any, include: bool = False, **params: Any
+) -> tuple[SamplingParams, list[int], list[EngineCoreOutput]]:
+    """Engine outputs of "x = compute(1) return" whose last token is a stop token id."""
+    token_ids = list(tokenizer("x = compute(1) return").input_ids)
+    stop_id = token_ids[-1]  # " return": an ordinary word, so its text would show
+    sampling = SamplingParams(stop_token_ids=[stop_id], include_stop_str_in_output=include,
+                              max_tokens=32, **params)  # fmt: skip
+    outputs = [EngineCoreOutput("r", [t], logprobs=Logprobs([[t]], [[-0.5]], [1]))
+               for t in token_ids]  # fmt: skip
+    outputs[-1].finish_reason, outputs[-1].stop_reason = "stop", stop_id
+    return sampling, token_ids, outputs
+
+
+@pytest.mark.parametrize("stop", [[], ["never"]], ids=["no-stop-strings", "stop-strings"])
+def test_a_stop_token_leaves_its_text_out_but_counts_as_generated(tokenizer, stop):
+    params, token_ids, outputs = _stopped_by_token(tokenizer, stop=stop)
+    tracker = ChoiceTracker(0, "r", tokenizer, [5, 6], params, 0.0)
+    deltas = [tracker.update(output) for output in outputs]
+    expected = tokenizer.decode(token_ids[:-1], skip_special_tokens=True)
+    assert "".join(d.text for d in deltas) == tracker.text == expected == "x = compute(1)"
+    assert (tracker.finish_reason, tracker.stop_reason) == ("stop", token_ids[-1])
+    # The token ids, usage and logprobs still hold it: it was sampled.
+    assert tracker.token_ids == token_ids and len(tracker.logprobs) == len(token_ids)
+    assert deltas[-1].token_ids == [token_ids[-1]] and deltas[-1].logprobs
+
+    offline = SampleTracker(tokenizer, [5, 6], msgspec.structs.replace(params, logprobs=0), 0)
+    for output in outputs:
+        offline.update(output)
+    completion = offline.to_output()
+    assert completion.text == expected and completion.token_ids == token_ids
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", token_ids[-1])
+    assert len(completion.logprobs) == len(token_ids)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_tokens_text(tokenizer):
+    params, token_ids, outputs = _stopped_by_token(tokenizer, include=True)
+    tracker = ChoiceTracker(0, "r", tokenizer, [5, 6], params, 0.0)
+    streamed = "".join(tracker.update(output).text for output in outputs)
+    assert streamed == tracker.text == "x = compute(1) return"
+    offline = SampleTracker(tokenizer, [5, 6], params, 0)
+    for output in outputs:
+        offline.update(output)
+    assert offline.to_output().text == "x = compute(1) return"
+
+
+# ---------------------------------------------------------------- stop limits, nulls, stream
+
+
+def test_stop_strings_and_stop_token_ids_are_capped():
+    def convert(**fields: Any) -> None:
+        _convert_completion(json.dumps({"prompt": "x", **fields}).encode())
+
+    convert(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)])
+    convert(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)))
+    with pytest.raises(ApiError, match="at most 16") as error:
+        convert(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)])
+    assert (error.value.status, error.value.param) == (400, "stop")
+    with pytest.raises(ApiError, match="at most 256") as error:
+        convert(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1)))
+    assert (error.value.status, error.value.param) == (400, "stop_token_ids")
+    # Counted as sent: repeating one id does not get past the cap either.
+    with pytest.raises(ApiError, match="at most 256"):
+        convert(stop_token_ids=[3] * (MAX_STOP_TOKEN_IDS + 1))
+
+
+def test_null_means_the_default_for_what_openai_clients_send_as_null():
+    body = decode_body(
+        b'{"prompt": "x", "n": null, "stream": null, "echo": null, "logprobs": null}',
+        CompletionRequest,
+    )
+    assert (body.n, body.stream, body.echo, body.logprobs) == (1, False, False, None)
+    check_completion_request(body)
+    assert to_sampling_params(body, 16, body.logprobs, VOCAB_SIZE).n == 1
+    chat = decode_body(
+        b'{"messages": [{"role": "user", "content": "hi"}], "n": null, "stream": null,'
+        b' "logprobs": null, "top_logprobs": null}',
+        ChatCompletionRequest,
+    )
+    assert (chat.n, chat.stream, chat.logprobs) == (1, False, False)
+    assert chat_num_logprobs(chat) is None
+
+
+@pytest.mark.parametrize("body_type", [CompletionRequest, ChatCompletionRequest])
+def test_stream_options_need_stream_true(body_type):
+    fields = {"prompt": "x", "messages": [{"role": "user", "content": "hi"}]}
+    options = {"stream_options": {"include_usage": True}}
+    for stream in ({}, {"stream": False}, {"stream": None}):
+        body = decode_body(json.dumps({**fields, **options, **stream}).encode(), body_type)
+        with pytest.raises(ApiError, match="stream: true") as error:
+            to_sampling_params(body, 16, None, VOCAB_SIZE)
+        assert (error.value.status, error.value.param) == (400, "stream_options")
+    for ok in ({**options, "stream": True}, {"stream_options": None}):
+        body = decode_body(json.dumps({**fields, **ok}).encode(), body_type)
+        to_sampling_params(body, 16, None, VOCAB_SIZE)

@@ -120,6 +120,10 @@ def test_stop_token_id_ends_with_that_token(llm):
     completion = stopped.outputs[0]
     assert completion.token_ids[-1] == stop_token and len(completion.token_ids) <= 6
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop_token)
+    # The stop token counts as generated, but its text is not part of the output.
+    tokenizer = llm.get_tokenizer()
+    without_stop = tokenizer.decode(completion.token_ids[:-1], skip_special_tokens=True)
+    assert completion.text == without_stop
 
 
 def test_logprobs_per_position(llm):

@@ -8,7 +8,13 @@ import msgspec
 import pytest
 
 from protocol import SamplingParams
-from protocol.sampling_params import MAX_LOGPROBS, MAX_N, find_sampling_problem
+from protocol.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    find_sampling_problem,
+)
 
 BAD_VALUES = [
     ({"n": 0}, "n must be between 1 and 16, got 0"),
@@ -28,6 +34,11 @@ BAD_VALUES = [
     ({"min_tokens": 5, "max_tokens": 4}, r"min_tokens \(5\) must not exceed max_tokens \(4\)"),
     ({"stop": ["ok", ""]}, "stop strings must be non-empty"),
     ({"stop_token_ids": [3, -1]}, "stop_token_ids must be non-negative token ids"),
+    ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop must hold at most 16 strings, got 17"),
+    (
+        {"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))},
+        "stop_token_ids must hold at most 256 distinct ids, got 257",
+    ),
     ({"logprobs": -1}, "logprobs must be between 0 and 20, got -1"),
     ({"logprobs": MAX_LOGPROBS + 1}, "logprobs must be between 0 and 20, got 21"),
     ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\], got 2.5"),
@@ -55,7 +66,7 @@ GOOD_VALUES = [
 ]
 
 
-@pytest.mark.parametrize(("kwargs", "message"), BAD_VALUES, ids=lambda v: str(v))
+@pytest.mark.parametrize(("kwargs", "message"), BAD_VALUES, ids=lambda v: str(v)[:80])
 def test_bad_value_is_rejected_with_a_clear_message(kwargs: dict, message: str):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
@@ -65,21 +76,31 @@ def test_bad_value_is_rejected_with_a_clear_message(kwargs: dict, message: str):
 WIRE_BAD_VALUES = [case for case in BAD_VALUES if case[0].get("seed", 0) >= -(2**63)]
 
 
-@pytest.mark.parametrize(("kwargs", "message"), WIRE_BAD_VALUES, ids=lambda v: str(v))
+@pytest.mark.parametrize(("kwargs", "message"), WIRE_BAD_VALUES, ids=lambda v: str(v)[:80])
 def test_bad_value_arriving_on_the_wire_is_a_validation_error(kwargs: dict, message: str):
     frame = msgspec.msgpack.encode(kwargs)
     with pytest.raises(msgspec.ValidationError, match=message):
         msgspec.msgpack.decode(frame, type=SamplingParams)
 
 
-@pytest.mark.parametrize("kwargs", GOOD_VALUES, ids=lambda v: str(v))
+@pytest.mark.parametrize("kwargs", GOOD_VALUES, ids=lambda v: str(v)[:80])
 def test_good_values_are_accepted_and_survive_the_wire(kwargs: dict):
     params = SamplingParams(**kwargs)
     assert find_sampling_problem(params) is None
     for name, value in kwargs.items():
-        assert getattr(params, name) == value
+        expected = frozenset(value) if name == "stop_token_ids" else value
+        assert getattr(params, name) == expected
     frame = msgspec.msgpack.encode(params)
     assert msgspec.msgpack.decode(frame, type=SamplingParams) == params
+
+
+def test_stop_token_ids_are_a_frozenset_here_and_after_the_wire():
+    # The engine looks every sampled token up in it.
+    params = SamplingParams(stop_token_ids=[7, 3, 7], stop=["s"] * MAX_STOP_STRINGS)
+    assert params.stop_token_ids == frozenset({3, 7})
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert decoded == params and isinstance(decoded.stop_token_ids, frozenset)
+    assert len(SamplingParams(stop_token_ids=range(MAX_STOP_TOKEN_IDS)).stop_token_ids) == 256
 
 
 def test_greedy_means_temperature_zero():

@@ -1,0 +1,181 @@
+"""The generation handlers against a scripted engine client: what a stream sends first, and the
+checks a request meets before anything reaches the engine.
+
+Runs in the test process, in milliseconds: the engine client is a stand-in that plays back
+outputs (or fails), the tokenizer is the tiny model's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from frontend.engine_session import EngineDeadError
+from frontend.http_errors import ApiError
+from frontend.http_metrics import ServerMetrics
+from frontend.openai_protocol import ChatCompletionRequest, decode_body
+from frontend.serving_chat import create_chat_completion
+from frontend.serving_common import ServingState, check_prompt
+from frontend.tokenizer import load_tokenizer
+from protocol import (
+    CacheConfig,
+    EngineConfig,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    ModelConfig,
+    SchedulerConfig,
+)
+
+# One request's outputs, or the error its stream raises after them.
+Script = Callable[[EngineCoreRequest], list[EngineCoreOutput | BaseException]]
+
+
+class ScriptedEngineClient:
+    """Plays back a script per request, as ``AsyncEngineClient`` streams outputs."""
+
+    def __init__(self, config: EngineConfig, script: Script) -> None:
+        self.config = config
+        self._script = script
+        self.aborted: list[str] = []
+
+    async def add_request(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+        return self._play(self._script(request))
+
+    async def _play(
+        self, items: list[EngineCoreOutput | BaseException]
+    ) -> AsyncIterator[EngineCoreOutput]:
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def abort_nowait(self, request_ids: list[str]) -> None:
+        self.aborted += request_ids
+
+
+def _config(
+    model_dir: Path,
+    max_model_len: int = 4096,
+    scheduler_len: int = 4096,
+    num_blocks: int | None = None,
+) -> EngineConfig:
+    model = ModelConfig(str(model_dir), "Qwen3ForCausalLM", 2048, max_model_len, (2, 0))
+    return EngineConfig(
+        model,
+        cache=CacheConfig(block_size=16, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_model_len=scheduler_len),
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    return load_tokenizer(tiny_model_dir)
+
+
+def _state(tokenizer: Any, config: EngineConfig, script: Script | None = None) -> ServingState:
+    client = ScriptedEngineClient(config, script or (lambda request: []))
+    return ServingState(client, tokenizer, "tiny", ServerMetrics("tiny"), 1 << 20)  # type: ignore[arg-type]
+
+
+async def _never_disconnects() -> dict[str, Any]:
+    await asyncio.Event().wait()
+    return {}
+
+
+def _chat_events(state: ServingState, **fields: Any) -> list[Any]:
+    """The SSE payloads of a streamed chat completion ("[DONE]" as a string)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, **fields}
+
+    async def run() -> list[bytes]:
+        request = decode_body(json.dumps(body).encode(), ChatCompletionRequest)
+        response = await create_chat_completion(state, request, _never_disconnects)
+        return [chunk async for chunk in response.body_iterator]  # type: ignore[attr-defined]
+
+    events = b"".join(asyncio.run(run())).decode().split("\n\n")
+    payloads = [e.removeprefix("data: ") for e in events if e]
+    return [p if p == "[DONE]" else json.loads(p) for p in payloads]
+
+
+TEXT = "x = compute(1)"
+
+
+def _text_outputs(request: EngineCoreRequest, tokenizer: Any) -> list[Any]:
+    """``TEXT`` one token per output, ending at the length limit."""
+    outputs = [EngineCoreOutput(request.request_id, [i]) for i in tokenizer(TEXT).input_ids]
+    outputs[-1].finish_reason = "length"
+    return outputs
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        EngineDeadError("the engine process exited"),
+        EngineCoreOutput("set below", [], "error", "needs more KV cache blocks"),
+    ],
+    ids=["engine-dead", "request-failed"],
+)
+def test_a_chat_stream_that_fails_before_any_output_sends_no_role(
+    tiny_model_dir, tokenizer, failure
+):
+    def script(request: EngineCoreRequest) -> list[Any]:
+        if isinstance(failure, EngineCoreOutput):
+            failure.request_id = request.request_id
+        return [failure]
+
+    events = _chat_events(_state(tokenizer, _config(tiny_model_dir), script))
+    assert events[-1] == "[DONE]"
+    assert [set(e) for e in events[:-1]] == [{"error"}], events
+    assert events[0]["error"]["code"] in (500, 503)
+
+
+def test_each_chat_choice_gets_its_role_with_its_first_output(tiny_model_dir, tokenizer):
+    def script(request: EngineCoreRequest) -> list[Any]:
+        return _text_outputs(request, tokenizer)
+
+    events = _chat_events(_state(tokenizer, _config(tiny_model_dir), script), n=2)
+    assert events[-1] == "[DONE]"
+    choices = [c for e in events[:-1] for c in e["choices"]]
+    for index in (0, 1):
+        deltas = [c["delta"] for c in choices if c["index"] == index]
+        assert deltas[0] == {"role": "assistant", "content": "x"}
+        assert all("role" not in d for d in deltas[1:])
+        assert "".join(d.get("content") or "" for d in deltas) == TEXT
+
+
+# ---------------------------------------------------------------- checks before the engine
+
+
+def test_a_request_larger_than_the_whole_kv_pool_is_a_400(tiny_model_dir, tokenizer):
+    # 9 blocks of 16 tokens, block 0 reserved: 8 usable, 128 tokens.
+    state = _state(tokenizer, _config(tiny_model_dir, num_blocks=9))
+    prompt = list(range(10, 110))  # 100 tokens
+    check_prompt(state, prompt, 28)  # exactly 128
+    check_prompt(state, prompt, None)  # until the context is full: may end early (EOS)
+    with pytest.raises(ApiError, match="KV cache") as error:
+        check_prompt(state, prompt, 29)
+    assert (error.value.status, error.value.param) == (400, "max_tokens")
+    with pytest.raises(ApiError, match="KV cache"):
+        check_prompt(state, list(range(10, 139)), None)  # the prompt alone is too big
+    # An engine that did not say how big its pool is decides for itself.
+    check_prompt(_state(tokenizer, _config(tiny_model_dir)), prompt, 3000)
+
+
+def test_the_context_limit_is_the_smaller_of_the_models_and_the_schedulers(
+    tiny_model_dir, tokenizer
+):
+    for config in (
+        _config(tiny_model_dir, max_model_len=4096, scheduler_len=256),
+        _config(tiny_model_dir, max_model_len=256, scheduler_len=256),
+    ):
+        state = _state(tokenizer, config)
+        check_prompt(state, list(range(10, 110)), 156)
+        with pytest.raises(ApiError, match="maximum context length is 256") as error:
+            check_prompt(state, list(range(10, 110)), 157)
+        assert error.value.status == 400
+        with pytest.raises(ApiError, match="max_model_len is 256"):
+            check_prompt(state, list(range(256)), 1)
