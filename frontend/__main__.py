@@ -18,13 +18,13 @@ import os
 import sys
 from pathlib import Path
 
+from engine_core.lifecycle import tie_to_parent
 from frontend.api_server import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     ServerSettings,
     bind_shared_socket,
     run_server,
 )
-from frontend.parent_watch import tie_to_parent
 
 # The API key may come from the environment, which, unlike a command line, other users cannot read.
 API_KEY_ENV = "CONVEYOR_API_KEY"

@@ -40,8 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from soak_samples import descendants, role_of, table, take_sample  # noqa: E402
+from soak_samples import role_of, table, take_sample  # noqa: E402
 
+from engine_core.process_utils import descendants  # noqa: E402
 from frontend.engine_client import MPEngineClient  # noqa: E402
 
 _ENGINE_READY = re.compile(r"^ready: engine_core pid=(\d+) address=(\S+)$")

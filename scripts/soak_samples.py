@@ -6,32 +6,15 @@ Runs in the soak test's process (scripts/soak.py). Reads /proc (Linux) and the s
 from __future__ import annotations
 
 import math
-import os
 import re
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from engine_core.process_utils import descendants
+
 MIB = 1 << 20
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if stat[0] not in ("Z", "X"):
-                children.setdefault(int(stat[1]), []).append(int(entry))
-    found, frontier = [], [pid]
-    while frontier:
-        below = children.get(frontier.pop(), [])
-        found += below
-        frontier += below
-    return found
 
 
 def role_of(pid: int) -> str | None:

@@ -10,38 +10,15 @@ import contextlib
 import os
 import time
 from collections.abc import Iterable
-from pathlib import Path
 
+from engine_core.process_utils import descendants, proc_stat_fields
 
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-    return text.rsplit(")", 1)[1].split()
+__all__ = ["descendants", "is_running", "kill_all", "wait_until_gone"]
 
 
 def is_running(pid: int) -> bool:
-    fields = _stat_fields(pid)
+    fields = proc_stat_fields(pid)
     return fields is not None and fields[0] not in ("Z", "X")
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (children, grandchildren, ...)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        fields = _stat_fields(int(entry))
-        if fields is not None and fields[0] not in ("Z", "X"):
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    found, frontier = [], [pid]
-    while frontier:
-        below = children.get(frontier.pop(), [])
-        found += below
-        frontier += below
-    return found
 
 
 def wait_until_gone(pids: Iterable[int], timeout_s: float) -> list[int]:

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from engine_core.process_utils import terminate_processes
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
@@ -85,10 +87,4 @@ def fake_server_process() -> Iterator[Callable[..., str]]:
         return f"http://127.0.0.1:{line.strip().split('=', 1)[1]}"
 
     yield start
-    for process in started:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+    terminate_processes(started, grace_s=10.0)
