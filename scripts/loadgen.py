@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import signal
 import sys
 from collections.abc import Coroutine
@@ -143,7 +144,7 @@ async def _capacity(
         # the later probes.
         samples = make_dataset(spec, args.num_prompts, args.seed + num_probes, maker)
         run = await run_requests(
-            session, endpoint, samples, traffic_spec(args, rate), stop, not args.no_progress
+            session, endpoint, samples, probe_traffic(args, rate), stop, not args.no_progress
         )
         if stop.is_set():
             raise SearchStopped
@@ -167,6 +168,15 @@ async def _capacity(
         "slo_ttft_median_ms": args.slo_ttft_median_ms,
         **found.as_dict(),
     }
+
+
+def probe_traffic(args: argparse.Namespace, rate: float) -> TrafficSpec:
+    """A probe's arrivals: --duration, stretched at low rates to send --capacity-min-requests."""
+    traffic = traffic_spec(args, rate)
+    if traffic.duration_s is None or args.capacity_min_requests == 0 or rate == math.inf:
+        return traffic
+    needed = min(args.capacity_min_requests, args.num_prompts)
+    return replace(traffic, duration_s=max(traffic.duration_s, needed / rate))
 
 
 def _header(args: argparse.Namespace, model: str) -> dict[str, Any]:

@@ -107,6 +107,14 @@ def _capacity_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--capacity-max-probes", type=int, default=defaults.max_probes)
     group.add_argument("--capacity-tolerance", type=float, default=defaults.tolerance)
     group.add_argument(
+        "--capacity-min-requests",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --duration, a slow probe sends for longer so it still sends K requests "
+        "(a p99 over a handful of requests is their maximum); at most --num-prompts",
+    )
+    group.add_argument(
         "--self-test",
         action="store_true",
         help="measure this client against a zero-delay fake server (started and stopped here)",
@@ -122,6 +130,8 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(str(exc))
     if args.capacity_search and args.slo_tbt_p99_ms is None:
         parser.error("--capacity-search needs --slo-tbt-p99-ms")
+    if args.capacity_min_requests < 0:
+        parser.error("--capacity-min-requests must be at least 0")
     if args.slo_ttft_median_ms is not None and args.slo_ttft_median_ms <= 0:
         parser.error("--slo-ttft-median-ms must be positive")
     if args.dataset_name == "jsonl" and not args.dataset_path:

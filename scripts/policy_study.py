@@ -32,6 +32,7 @@ import random
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -50,8 +51,10 @@ import bench_offline  # noqa: E402
 import loadgen  # noqa: E402
 from bench_common import Timing, machine_info  # noqa: E402
 
+from engine_core.process_utils import descendants, proc_stat_fields  # noqa: E402
 from frontend.engine_args import EngineArgs  # noqa: E402
 from protocol.config import POLICIES  # noqa: E402
+from protocol.sampling_params import SamplingParams  # noqa: E402
 
 STUDY_POLICIES = ("static", "orca", "prefill-first", "stall-free")  # baseline first
 WHOLE_PROMPT_POLICIES = ("static", "orca", "prefill-first")
@@ -80,13 +83,21 @@ class StudyConfig:
         6.0,
     )  # the last one past what the CPU keeps up with
     online_num_prompts: int = 16
-    # Between a stall-free step at the default budget and a whole long prompt's prefill step.
-    slo_tbt_p99_ms: float = 200.0
+    # The TBT SLO, fixed; None: calibrated on this machine at the start of the run, as
+    # slo_budget_step_factor x the median time of a stall-free step that fills the token
+    # budget. Sarathi-Serve also sets its SLOs relative to step times on the hardware: a fixed
+    # number of ms means a different experiment on a machine twice as fast. At 1.5x the SLO
+    # sits between a stall-free step and a whole prompt of the mean length (1.5x the budget).
+    slo_tbt_p99_ms: float | None = None
+    slo_budget_step_factor: float = 1.5
     # Sarathi-Serve's capacity also bounds the median scheduling delay, at 2 s: without it a
     # policy that lets requests queue holds the TBT SLO at any rate. The client sees TTFT
     # (scheduling delay plus the prefill), a slightly stricter bound. None: no bound.
     slo_ttft_median_ms: float | None = 2000.0
     capacity_probe_s: float = 5.0  # each probe sends for this long (rate x this many requests)
+    # ... or longer, to send at least this many: a p99 over a few requests is their maximum,
+    # and one long prompt would decide the probe.
+    capacity_min_requests: int = 16
     capacity_max_probes: int = 4
     capacity_start_rate: float = 1.0
     capacity_max_rate: float = 8.0
@@ -104,6 +115,7 @@ PRESETS: dict[str, StudyConfig] = {
         online_rates=(0.5, 1.0, 2.0, 3.0, 4.0, 5.0),
         online_num_prompts=60,
         capacity_probe_s=20.0,
+        capacity_min_requests=40,
         capacity_max_probes=7,
         capacity_tolerance=0.1,
     ),
@@ -123,6 +135,7 @@ PRESETS: dict[str, StudyConfig] = {
         online_num_prompts=4,
         slo_tbt_p99_ms=50.0,
         capacity_probe_s=0.4,
+        capacity_min_requests=2,
         capacity_max_probes=1,
         capacity_start_rate=8.0,
         capacity_budgets=(64,),
@@ -197,26 +210,18 @@ def free_port() -> int:
 def _process_tree(root: int) -> dict[int, str]:
     """pid -> start time of every live descendant of ``root`` (the start time tells a pid
     that was reused apart from ours)."""
-    parents, starts = {}, {}
-    for entry in os.listdir("/proc"):
-        with contextlib.suppress(OSError, ValueError):
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            parents[int(entry)], starts[int(entry)] = int(fields[1]), fields[19]
-    tree, frontier = {}, [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, ppid in parents.items():
-            if ppid == parent and pid not in tree:
-                tree[pid] = starts[pid]
-                frontier.append(pid)
+    tree = {}
+    for pid in descendants(root):
+        if (fields := proc_stat_fields(pid)) is not None:
+            tree[pid] = fields[19]
     return tree
 
 
 def _kill_leftovers(tree: dict[int, str]) -> None:
     for pid, start in tree.items():
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            if fields[19] == start and fields[0] not in "ZX":
+        fields = proc_stat_fields(pid)
+        if fields is not None and fields[19] == start and fields[0] not in "ZX":
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -335,13 +340,15 @@ def capacity(
     path = out / f"capacity_{label}.json"
     argv = loadgen_argv(config, url, model, path)
     # Probes last a fixed time, not a fixed count: a short burst ends before a queue builds up.
-    num_prompts = max(2, round(config.capacity_max_rate * config.capacity_probe_s) + 1)
+    most = max(round(config.capacity_max_rate * config.capacity_probe_s) + 1, 2)
+    num_prompts = max(most, config.capacity_min_requests)
     argv += ["--capacity-search", "--slo-tbt-p99-ms", f"{slo_ms:g}"]
     argv += ["--num-prompts", str(num_prompts), "--duration", str(config.capacity_probe_s)]
     argv += ["--capacity-start-rate", str(config.capacity_start_rate)]
     argv += ["--capacity-max-rate", str(config.capacity_max_rate)]
     argv += ["--capacity-max-probes", str(config.capacity_max_probes)]
     argv += ["--capacity-tolerance", str(config.capacity_tolerance)]
+    argv += ["--capacity-min-requests", str(config.capacity_min_requests)]
     if config.slo_ttft_median_ms is not None:
         argv += ["--slo-ttft-median-ms", f"{config.slo_ttft_median_ms:g}"]
     result = run_loadgen(argv, path, commands)
@@ -353,13 +360,54 @@ def capacity(
     }
 
 
+def calibrate_slo(config: StudyConfig, model: str, out: Path) -> dict[str, Any]:
+    """The TBT SLO for this run: fixed by the config, or measured from stall-free steps that
+    fill the token budget (prompts of twice the budget, so every prefill step is full)."""
+    if config.slo_tbt_p99_ms is not None:
+        return {"slo_tbt_p99_ms": config.slo_tbt_p99_ms, "calibrated": False}
+    trace = out / "calibration_trace.jsonl"
+    trace.unlink(missing_ok=True)
+    args = engine_args(config, model, "stall-free", max_num_seqs=4, trace_steps=str(trace))
+    llm = bench_offline.start_llm(args, "equal", 2, engine="inprocess")
+    try:
+        vocab_size = min(len(llm.get_tokenizer()), llm.config.model.vocab_size)
+        rng = random.Random(config.seed)
+        for _ in range(3):
+            # One prompt at a time: every step is one full prefill chunk, nothing else.
+            prompt = [rng.randrange(vocab_size) for _ in range(2 * config.token_budget)]
+            llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    full = [
+        r["duration_ms"]
+        for r in records[-6:]  # the calibration's 3 x 2 steps; the warm-up's come first
+        if r["num_prefill_tokens"] + r["num_decode_tokens"] == config.token_budget
+    ]
+    if len(full) < 3:
+        raise RuntimeError(f"calibration saw {len(full)} full-budget steps; see {trace}")
+    step_ms = statistics.median(full)
+    return {
+        "slo_tbt_p99_ms": round(config.slo_budget_step_factor * step_ms, 1),
+        "calibrated": True,
+        "budget_step_ms": round(step_ms, 1),
+        "factor": config.slo_budget_step_factor,
+        "token_budget": config.token_budget,
+    }
+
+
 def run_online(
-    config: StudyConfig, model: str, policies: list[str], out: Path, commands: list[str]
+    config: StudyConfig,
+    model: str,
+    policies: list[str],
+    slo: dict[str, Any],
+    out: Path,
+    commands: list[str],
 ) -> dict[str, Any]:
     """Per policy one server: the rate sweep, then its capacity; then stall-free per budget."""
     sweep: list[dict[str, Any]] = []
     capacities: list[dict[str, Any]] = []
-    slo_ms = config.slo_tbt_p99_ms
+    slo_ms = slo["slo_tbt_p99_ms"]
     for policy in policies:
         print(f"online: {policy}", file=sys.stderr, flush=True)
         args = engine_args(config, model, policy, max_num_seqs=config.online_max_num_seqs)
@@ -370,6 +418,7 @@ def run_online(
     budgets = capacity_by_budget(config, model, policies, capacities, slo_ms, out, commands)
     return {
         "slo_tbt_p99_ms": slo_ms,
+        "slo_calibration": slo,
         "slo_ttft_median_ms": config.slo_ttft_median_ms,
         "sweep": sweep,
         "capacity": capacities,
@@ -527,7 +576,14 @@ def slo_text(online: dict[str, Any]) -> str:
     # .get: results.json files written before the TTFT bound existed have no such key.
     ttft = online.get("slo_ttft_median_ms")
     bound = "" if ttft is None else f", median TTFT ≤ {ttft:g} ms"
-    return f"p99 TBT ≤ {online['slo_tbt_p99_ms']:g} ms{bound}"
+    text = f"p99 TBT ≤ {online['slo_tbt_p99_ms']:g} ms{bound}"
+    calibration = online.get("slo_calibration") or {}
+    if calibration.get("calibrated"):
+        text += (
+            f" (the TBT bound is {calibration['factor']:g}x the {calibration['budget_step_ms']:g}"
+            f" ms a full {calibration['token_budget']}-token stall-free step took here)"
+        )
+    return text
 
 
 def capacity_sentence(rows: list[dict[str, Any]]) -> str:
@@ -787,8 +843,10 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_model(config, args.model)
     commands: list[str] = []
     with Timing() as timing:
+        slo = calibrate_slo(config, model, out)
+        print(f"TBT SLO: {slo['slo_tbt_p99_ms']:g} ms", file=sys.stderr, flush=True)
         offline = run_offline(config, model, policies)
-        online = run_online(config, model, policies, out, commands)
+        online = run_online(config, model, policies, slo, out, commands)
     results = {
         "command": shlex.join(["python", "scripts/policy_study.py", *(argv or sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M"),

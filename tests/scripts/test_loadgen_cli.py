@@ -185,6 +185,26 @@ def test_a_ttft_bound_finds_the_capacity_of_a_server_that_queues(fake_server_pro
     assert broke and all(p["p99_itl_ms"] <= 50 and p["median_ttft_ms"] > 100 for p in broke)
 
 
+def test_slow_probes_send_for_longer_to_reach_the_minimum_request_count(fake_server, tmp_path):
+    # --duration 0.5 s sends 1 request at 2 req/s: a p99 of one request's gaps says little.
+    # With --capacity-min-requests 4 the slow probes send for 2 s instead; the fast ones,
+    # which reach 4 requests within the duration, keep it.
+    out = tmp_path / "capacity.json"
+    server = fake_server(itl_ms=1)
+    argv = ["--base-url", server.base_url, "--num-prompts", "8", "--random-input-len", "4"]
+    argv += ["--random-output-len", "3", "--burstiness", "inf", "--capacity-search"]
+    argv += ["--slo-tbt-p99-ms", "1000", "--capacity-start-rate", "2", "--no-progress"]
+    argv += ["--capacity-max-rate", "16", "--duration", "0.5", "--result-json", str(out)]
+    assert loadgen.main([*argv, "--capacity-min-requests", "4"]) == 0
+    probes = {p["request_rate"]: p for p in json.loads(out.read_text())["capacity_probes"]}
+    assert set(probes) == {2.0, 4.0, 8.0, 16.0}
+    # 0.5 s x 16 req/s sends 8 (and the 8 prompts cap it); 0.5 s x 8 sends 4.
+    assert [probes[r]["completed"] for r in (2.0, 4.0, 8.0, 16.0)] == [4, 4, 4, 8]
+    assert loadgen.main(argv) == 0  # without the minimum: the duration alone
+    probes = {p["request_rate"]: p for p in json.loads(out.read_text())["capacity_probes"]}
+    assert [probes[r]["completed"] for r in (2.0, 4.0, 8.0, 16.0)] == [1, 2, 4, 8]
+
+
 def test_the_model_is_asked_again_while_the_server_starts(tmp_path):
     # GET /v1/models comes before the ready check: a server that listens a second late is
     # asked again (with backoff) rather than failing the run.

@@ -7,7 +7,10 @@ on an idle 2-core machine (five engine starts), hence slow.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +47,7 @@ def smoke_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("policy-study")  # one worker runs the study, both tests read it
 def test_the_smoke_study_writes_a_report_and_its_plots(smoke_study: Path):
     report = (smoke_study / "report.md").read_text()
     for plot in PLOTS:
@@ -54,6 +58,7 @@ def test_the_smoke_study_writes_a_report_and_its_plots(smoke_study: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("policy-study")
 def test_every_section_has_a_numeric_row_per_policy(smoke_study: Path):
     tables = section_tables((smoke_study / "report.md").read_text())
     assert len(tables) == 3, list(tables)
@@ -63,3 +68,30 @@ def test_every_section_has_a_numeric_row_per_policy(smoke_study: Path):
             assert row is not None, f"{title}: no row for {policy}"
             numeric = [c for c in row[1:] if NUMBER.match(c)]
             assert len(numeric) >= 2, f"{title}: {row}"
+
+
+def test_the_tbt_slo_is_calibrated_from_full_budget_steps(tmp_path: Path):
+    # Without a fixed SLO the study measures stall-free steps that fill the token budget on
+    # this machine and sets the SLO to a multiple of their median, so the experiment means the
+    # same on a slow and a fast machine.
+    import policy_study  # scripts/ is on the path (conftest)
+
+    config = dataclasses.replace(policy_study.PRESETS["smoke"], slo_tbt_p99_ms=None)
+    model = policy_study.resolve_model(config, None)
+    slo = policy_study.calibrate_slo(config, model, tmp_path)
+    steps = [json.loads(line) for line in (tmp_path / "calibration_trace.jsonl").open()]
+    full = sorted(
+        s["duration_ms"]
+        for s in steps[-6:]
+        if s["num_prefill_tokens"] == config.token_budget and s["num_decode_tokens"] == 0
+    )
+    assert len(full) == 6, steps[-6:]
+    assert slo["calibrated"] and slo["budget_step_ms"] == round(statistics.median(full), 1)
+    assert slo["slo_tbt_p99_ms"] == round(
+        config.slo_budget_step_factor * statistics.median(full), 1
+    )
+    fixed = dataclasses.replace(config, slo_tbt_p99_ms=75.0)
+    assert policy_study.calibrate_slo(fixed, model, tmp_path) == {
+        "slo_tbt_p99_ms": 75.0,
+        "calibrated": False,
+    }
