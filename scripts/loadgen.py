@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import signal
 import sys
 from collections.abc import Coroutine
@@ -171,12 +170,8 @@ async def _capacity(
 
 
 def probe_traffic(args: argparse.Namespace, rate: float) -> TrafficSpec:
-    """A probe's arrivals: --duration, stretched at low rates to send --capacity-min-requests."""
-    traffic = traffic_spec(args, rate)
-    if traffic.duration_s is None or args.capacity_min_requests == 0 or rate == math.inf:
-        return traffic
-    needed = min(args.capacity_min_requests, args.num_prompts)
-    return replace(traffic, duration_s=max(traffic.duration_s, needed / rate))
+    """A probe's arrivals: --duration, past which the first --capacity-min-requests still go."""
+    return replace(traffic_spec(args, rate), min_requests=args.capacity_min_requests)
 
 
 def _header(args: argparse.Namespace, model: str) -> dict[str, Any]:

@@ -111,8 +111,8 @@ def _capacity_args(group: argparse._ArgumentGroup) -> None:
         type=int,
         default=0,
         metavar="K",
-        help="with --duration, a slow probe sends for longer so it still sends K requests "
-        "(a p99 over a handful of requests is their maximum); at most --num-prompts",
+        help="with --duration, a slow probe sends on past the duration until it sent K "
+        "requests (a p99 over a handful of requests is their maximum); at most --num-prompts",
     )
     group.add_argument(
         "--self-test",

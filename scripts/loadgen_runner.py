@@ -32,6 +32,9 @@ class TrafficSpec:
     duration_s: float | None = None
     cancel_rate: float = 0.0
     seed: int = 0
+    # The first this many requests are sent even after duration_s ran out: a capacity probe at
+    # a low rate still sends enough requests for its percentiles to mean something.
+    min_requests: int = 0
 
 
 @dataclass
@@ -117,10 +120,12 @@ async def run_requests(
     start = time.perf_counter()
     deadline = start + traffic.duration_s if traffic.duration_s else math.inf
 
-    async def one(sample: SampleRequest, cancel_after: int | None) -> RequestOutput | None:
+    async def one(
+        sample: SampleRequest, cancel_after: int | None, required: bool
+    ) -> RequestOutput | None:
         due = time.perf_counter()
         async with limit or contextlib.nullcontext():
-            if time.perf_counter() >= deadline:
+            if time.perf_counter() >= deadline and not required:
                 return None
             out = await send_request(session, endpoint, sample, cancel_after)
         out.queue_time = out.start_time - due
@@ -128,13 +133,12 @@ async def run_requests(
         return out
 
     tasks: list[asyncio.Task[RequestOutput | None]] = []
-    for sample, offset, cancel_after in zip(samples, offsets, cancels):
-        if (
-            not await _sleep_until(min(start + offset, deadline), stop)
-            or start + offset >= deadline
-        ):
+    for index, (sample, offset, cancel_after) in enumerate(zip(samples, offsets, cancels)):
+        required = index < traffic.min_requests
+        due = start + offset if required else min(start + offset, deadline)
+        if not await _sleep_until(due, stop) or (start + offset >= deadline and not required):
             break
-        tasks.append(asyncio.create_task(one(sample, cancel_after)))
+        tasks.append(asyncio.create_task(one(sample, cancel_after, required)))
     await _wait_all(tasks, stop)
     duration = time.perf_counter() - start
     bar.close()

@@ -94,7 +94,9 @@ class StudyConfig:
     # policy that lets requests queue holds the TBT SLO at any rate. The client sees TTFT
     # (scheduling delay plus the prefill), a slightly stricter bound. None: no bound.
     slo_ttft_median_ms: float | None = 2000.0
-    capacity_probe_s: float = 5.0  # each probe sends for this long (rate x this many requests)
+    # Each probe sends for this long (rate x this many requests): long enough that a backlog
+    # past capacity shows in the median TTFT, which a 5 s probe hid.
+    capacity_probe_s: float = 8.0
     # ... or longer, to send at least this many: a p99 over a few requests is their maximum,
     # and one long prompt would decide the probe.
     capacity_min_requests: int = 16
@@ -287,13 +289,13 @@ def _stop(process: subprocess.Popen[str]) -> None:
             process.wait(10.0)
 
 
-def loadgen_argv(config: StudyConfig, url: str, model: str, out: Path) -> list[str]:
+def loadgen_argv(config: StudyConfig, url: str, model: str, out: Path, seed: int) -> list[str]:
     return [
         *("--base-url", url, "--tokenizer", model, "--dataset-name", "sharegpt-like"),
         *("--sharegpt-input-mean", str(config.sharegpt_input_mean)),
         *("--sharegpt-output-mean", str(config.sharegpt_output_mean)),
         *("--sharegpt-max-len", str(config.sharegpt_max_len)),
-        *("--seed", str(config.seed), "--no-progress", "--result-json", str(out)),
+        *("--seed", str(seed), "--no-progress", "--result-json", str(out)),
     ]
 
 
@@ -313,7 +315,10 @@ def rate_sweep(
     rows = []
     for index, rate in enumerate(config.online_rates):
         path = out / f"online_{policy}_rate{rate:g}.json"
-        argv = loadgen_argv(config, url, model, path)
+        # Prompts of their own per rate: the same prompts again would be prefix-cache hits,
+        # and the later rates would look cheap. (The capacity probes draw theirs from seeds
+        # above these.)
+        argv = loadgen_argv(config, url, model, path, seed=config.seed + 1000 * (index + 1))
         argv += ["--num-prompts", str(config.online_num_prompts), "--request-rate", str(rate)]
         if index == 0:
             argv += ["--num-warmups", "8"]  # first-request costs stay out of every table
@@ -338,7 +343,7 @@ def capacity(
     commands: list[str],
 ) -> dict[str, Any]:
     path = out / f"capacity_{label}.json"
-    argv = loadgen_argv(config, url, model, path)
+    argv = loadgen_argv(config, url, model, path, seed=config.seed)
     # Probes last a fixed time, not a fixed count: a short burst ends before a queue builds up.
     most = max(round(config.capacity_max_rate * config.capacity_probe_s) + 1, 2)
     num_prompts = max(most, config.capacity_min_requests)
@@ -773,7 +778,9 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
         "## 3. Serving capacity under latency SLOs",
         "",
         "Bracketing, then bisection over request rates (loadgen `--capacity-search`); each probe "
-        f"sends for {config['capacity_probe_s']:g} s (rate x that many requests), at most "
+        f"sends for {config['capacity_probe_s']:g} s (rate x that many requests; at least "
+        f"{config.get('capacity_min_requests', 0)}, past the {config['capacity_probe_s']:g} s "
+        "at low rates), at most "
         f"{config['capacity_max_probes']} probes per search, rates up to "
         f"{config['capacity_max_rate']:g} req/s.",
         "",

@@ -187,8 +187,8 @@ def test_a_ttft_bound_finds_the_capacity_of_a_server_that_queues(fake_server_pro
 
 def test_slow_probes_send_for_longer_to_reach_the_minimum_request_count(fake_server, tmp_path):
     # --duration 0.5 s sends 1 request at 2 req/s: a p99 of one request's gaps says little.
-    # With --capacity-min-requests 4 the slow probes send for 2 s instead; the fast ones,
-    # which reach 4 requests within the duration, keep it.
+    # With --capacity-min-requests 4 the slow probes send on until they sent 4; the fast ones,
+    # which send 4 within the duration, stop at it.
     out = tmp_path / "capacity.json"
     server = fake_server(itl_ms=1)
     argv = ["--base-url", server.base_url, "--num-prompts", "8", "--random-input-len", "4"]
@@ -203,6 +203,11 @@ def test_slow_probes_send_for_longer_to_reach_the_minimum_request_count(fake_ser
     assert loadgen.main(argv) == 0  # without the minimum: the duration alone
     probes = {p["request_rate"]: p for p in json.loads(out.read_text())["capacity_probes"]}
     assert [probes[r]["completed"] for r in (2.0, 4.0, 8.0, 16.0)] == [1, 2, 4, 8]
+    # Poisson arrivals (seeded): exactly the minimum, not the minimum in expectation.
+    poisson = [a for a in argv if a not in ("--burstiness", "inf")]
+    poisson[poisson.index("--capacity-max-rate") + 1] = "2"
+    assert loadgen.main([*poisson, "--capacity-min-requests", "6"]) == 0
+    assert [p["completed"] for p in json.loads(out.read_text())["capacity_probes"]] == [6]
 
 
 def test_the_model_is_asked_again_while_the_server_starts(tmp_path):
