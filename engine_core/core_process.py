@@ -60,7 +60,7 @@ class EngineCoreProcess:
         self.io = ClientIO(address, ready_config_msgpack(core), self._inputs, heartbeat_timeout_s)
         self.address = self.io.address
         self.watchdog = StepWatchdog(core.config.observability.step_timeout_s, self._hung)
-        self._faulty_request_id = _parse_engine_fault(os.environ.get(ENGINE_FAULT_ENV))
+        self._is_faulty = _parse_engine_fault(os.environ.get(ENGINE_FAULT_ENV))
 
     def run(self) -> None:
         """The busy loop; returns after ``stop``, raises on a fatal error."""
@@ -148,7 +148,7 @@ class EngineCoreProcess:
     def _add_request(self, request: EngineCoreRequest, client_index: int) -> None:
         """Queue a request; one that makes the engine raise fails alone, never the engine."""
         try:
-            if request.request_id == self._faulty_request_id:
+            if self._is_faulty is not None and self._is_faulty(request):
                 raise RuntimeError(f"injected fault ({ENGINE_FAULT_ENV})")
             rejected = self.core.add_request(request, client_index)
         except Exception as exc:
@@ -204,12 +204,19 @@ class StepWatchdog:
                 return
 
 
-def _parse_engine_fault(text: str | None) -> str | None:
+def _parse_engine_fault(text: str | None) -> Callable[[EngineCoreRequest], bool] | None:
+    """Which requests an injected fault hits: ``raise@request=ID`` (engine-level tests name the
+    id) or ``raise@seed=N`` (the HTTP frontend makes its own ids, so tests over HTTP pick a
+    request by its sampling seed)."""
     if not text:
         return None
-    if not text.startswith("raise@request="):
-        raise ValueError(f"{ENGINE_FAULT_ENV}={text!r}: expected raise@request=ID")
-    return text.removeprefix("raise@request=")
+    kind, _, value = text.removeprefix("raise@").partition("=")
+    if text.startswith("raise@") and value:
+        if kind == "request":
+            return lambda request: request.request_id == value
+        if kind == "seed" and value.isdigit():
+            return lambda request: request.sampling_params.seed == int(value)
+    raise ValueError(f"{ENGINE_FAULT_ENV}={text!r}: expected raise@request=ID or raise@seed=N")
 
 
 def ready_config_msgpack(core: EngineCore) -> bytes:

@@ -73,7 +73,9 @@ class StudyConfig:
     offline_engine: str = "mp"
     offline_num_requests: int = 16
     offline_max_num_seqs: int = 8
-    online_max_num_seqs: int = 32
+    # Small enough that a rate past capacity fills the batch within a capacity probe, so the
+    # backlog queues (and shows in TTFT) instead of hiding among the running requests.
+    online_max_num_seqs: int = 16
     sharegpt_input_mean: float = 384.0
     sharegpt_output_mean: float = 32.0
     sharegpt_max_len: int = 1024
@@ -159,6 +161,9 @@ def engine_args(config: StudyConfig, model: str, policy: str, **overrides: Any) 
         max_model_len=config.max_model_len,
         max_num_batched_tokens=token_budget(config, policy),
         kv_cache_memory=_parse_bytes(config.kv_cache_memory),
+        # The study is about scheduling: a prefix-cache hit would make a repeated prompt cheap,
+        # so every rate of the sweep can send the same requests and differ only in the rate.
+        enable_prefix_caching=False,
         seed=config.seed,
     )
     return dataclasses.replace(args, **overrides)
@@ -256,6 +261,7 @@ def engine_flags(args: EngineArgs) -> list[str]:
         *("--max-num-batched-tokens", str(args.max_num_batched_tokens)),
         *("--max-num-seqs", str(args.max_num_seqs)),
         *("--kv-cache-memory", str(args.kv_cache_memory), "--seed", str(args.seed)),
+        "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
     ]
 
 
@@ -289,13 +295,13 @@ def _stop(process: subprocess.Popen[str]) -> None:
             process.wait(10.0)
 
 
-def loadgen_argv(config: StudyConfig, url: str, model: str, out: Path, seed: int) -> list[str]:
+def loadgen_argv(config: StudyConfig, url: str, model: str, out: Path) -> list[str]:
     return [
         *("--base-url", url, "--tokenizer", model, "--dataset-name", "sharegpt-like"),
         *("--sharegpt-input-mean", str(config.sharegpt_input_mean)),
         *("--sharegpt-output-mean", str(config.sharegpt_output_mean)),
         *("--sharegpt-max-len", str(config.sharegpt_max_len)),
-        *("--seed", str(seed), "--no-progress", "--result-json", str(out)),
+        *("--seed", str(config.seed), "--no-progress", "--result-json", str(out)),
     ]
 
 
@@ -313,15 +319,14 @@ def rate_sweep(
     config: StudyConfig, url: str, model: str, policy: str, out: Path, commands: list[str]
 ) -> list[dict[str, Any]]:
     rows = []
-    for index, rate in enumerate(config.online_rates):
+    for rate in config.online_rates:
         path = out / f"online_{policy}_rate{rate:g}.json"
-        # Prompts of their own per rate: the same prompts again would be prefix-cache hits,
-        # and the later rates would look cheap. (The capacity probes draw theirs from seeds
-        # above these.)
-        argv = loadgen_argv(config, url, model, path, seed=config.seed + 1000 * (index + 1))
+        # The same requests at every rate (no prefix cache), so only the rate differs; each
+        # rate warms up alike (the warm-ups come first in the seeded dataset), which also
+        # keeps first-request costs out of every table.
+        argv = loadgen_argv(config, url, model, path)
         argv += ["--num-prompts", str(config.online_num_prompts), "--request-rate", str(rate)]
-        if index == 0:
-            argv += ["--num-warmups", "8"]  # first-request costs stay out of every table
+        argv += ["--num-warmups", "8"]
         result = run_loadgen(argv, path, commands)
         rows.append({"policy": policy, "request_rate": rate, **_latency_row(result)})
     return rows
@@ -343,7 +348,7 @@ def capacity(
     commands: list[str],
 ) -> dict[str, Any]:
     path = out / f"capacity_{label}.json"
-    argv = loadgen_argv(config, url, model, path, seed=config.seed)
+    argv = loadgen_argv(config, url, model, path)
     # Probes last a fixed time, not a fixed count: a short burst ends before a queue builds up.
     most = max(round(config.capacity_max_rate * config.capacity_probe_s) + 1, 2)
     num_prompts = max(most, config.capacity_min_requests)

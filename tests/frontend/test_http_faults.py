@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from engine_core.core_process import ENGINE_FAULT_ENV
 from frontend.engine_client import MPEngineClient
 from tests.frontend.http_helpers import (
     ServedHttp,
@@ -35,6 +36,7 @@ from tests.frontend.http_helpers import (
     scrape_pid,
     send_completion,
     start_served_http,
+    stream_payloads,
     stream_text,
     wait_for,
 )
@@ -46,6 +48,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http-faults")]
 HEARTBEAT_TIMEOUT_S = 4.0
 PROMPTS = ["def main():", "import os\n", "class Foo:", "x = [1, 2, 3]"]
 LONG = 3000  # tokens: several seconds, far longer than the heartbeat timeout
+POISON_SEED = 424242
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +56,9 @@ def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     log = tmp_path_factory.mktemp("faults") / "serve.log"
     extra = ["--frontends", "2", "--enable-debug-queries", "--frontend-max-restarts", "1"]
     extra += ["--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S)]
-    served = start_served_http(tiny_model_dir, log, extra)
+    # Row 13: a request with this seed makes the engine process raise while adding it.
+    env = {ENGINE_FAULT_ENV: f"raise@seed={POISON_SEED}"}
+    served = start_served_http(tiny_model_dir, log, extra, env=env)
     try:
         yield served
     finally:
@@ -112,6 +117,32 @@ def test_an_abort_storm_leaves_survivors_exact_and_every_block_free(served):
     finally:
         for sock in socks:
             sock.close()
+    _check_all_free(served, timeout_s=10.0)
+
+
+def test_a_request_that_makes_the_engine_raise_fails_alone_over_http(served):
+    """Row 13 over HTTP: the poisoned request (whole: a 500 with an OpenAI error body; streamed:
+    an error event) fails while the others in flight get exactly their text."""
+    max_tokens = 30
+    expected = {p: _whole_text(served, p, max_tokens) for p in PROMPTS[:2]}
+    socks = [send_completion(served.base_url, _greedy(p, max_tokens, True)) for p in PROMPTS[:2]]
+    poison = {**_greedy(PROMPTS[2], max_tokens), "seed": POISON_SEED}
+    try:
+        received = [read_events(sock, 1) for sock in socks]
+        status, _, body = post_json(served.base_url, "/v1/completions", poison)
+        assert status == 500 and body["error"]["type"] == "InternalServerError", body
+        assert "injected fault" in body["error"]["message"]
+        poisoned_stream = send_completion(served.base_url, {**poison, "stream": True})
+        events = stream_payloads(read_to_end(poisoned_stream))
+        poisoned_stream.close()
+        assert events and "injected fault" in events[-1]["error"]["message"], events
+        assert not any(e.get("choices") for e in events)
+        for sock, prompt, start in zip(socks, PROMPTS[:2], received):
+            assert stream_text(read_to_end(sock, start)) == (expected[prompt], "length")
+    finally:
+        for sock in socks:
+            sock.close()
+    assert _whole_text(served, PROMPTS[3], 5)  # the engine still serves
     _check_all_free(served, timeout_s=10.0)
 
 
