@@ -18,6 +18,9 @@ command, config), results.json (every number), and the PNG plots the report link
 
 Stall-free gets a small token budget, so long prompts are chunked; the whole-prompt policies
 need a budget of at least max_model_len and get exactly that (their smallest legal budget).
+The TBT SLO is calibrated first (1.5x a full-budget stall-free step on this machine) unless
+--slo-tbt-p99-ms fixes it. Prefix caching is off: the study compares schedulers, and every rate
+of the sweep sends the same seeded requests.
 """
 
 from __future__ import annotations
