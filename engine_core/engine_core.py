@@ -83,6 +83,11 @@ class EngineCore:
         if problem is not None:
             output = EngineCoreOutput(request.request_id, [], "error", problem)
             return EngineCoreOutputs([output], time.monotonic())
+        cap = self.config.scheduler.max_waiting_requests
+        if cap is not None and self.scheduler.num_waiting >= cap:
+            reason = f"the engine's queue is full ({cap} requests waiting); retry later"
+            output = EngineCoreOutput(request.request_id, [], "rejected", reason)
+            return EngineCoreOutputs([output], time.monotonic())
         scheduled = Request(
             self._next_req_id,
             request.prompt_token_ids,
@@ -194,6 +199,8 @@ class EngineCore:
     def _trace_done(self) -> None:
         if self.tracer is not None:
             self.tracer.step_done(self.scheduler.make_stats())
+            if not self.scheduler.has_unfinished_requests():
+                self.tracer.flush()  # idle now: a reader sees every step so far
 
     def _forget_finished(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         requests = self._requests

@@ -125,6 +125,10 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
     def num_preemptions(self) -> int:
         return self._plan.num_preemptions
 

@@ -6,8 +6,9 @@ before it when steps overlap), what it held (prompt tokens vs generated tokens) 
 engine looked like afterwards (running, waiting, KV usage, preemptions). ``scripts/plot_trace.py``
 draws the picture the Orca and Sarathi-Serve papers draw from these.
 
-Writes go through a buffered file: a line costs a few microseconds, and the file is complete
-once the engine stops (``close``), or up to the last flushed buffer if it is killed.
+Writes go through a buffered file: a line costs a few microseconds. The buffer is flushed
+whenever the engine runs out of work, so a trace read while the engine idles holds every step so
+far; it is complete once the engine stops (``close``), or up to the last flush if it is killed.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ class StepTracer:
         )
         self._file.write(self._encoder.encode(record) + b"\n")
         self.num_records += 1
+
+    def flush(self) -> None:
+        self._file.flush()
 
     def close(self) -> None:
         if not self._file.closed:

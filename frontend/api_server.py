@@ -35,8 +35,8 @@ from starlette.routing import Route
 
 from frontend.async_engine_client import AsyncEngineClient
 from frontend.engine_session import EngineDeadError
-from frontend.http_errors import ApiError, error_response
-from frontend.http_gate import RETRY_AFTER_UNAVAILABLE_S, GateMiddleware
+from frontend.http_errors import RETRY_AFTER_UNAVAILABLE_S, ApiError, error_response
+from frontend.http_gate import GateMiddleware
 from frontend.http_metrics import ServerMetrics
 from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_body
 from frontend.openai_responses import ModelCard, ModelList, encode_json

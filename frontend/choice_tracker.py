@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend.tokenizer import IncrementalDetokenizer, text_token_ids
-from protocol import EngineCoreOutput, FinishReason, SamplingParams
+from protocol import FAILED_FINISH_REASONS, EngineCoreOutput, FinishReason, SamplingParams
 
 # Per generated token: (token ids, log-probabilities), the sampled token first, then its top-k.
 LogprobRow = tuple[list[int], list[float]]
@@ -94,7 +94,7 @@ class ChoiceTracker:
         text_ids = text_token_ids(output, self.sampling_params.include_stop_str_in_output)
         self.num_text_tokens += len(text_ids)
         stop_string = None
-        if output.finish_reason != "error":
+        if output.finish_reason not in FAILED_FINISH_REASONS:
             stop_string = self._detokenizer.add_tokens(text_ids)
         if stop_string is not None:
             self.finish_reason, self.stop_reason = "stop", stop_string
@@ -109,7 +109,7 @@ class ChoiceTracker:
         if self.finish_reason is None:
             end = len(text) - self._hold_chars
         else:
-            if stop_string is None and self.finish_reason != "error":
+            if stop_string is None and self.finish_reason not in FAILED_FINISH_REASONS:
                 # Decoded whole once: an incomplete character the window held back comes out.
                 text_ids = self.token_ids[: self.num_text_tokens]
                 whole = self._tokenizer.decode(text_ids, skip_special_tokens=True)

@@ -49,6 +49,8 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     tensor_parallel_size: int = 1
     async_scheduling: bool = False
+    # None = no engine-wide queue cap; N = a request that finds N waiting is refused (HTTP 429).
+    max_waiting_requests: int | None = None
     trace_steps: str | None = None
     enable_debug_queries: bool = False
     step_timeout_s: float = 600.0
@@ -74,6 +76,7 @@ class EngineArgs:
                 policy=self.policy,  # type: ignore[arg-type]
                 queue_order=self.queue_order,  # type: ignore[arg-type]
                 async_scheduling=self.async_scheduling,
+                max_waiting_requests=self.max_waiting_requests,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             observability=ObservabilityConfig(
@@ -144,6 +147,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         default=d.async_scheduling,
         help="schedule the next step while the workers run the current one (same outputs)",
+    )
+    group.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=d.max_waiting_requests,
+        metavar="N",
+        help="engine-wide queue cap over every frontend: a request that finds N requests "
+        "waiting is refused at once (HTTP 429 + Retry-After); default: no cap",
     )
     group.add_argument(
         "--trace-steps",

@@ -38,6 +38,12 @@ class ErrorResponse(msgspec.Struct):
     error: ErrorInfo
 
 
+# Seconds a refused client is told to wait: overload passes quickly (a few steps free a slot);
+# an engine that is gone or restarting takes longer.
+RETRY_AFTER_OVERLOADED_S = 1
+RETRY_AFTER_UNAVAILABLE_S = 5
+
+
 class ApiError(Exception):
     """A failure with an HTTP status; ``param`` names the offending request field, if one."""
 

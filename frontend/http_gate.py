@@ -15,12 +15,15 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from frontend.http_errors import ApiError, error_response
+from frontend.http_errors import (
+    RETRY_AFTER_OVERLOADED_S,
+    RETRY_AFTER_UNAVAILABLE_S,
+    ApiError,
+    error_response,
+)
 from frontend.serving_common import ServingState
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-RETRY_AFTER_OVERLOADED_S = 1
-RETRY_AFTER_UNAVAILABLE_S = 5
 
 
 class GateMiddleware:

@@ -24,7 +24,7 @@ from frontend.outputs import RequestOutput
 from frontend.sample_tracker import SampleTracker
 from frontend.tokenizer import load_tokenizer
 from frontend.validation import context_limit, find_kv_cache_problem, find_prompt_problem
-from protocol import EngineCoreRequest, SamplingParams, SchedulerStats
+from protocol import FAILED_FINISH_REASONS, EngineCoreRequest, SamplingParams, SchedulerStats
 
 PromptType = Union[str, list[int]]
 
@@ -184,7 +184,7 @@ class LLM:
         ]
         # One message: the whole batch is in the engine before its first step.
         for output in self._engine.add_requests(requests):
-            if output.finish_reason == "error":
+            if output.finish_reason in FAILED_FINISH_REASONS:
                 raise ValueError(f"request rejected: {output.stop_reason}")
 
     def _run(

@@ -11,7 +11,7 @@ from typing import Any
 
 from frontend.outputs import CompletionOutput, PositionLogprobs
 from frontend.tokenizer import IncrementalDetokenizer, text_token_ids
-from protocol import EngineCoreOutput, FinishReason, Logprobs, SamplingParams
+from protocol import FAILED_FINISH_REASONS, EngineCoreOutput, FinishReason, Logprobs, SamplingParams
 
 
 class SampleTracker:
@@ -63,7 +63,7 @@ class SampleTracker:
         self.num_text_tokens += len(text_ids)
         if output.logprobs is not None and self.logprobs is not None:
             self._add_logprobs(output.logprobs)
-        if self._detokenizer is not None and output.finish_reason != "error":
+        if self._detokenizer is not None and output.finish_reason not in FAILED_FINISH_REASONS:
             stop = self._detokenizer.add_tokens(text_ids)
             if stop is not None:
                 self.finish_reason, self.stop_reason = "stop", stop

@@ -47,9 +47,10 @@ from frontend.serving_common import (
     make_choices,
     raise_on_error,
     run_unless_disconnected,
+    start_stream,
     usage,
 )
-from protocol import EngineCoreRequest
+from protocol import FAILED_FINISH_REASONS, EngineCoreRequest
 
 ROLE = "assistant"
 
@@ -67,7 +68,7 @@ async def create_chat_completion(
     requests, trackers = make_choices(state, [prompt], params, body.priority, arrival_time)
     run = _ChatRun(state, body, prompt, requests, trackers, num_logprobs)
     if body.stream:
-        return SSEResponse(run.events())
+        return SSEResponse(run.events(await start_stream(receive, run.deltas())))
     response = await run_unless_disconnected(receive, run.collect())
     return Response(encode_json(response), media_type="application/json")
 
@@ -115,7 +116,7 @@ class _ChatRun:
         self.response_id = f"chatcmpl-{requests[0].request_id.rsplit('-', 1)[0]}"
         self.created = int(time.time())
 
-    def _deltas(self) -> AsyncIterator[ChoiceDelta]:
+    def deltas(self) -> AsyncIterator[ChoiceDelta]:
         state = self.state
         return stream_choices(state.client, self.requests, self.trackers, state.metrics)
 
@@ -125,7 +126,7 @@ class _ChatRun:
         return ChatChoiceLogprobs(chat_logprobs(self.state.tokenizer, rows, self.num_logprobs))
 
     async def collect(self) -> ChatCompletionResponse:
-        async with contextlib.aclosing(self._deltas()) as deltas:
+        async with contextlib.aclosing(self.deltas()) as deltas:
             async for _ in deltas:
                 pass
         raise_on_error(self.trackers)
@@ -153,13 +154,13 @@ class _ChatRun:
             chunk.usage = usage([self.prompt], self.trackers)
         return sse_event(chunk)
 
-    async def events(self) -> AsyncIterator[bytes]:
+    async def events(self, source: AsyncIterator[ChoiceDelta]) -> AsyncIterator[bytes]:
         started: set[int] = set()  # choices whose role went out
         try:
-            async with contextlib.aclosing(self._deltas()) as deltas:
+            async with contextlib.aclosing(source) as deltas:  # type: ignore[type-var]
                 async for delta in deltas:
                     # A failed choice sends nothing itself: the error event below reports it.
-                    ended = delta.finish_reason not in (None, "error")
+                    ended = delta.finish_reason not in (None, *FAILED_FINISH_REASONS)
                     if delta.text or delta.logprobs or ended:
                         first = delta.index not in started
                         started.add(delta.index)
@@ -178,6 +179,6 @@ class _ChatRun:
     def _stream_choice(self, delta: ChoiceDelta, first: bool) -> ChatStreamChoice:
         message = ChatDelta(ROLE if first else None, delta.text)
         choice = ChatStreamChoice(delta.index, message, self._logprobs(delta.logprobs))
-        if delta.finish_reason is not None and delta.finish_reason != "error":
+        if delta.finish_reason is not None and delta.finish_reason not in FAILED_FINISH_REASONS:
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
         return choice

@@ -7,6 +7,7 @@ Runs in an HTTP frontend process, on its event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -18,8 +19,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from frontend.async_engine_client import AsyncEngineClient
-from frontend.choice_tracker import ChoiceTracker
-from frontend.http_errors import ApiError, bad_request
+from frontend.choice_tracker import ChoiceDelta, ChoiceTracker
+from frontend.http_errors import RETRY_AFTER_OVERLOADED_S, ApiError, bad_request
 from frontend.http_metrics import ServerMetrics
 from frontend.openai_responses import UsageInfo
 from frontend.validation import context_limit, find_kv_cache_problem, find_prompt_problem
@@ -142,10 +143,46 @@ def usage(prompts: Sequence[list[int]], trackers: Sequence[ChoiceTracker]) -> Us
 
 
 def raise_on_error(trackers: Sequence[ChoiceTracker]) -> None:
-    """A choice the engine failed (finish_reason "error") fails the whole response."""
+    """A choice the engine failed or refused fails the whole response (500 or 429)."""
+    for tracker in trackers:
+        if tracker.finish_reason == "rejected":
+            raise overloaded(str(tracker.stop_reason))
     for tracker in trackers:
         if tracker.finish_reason == "error":
             raise ApiError(500, f"the engine failed the request: {tracker.stop_reason}")
+
+
+def overloaded(reason: str) -> ApiError:
+    return ApiError(429, reason, retry_after_s=RETRY_AFTER_OVERLOADED_S)
+
+
+async def start_stream(
+    receive: Receive, deltas: AsyncIterator[ChoiceDelta]
+) -> AsyncIterator[ChoiceDelta]:
+    """Wait for the engine's first answer, then hand the whole stream back.
+
+    No header goes out before it: a request the engine refuses (its queue is full) or cannot
+    serve (it died) gets a 429 or 503 instead of a 200 stream that ends in an error event. The
+    client waits no longer for it: the first token comes in the same moment as the headers.
+    """
+    try:
+        first = await run_unless_disconnected(receive, anext(deltas, None))
+        if first is not None and first.finish_reason == "rejected":
+            raise overloaded(str(first.stop_reason))
+    except BaseException:
+        await deltas.aclose()  # type: ignore[attr-defined]
+        raise
+    return _prepended(first, deltas)
+
+
+async def _prepended(
+    first: ChoiceDelta | None, rest: AsyncIterator[ChoiceDelta]
+) -> AsyncIterator[ChoiceDelta]:
+    async with contextlib.aclosing(rest):  # type: ignore[type-var]
+        if first is not None:
+            yield first
+        async for delta in rest:
+            yield delta
 
 
 class SSEResponse(StreamingResponse):

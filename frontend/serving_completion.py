@@ -38,10 +38,11 @@ from frontend.serving_common import (
     make_choices,
     raise_on_error,
     run_unless_disconnected,
+    start_stream,
     tokenize,
     usage,
 )
-from protocol import EngineCoreRequest
+from protocol import FAILED_FINISH_REASONS, EngineCoreRequest
 
 
 async def create_completion(
@@ -57,7 +58,7 @@ async def create_completion(
     requests, trackers = make_choices(state, prompts, params, body.priority, arrival_time)
     run = _CompletionRun(state, body, prompts, requests, trackers)
     if body.stream:
-        return SSEResponse(run.events())
+        return SSEResponse(run.events(await start_stream(receive, run.deltas())))
     response = await run_unless_disconnected(receive, run.collect())
     return Response(encode_json(response), media_type="application/json")
 
@@ -82,12 +83,12 @@ class _CompletionRun:
         self.created = int(time.time())
         self._text_offsets = [0] * len(trackers)
 
-    def _deltas(self) -> AsyncIterator[ChoiceDelta]:
+    def deltas(self) -> AsyncIterator[ChoiceDelta]:
         state = self.state
         return stream_choices(state.client, self.requests, self.trackers, state.metrics)
 
     async def collect(self) -> CompletionResponse:
-        async with contextlib.aclosing(self._deltas()) as deltas:
+        async with contextlib.aclosing(self.deltas()) as deltas:
             async for _ in deltas:
                 pass
         raise_on_error(self.trackers)
@@ -104,12 +105,12 @@ class _CompletionRun:
             usage(self.prompts, self.trackers),
         )
 
-    async def events(self) -> AsyncIterator[bytes]:
+    async def events(self, source: AsyncIterator[ChoiceDelta]) -> AsyncIterator[bytes]:
         try:
-            async with contextlib.aclosing(self._deltas()) as deltas:
+            async with contextlib.aclosing(source) as deltas:  # type: ignore[type-var]
                 async for delta in deltas:
                     # A failed choice sends nothing itself: the error event below reports it.
-                    ended = delta.finish_reason not in (None, "error")
+                    ended = delta.finish_reason not in (None, *FAILED_FINISH_REASONS)
                     if delta.text or delta.logprobs or ended:
                         yield sse_event(self._chunk(delta))
             raise_on_error(self.trackers)
@@ -133,7 +134,7 @@ class _CompletionRun:
 
     def _chunk(self, delta: ChoiceDelta) -> CompletionResponse:
         choice = self._choice(delta.index, delta.text, delta.logprobs)
-        if delta.finish_reason is not None and delta.finish_reason != "error":
+        if delta.finish_reason is not None and delta.finish_reason not in FAILED_FINISH_REASONS:
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
         return CompletionResponse(self.response_id, self.created, self.state.model_name, [choice])
 

@@ -16,6 +16,7 @@ from protocol.config import (
     load_model_config,
 )
 from protocol.messages import (
+    FAILED_FINISH_REASONS,
     Abort,
     CachedRequestData,
     EngineCoreInput,
@@ -32,6 +33,7 @@ from protocol.messages import (
 from protocol.sampling_params import SamplingParams
 
 __all__ = [
+    "FAILED_FINISH_REASONS",
     "Abort",
     "CacheConfig",
     "CachedRequestData",

@@ -57,6 +57,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     # Schedule step N+1 while the workers run step N (same tokens, the engine's own work hidden
     # behind the forward pass).
     async_scheduling: bool = False
+    # The engine-wide queue cap: a new request that finds this many waiting (from every client
+    # together) is rejected at once instead of queued (None = no cap). Preemption may still put
+    # requests back in the queue past it; they were admitted before.
+    max_waiting_requests: int | None = None
 
 
 class ParallelConfig(msgspec.Struct, frozen=True):
@@ -139,6 +143,8 @@ def check_engine_config(config: EngineConfig) -> None:
         raise ConfigError("max_num_seqs must be at least 1")
     if sched.max_num_batched_tokens < 1:
         raise ConfigError("max_num_batched_tokens must be at least 1")
+    if sched.max_waiting_requests is not None and sched.max_waiting_requests < 0:
+        raise ConfigError(f"max_waiting_requests must be >= 0, got {sched.max_waiting_requests}")
     if sched.max_model_len > config.model.max_model_len:
         raise ConfigError(
             f"scheduler max_model_len {sched.max_model_len} exceeds the model's "

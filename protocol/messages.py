@@ -18,7 +18,10 @@ import msgspec
 
 from protocol.sampling_params import SamplingParams
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort", "error", "rejected"]
+# A request that ended without running to a stop: it failed ("error") or the engine would not
+# queue it ("rejected": the waiting queue was at max_waiting_requests; retrying later may work).
+FAILED_FINISH_REASONS: tuple[str, ...] = ("error", "rejected")
 
 
 # ---------------------------------------------------------------- frontend -> engine core
@@ -60,7 +63,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     request_id: str
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
-    # The stop token id that ended the request, or an error message for finish_reason "error".
+    # The stop token id that ended the request, or the reason for "error" and "rejected".
     stop_reason: int | str | None = None
     logprobs: Logprobs | None = None
     num_cached_tokens: int = 0

@@ -105,9 +105,11 @@ class StudyConfig:
     # ... or longer, to send at least this many: a p99 over a few requests is their maximum,
     # and one long prompt would decide the probe.
     capacity_min_requests: int = 16
-    capacity_max_probes: int = 4
-    capacity_start_rate: float = 1.0
-    capacity_max_rate: float = 8.0
+    # From 2 req/s (every policy holds 1-2 here) doubling to where a policy breaks, then
+    # bisecting: six probes resolve capacity to about 1 req/s, four could only double.
+    capacity_max_probes: int = 6
+    capacity_start_rate: float = 2.0
+    capacity_max_rate: float = 16.0
     capacity_tolerance: float = 0.25
     capacity_budgets: tuple[int, ...] = (128, 256, 512, 2048)
     seed: int = 0
@@ -123,7 +125,8 @@ PRESETS: dict[str, StudyConfig] = {
         online_num_prompts=60,
         capacity_probe_s=20.0,
         capacity_min_requests=40,
-        capacity_max_probes=7,
+        capacity_max_probes=8,
+        capacity_start_rate=1.0,
         capacity_tolerance=0.1,
     ),
     "smoke": StudyConfig(
@@ -585,11 +588,15 @@ def capacity_section(online: dict[str, Any]) -> list[str]:
     return lines
 
 
-def slo_text(online: dict[str, Any]) -> str:
+def slo_bounds(online: dict[str, Any]) -> str:
     # .get: results.json files written before the TTFT bound existed have no such key.
     ttft = online.get("slo_ttft_median_ms")
     bound = "" if ttft is None else f", median TTFT ≤ {ttft:g} ms"
-    text = f"p99 TBT ≤ {online['slo_tbt_p99_ms']:g} ms{bound}"
+    return f"p99 TBT ≤ {online['slo_tbt_p99_ms']:g} ms{bound}"
+
+
+def slo_text(online: dict[str, Any]) -> str:
+    text = slo_bounds(online)
     calibration = online.get("slo_calibration") or {}
     if calibration.get("calibrated"):
         text += (
@@ -731,7 +738,8 @@ def plot_capacity(online: dict[str, Any], path: Path) -> None:
         labels = [str(r[name]) for r in rows]
         ax.bar(labels, [r["capacity"] or 0.0 for r in rows])
         ax.set_ylabel("req/s under the SLO")
-        ax.set_title(f"{title}\n({slo_text(online)})")
+        ax.set_title(title)
+    fig.suptitle(f"SLO: {slo_bounds(online)}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -823,7 +831,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     preset = parser.add_mutually_exclusive_group()
-    preset.add_argument("--long", action="store_true", help="bigger model, more rates/requests")
+    preset.add_argument(
+        "--long",
+        action="store_true",
+        help="more rates, requests and probes, longer probes (tens of minutes)",
+    )
     preset.add_argument("--smoke", action="store_true", help="tiny model, seconds (tests)")
     parser.add_argument("--out", type=Path, default=Path("policy_study_out"))
     parser.add_argument("--model", default=None, help="model dir (default: generated, cached)")

@@ -20,13 +20,17 @@ VOCAB = 50
 MAX_MODEL_LEN = 64
 
 
-def make_engine(num_blocks: int = 40) -> tuple[EngineCore, FakeExecutor]:
+def make_engine(num_blocks: int = 40, **scheduler: object) -> tuple[EngineCore, FakeExecutor]:
     config = EngineConfig(
         model=ModelConfig(
             model="fake", architecture="Fake", vocab_size=VOCAB, max_model_len=MAX_MODEL_LEN
         ),
         cache=CacheConfig(block_size=4),
-        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=32,
+            max_model_len=MAX_MODEL_LEN,
+            **scheduler,  # type: ignore[arg-type]
+        ),
     )
     executor = FakeExecutor(num_blocks, VOCAB, block_size=4)
     return EngineCore(config, executor), executor
@@ -191,3 +195,28 @@ def test_a_pool_smaller_than_the_context_caps_max_model_len_so_no_request_overru
 def test_a_pool_that_holds_the_context_leaves_max_model_len_alone():
     engine, _ = make_engine(num_blocks=17)  # 16 usable blocks: exactly 64 tokens
     assert engine.config.scheduler.max_model_len == MAX_MODEL_LEN
+
+
+def test_a_full_waiting_queue_rejects_new_requests_until_it_drains():
+    engine, _ = make_engine(max_num_seqs=1, max_waiting_requests=2)
+    # Nothing is scheduled between adds, so two wait and the third finds the queue full.
+    assert engine.add_request(make_request("a")) is None
+    assert engine.add_request(make_request("b")) is None
+    for name in ("c", "d"):
+        rejected = engine.add_request(make_request(name))
+        assert rejected is not None
+        (output,) = rejected.outputs
+        assert (output.request_id, output.new_token_ids) == (name, [])
+        assert output.finish_reason == "rejected"
+        assert "queue is full (2 requests waiting)" in str(output.stop_reason)
+    expected = expected_tokens([1, 2, 3, 4, 5], 4)
+    (first,) = engine.step()[0].outputs  # "a" runs (one at a time), "b" waits: room for one
+    assert (first.request_id, first.new_token_ids) == ("a", expected[:1])
+    assert engine.add_request(make_request("e")) is None
+    assert engine.add_request(make_request("f")) is not None
+    results = run_to_end(engine)
+    assert results.pop((0, "a")) == (expected[1:], "length")
+    assert results == {(0, name): (expected, "length") for name in ("b", "e")}
+    # Nothing of a refused request is left behind: its name is free again.
+    assert engine.add_request(make_request("c")) is None
+    assert run_to_end(engine) == {(0, "c"): (expected, "length")}

@@ -47,8 +47,9 @@ def test_one_record_per_executed_step_with_its_token_mix(tmp_path, async_schedul
         engine.add_request(EngineCoreRequest(str(i), prompt, params, arrival_time=0.0))
     while engine.has_unfinished_requests():
         engine.step()
+    records = read_trace(trace)  # the engine is idle: flushed, no shutdown needed
     engine.shutdown()
-    records = read_trace(trace)
+    assert read_trace(trace) == records
     executed = executor.scheduler_outputs
     assert [r.step_id for r in records] == [s.step_id for s in executed]
     # Budget 8 chunks the 13-token prompt: steps mixing prompt chunks and decodes must show up.

@@ -18,9 +18,10 @@ import pytest
 from frontend.engine_session import EngineDeadError
 from frontend.http_errors import ApiError
 from frontend.http_metrics import ServerMetrics
-from frontend.openai_protocol import ChatCompletionRequest, decode_body
+from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_body
 from frontend.serving_chat import create_chat_completion
 from frontend.serving_common import ServingState, check_prompt
+from frontend.serving_completion import create_completion
 from frontend.tokenizer import load_tokenizer
 from protocol import (
     CacheConfig,
@@ -90,11 +91,19 @@ async def _never_disconnects() -> dict[str, Any]:
 def _chat_events(state: ServingState, **fields: Any) -> list[Any]:
     """The SSE payloads of a streamed chat completion ("[DONE]" as a string)."""
     body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, **fields}
+    return _stream_events(state, create_chat_completion, ChatCompletionRequest, body)
 
+
+def _completion_events(state: ServingState, **fields: Any) -> list[Any]:
+    body = {"prompt": "hi", "stream": True, **fields}
+    return _stream_events(state, create_completion, CompletionRequest, body)
+
+
+def _stream_events(state: ServingState, handler: Any, body_type: Any, body: Any) -> list[Any]:
     async def run() -> list[bytes]:
-        request = decode_body(json.dumps(body).encode(), ChatCompletionRequest)
-        response = await create_chat_completion(state, request, _never_disconnects)
-        return [chunk async for chunk in response.body_iterator]  # type: ignore[attr-defined]
+        request = decode_body(json.dumps(body).encode(), body_type)
+        response = await handler(state, request, _never_disconnects)
+        return [chunk async for chunk in response.body_iterator]
 
     events = b"".join(asyncio.run(run())).decode().split("\n\n")
     payloads = [e.removeprefix("data: ") for e in events if e]
@@ -111,26 +120,37 @@ def _text_outputs(request: EngineCoreRequest, tokenizer: Any) -> list[Any]:
     return outputs
 
 
-@pytest.mark.parametrize(
-    "failure",
-    [
-        EngineDeadError("the engine process exited"),
-        EngineCoreOutput("set below", [], "error", "needs more KV cache blocks"),
-    ],
-    ids=["engine-dead", "request-failed"],
-)
-def test_a_chat_stream_that_fails_before_any_output_sends_no_role(
-    tiny_model_dir, tokenizer, failure
+def test_a_chat_stream_whose_request_fails_before_any_output_sends_no_role(
+    tiny_model_dir, tokenizer
 ):
     def script(request: EngineCoreRequest) -> list[Any]:
-        if isinstance(failure, EngineCoreOutput):
-            failure.request_id = request.request_id
-        return [failure]
+        return [EngineCoreOutput(request.request_id, [], "error", "needs more KV cache blocks")]
 
     events = _chat_events(_state(tokenizer, _config(tiny_model_dir), script))
     assert events[-1] == "[DONE]"
     assert [set(e) for e in events[:-1]] == [{"error"}], events
-    assert events[0]["error"]["code"] in (500, 503)
+    assert events[0]["error"]["code"] == 500
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_a_stream_starts_only_once_the_engine_answered(tiny_model_dir, tokenizer, endpoint):
+    """No header before the engine's first output: a request it refuses is a 429 and a dead
+    engine a 503 (the app's handler for EngineDeadError), never a 200 stream."""
+
+    def refused(request: EngineCoreRequest) -> list[Any]:
+        reason = "the engine's queue is full (2 requests waiting); retry later"
+        return [EngineCoreOutput(request.request_id, [], "rejected", reason)]
+
+    def dead(request: EngineCoreRequest) -> list[Any]:
+        return [EngineDeadError("the engine process exited")]
+
+    stream = _chat_events if endpoint == "chat" else _completion_events
+    with pytest.raises(ApiError) as refusal:
+        stream(_state(tokenizer, _config(tiny_model_dir), refused))
+    assert refusal.value.status == 429 and refusal.value.retry_after_s == 1
+    assert "queue is full" in refusal.value.message
+    with pytest.raises(EngineDeadError):
+        stream(_state(tokenizer, _config(tiny_model_dir), dead))
 
 
 def test_each_chat_choice_gets_its_role_with_its_first_output(tiny_model_dir, tokenizer):
