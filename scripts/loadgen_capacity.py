@@ -15,7 +15,7 @@ bisects between the highest rate that held and the lowest that did not, until th
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -43,15 +43,20 @@ class Probe:
     request_throughput: float
     output_throughput: float
     mean_e2el_ms: float
+    # Why requests failed ("HTTP 500: ...": count), so a probe broken by failures says by what.
+    failure_reasons: dict[str, int] = field(default_factory=dict)
 
     def line(self, number: int) -> str:
         verdict = "holds" if self.holds else "BREAKS"
-        return (
+        text = (
             f"probe {number:2d}: rate {self.request_rate:9.3f} req/s -> p99 ITL "
             f"{self.p99_itl_ms:9.2f} ms, median TTFT {self.median_ttft_ms:9.2f} ms, "
             f"completed {self.completed}, failed {self.failed}, "
             f"{self.request_throughput:.2f} req/s, {self.output_throughput:.1f} tok/s: {verdict}"
         )
+        for reason, count in self.failure_reasons.items():
+            text += f"\n    {count} x {reason}"
+        return text
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,7 @@ def make_probe(rate: float, result: dict[str, Any], spec: CapacitySpec) -> Probe
         request_throughput=result["request_throughput"],
         output_throughput=result["output_throughput"],
         mean_e2el_ms=result["mean_e2el_ms"],
+        failure_reasons=dict(result.get("failure_reasons") or {}),
     )
 
 
