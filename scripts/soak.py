@@ -227,9 +227,21 @@ def checks(
     # the worker's allocator grow: that is filling up, not leaking) to the last, after the load.
     # The warm-up counts from the first sample that saw load: the load generator's own start-up
     # (imports, tokenizer, warm-up requests) takes seconds on a busy machine.
-    loaded = next((s["t_s"] for s in samples if s["running"] or s["waiting"]), samples[0]["t_s"])
+    # A sample saw load if requests ran, or more had finished than before the soak (a capacity
+    # probe on the same server finished some already; the count only grows).
+    before = samples[0].get("finished", 0.0)
+    loaded = next(
+        (
+            s["t_s"]
+            for s in samples
+            if s["running"] or s["waiting"] or s.get("finished", 0.0) > before
+        ),
+        samples[0]["t_s"],
+    )
     warm = loaded + args.warmup_fraction * args.minutes * 60.0
-    baseline = next((s for s in samples[1:] if s["t_s"] >= warm), samples[0])
+    # No sample after the warm-up: the run was too short to tell, and the check says so by
+    # failing, rather than measuring from before the load (start-up growth is not a leak).
+    baseline = next((s for s in samples[1:] if s["t_s"] >= warm), samples[-1])
     first, last = baseline["rss_mib"], samples[-1]["rss_mib"]
     growth = {name: round(last.get(name, 0.0) - mib, 1) for name, mib in first.items()}
     return {

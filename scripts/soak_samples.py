@@ -55,6 +55,11 @@ def engine_gauges(base_url: str) -> dict[str, float]:
     for name in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting"):
         match = re.search(rf"^conveyor:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
         gauges[name] = float(match[1]) if match else math.nan
+    # Every reason together: a count that only grows, so a sample can tell that load has begun
+    # even when it catches no request running (short requests at a low rate mostly finish
+    # between samples).
+    finished = re.findall(r"^conveyor:request_success_total\{[^}]*\} (\S+)$", text, re.M)
+    gauges["num_finished"] = sum(float(value) for value in finished)
     return gauges
 
 
@@ -69,6 +74,7 @@ def take_sample(root_pid: int, base_url: str, started: float, num_blocks: int) -
         "free_blocks": round(num_blocks * (1.0 - usage)),
         "running": gauges["num_requests_running"],
         "waiting": gauges["num_requests_waiting"],
+        "finished": gauges["num_finished"],
     }
 
 
