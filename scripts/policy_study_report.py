@@ -81,8 +81,11 @@ def online_sentences(sweep: list[dict[str, Any]]) -> list[str]:
     ]
     if "stall-free" in at_top and "prefill-first" in at_top:
         sf, pf = at_top["stall-free"]["p99_itl_ms"], at_top["prefill-first"]["p99_itl_ms"]
-        if max(sf, pf) < 1.1 * min(sf, pf):
+        if max(sf, pf) <= 1.1 * min(sf, pf):
             comparison = "about the same as"
+        elif min(sf, pf) == 0.0:
+            # No gap between tokens (every token of a choice arrived in one read): no ratio.
+            comparison = "lower than" if sf < pf else "higher than"
         else:
             comparison = f"{pf / sf:.1f}x lower than" if sf < pf else f"{sf / pf:.1f}x higher than"
         spread = {

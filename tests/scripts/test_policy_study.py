@@ -95,3 +95,22 @@ def test_the_tbt_slo_is_calibrated_from_full_budget_steps(tmp_path: Path):
         "slo_tbt_p99_ms": 75.0,
         "calibrated": False,
     }
+
+
+def test_a_sweep_with_no_gap_between_tokens_still_reads():
+    """Every token of a choice may arrive in one read (short outputs, a busy machine): a p99 TBT
+    of 0 must give a sentence, not a division by zero."""
+    import policy_study_report  # scripts/ is on the path (conftest)
+
+    def row(policy: str, p99_itl_ms: float) -> dict:
+        return {"policy": policy, "request_rate": 8.0, "median_ttft_ms": 50.0,
+                "p99_itl_ms": p99_itl_ms}  # fmt: skip
+
+    sentences = policy_study_report.online_sentences(
+        [row("stall-free", 12.0), row("prefill-first", 0.0)]
+    )
+    assert "Stall-free's p99 TBT at 8 req/s is higher than prefill-first's" in sentences[1]
+    sentences = policy_study_report.online_sentences(
+        [row("stall-free", 0.0), row("prefill-first", 0.0)]
+    )
+    assert "about the same as" in sentences[1]
