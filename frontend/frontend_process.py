@@ -88,8 +88,7 @@ class FrontendProcess:
 
     def request_stop(self) -> None:
         """SIGTERM without waiting: several frontends drain at once, not one after another."""
-        if self.exit_code() is None:
-            assert self.process is not None
+        if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
 
     def stop(self, timeout_s: float) -> int | None:

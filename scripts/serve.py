@@ -19,6 +19,7 @@ tiny default model; ``--frontends 0`` runs the engine alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Protocol
@@ -168,11 +170,38 @@ def frontend_options(args: argparse.Namespace) -> list[str]:
     return options
 
 
+# A signal that arrives while a child is being spawned waits here until the spawn is done.
+_spawning = False
+_deferred_stop: str | None = None
+
+
 def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    global _deferred_stop
     # Later signals are ignored, so stopping the children cannot itself be interrupted.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if _spawning:
+        _deferred_stop = signal.Signals(signum).name
+        return
     raise StopRequested(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Spawn a child with no StopRequested inside ``Popen``.
+
+    Raised there after the fork, it would lose the child's handle: the child would run on
+    unknown to ``stop_all`` (and the half-built handle once failed an assertion on the way out).
+    The signal is raised as soon as the spawn is done instead.
+    """
+    global _spawning
+    _spawning = True
+    try:
+        yield
+    finally:
+        _spawning = False
+    if _deferred_stop is not None:
+        raise StopRequested(_deferred_stop)
 
 
 def watch(children: dict[str, Child], restarts: RestartBudget) -> str:
@@ -204,7 +233,8 @@ def watch(children: dict[str, Child], restarts: RestartBudget) -> str:
                 restarts.max_restarts,
                 restarts.window_s,
             )
-            child.start()
+            with signals_deferred():
+                child.start()
             restarting.add(name)
         time.sleep(_WATCH_INTERVAL_S)
 
@@ -226,7 +256,8 @@ def serve(args: argparse.Namespace) -> int:
     children: dict[str, Child] = {"engine_core": engine}
     runtime_dir = private_runtime_dir()
     try:
-        engine.start()
+        with signals_deferred():
+            engine.start()
         served = engine.wait_ready(args.ready_timeout_s)
         logger.info("engine core serves %s with %d KV blocks", args.model, served.cache.num_blocks)
         print(f"ready: engine_core pid={engine.pid} address={engine.address}", flush=True)
@@ -262,7 +293,8 @@ def start_frontends(
     for index in range(args.frontends):
         frontend = FrontendProcess(index, address, frontend_options(args), runtime_dir, env)
         children[f"frontend-{index}"] = frontend
-        frontends.append(frontend.start())
+        with signals_deferred():
+            frontends.append(frontend.start())
     deadline = time.monotonic() + args.frontend_ready_timeout_s
     for frontend in frontends:
         frontend.wait_ready(max(deadline - time.monotonic(), 0.0))
