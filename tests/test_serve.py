@@ -159,11 +159,10 @@ def test_a_signal_during_a_spawn_is_raised_once_the_child_has_its_handle():
     previous = signal.signal(signal.SIGTERM, serve._raise_stop)
     spawned = []
     try:
-        with pytest.raises(serve.StopRequested, match="SIGTERM"):
-            with serve.signals_deferred():
-                os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(0.05)  # the handler runs here, and must not raise yet
-                spawned.append("child handle kept")
+        with pytest.raises(serve.StopRequested, match="SIGTERM"), serve.signals_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs here, and must not raise yet
+            spawned.append("child handle kept")
         assert spawned == ["child handle kept"]
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN, "later signals are ignored"
     finally:
