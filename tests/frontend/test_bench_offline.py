@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,7 +46,7 @@ def test_json_report(tiny_model_dir, monkeypatch, capsys):
     expected_rate = report["num_output_tokens"] / report["seconds"]
     assert abs(report["output_tok_s"] - expected_rate) < 0.1 * expected_rate
     assert report["config"]["max_num_seqs"] == 4 and report["machine"]["num_cpus"] >= 1
-    assert report["engine"] == "mp" and report["cpu_utilization"] > 0.1
+    assert report["engine"] == "mp" and report["cpu_utilization"] > 0.0
 
 
 @pytest.mark.slow
@@ -62,5 +64,24 @@ def test_compare_times_every_setup_on_the_same_prompts(tiny_model_dir, monkeypat
         assert run["num_output_tokens"] == 32 + 128, name
         ratio = run["output_tok_s"] / report["best_output_tok_s"]["inprocess"]
         assert abs(ratio - report["ratio_to_inprocess"][name]) < 0.01
-        # The engine and workers are child processes: their CPU time must be counted.
-        assert run["cpu_utilization"] > 0.1, name
+        # Positive for every setup; that child processes' CPU time is counted at all is
+        # tested directly below (a threshold here would measure how busy the machine is).
+        assert run["cpu_utilization"] > 0.0, name
+
+
+def test_tree_cpu_seconds_counts_a_busy_child():
+    """The engine and workers are child processes: bench_offline's CPU use must include them."""
+    _load_script()  # puts scripts/ on the path
+    import bench_common
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
+    burn += "import sys\nsys.stdin.read()"  # stay alive (and counted) until told to go
+    before = bench_common.tree_cpu_seconds()
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30.0
+        while bench_common.tree_cpu_seconds() - before < 0.4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert bench_common.tree_cpu_seconds() - before >= 0.4
+    finally:
+        child.communicate(b"", timeout=10)
