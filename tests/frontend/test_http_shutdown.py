@@ -29,9 +29,10 @@ from tests.process_tree import descendants, kill_all, wait_until_gone
 
 pytestmark = pytest.mark.slow
 
-# Long enough for the short requests below to finish on a loaded 2-core machine (100 tokens), far
-# too short for the endless one (4000 tokens), so one drain shows both endings.
-DRAIN_TIMEOUT_S = 6.0
+# Long enough for the short requests below to finish on a loaded 2-core machine (50 tokens), far
+# too short for the endless one (4 choices of 4000 tokens: one such choice alone took 6.7 s on a
+# quiet machine, and raced the 6 s drain this test once had), so one drain shows both endings.
+DRAIN_TIMEOUT_S = 4.0
 STEP_TIMEOUT_S = 2.0
 
 
@@ -49,19 +50,19 @@ def serve(tiny_model_dir: Path, tmp_path: Path) -> Iterator:
         served.stop()
 
 
-def _greedy(max_tokens: int, stream: bool = True) -> dict:
+def _greedy(max_tokens: int, stream: bool = True, n: int = 1) -> dict:
     return {"prompt": "def main():", "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream}  # fmt: skip
+            "ignore_eos": True, "stream": stream, "n": n}  # fmt: skip
 
 
 def test_sigterm_under_load_drains_refuses_new_work_and_exits_zero(serve):
     """Row 10: in-flight requests finish (or end as aborted at the drain timeout), new ones get
     503 + Retry-After, the supervisor exits 0 and leaves nothing behind."""
     served = serve(["--drain-timeout-s", str(DRAIN_TIMEOUT_S)])
-    expected = post_json(served.base_url, "/v1/completions", _greedy(100, stream=False))[2]
+    expected = post_json(served.base_url, "/v1/completions", _greedy(50, stream=False))[2]
     expected_text = expected["choices"][0]["text"]
-    short = [send_completion(served.base_url, _greedy(100)) for _ in range(2)]
-    endless = send_completion(served.base_url, _greedy(4000))
+    short = [send_completion(served.base_url, _greedy(50)) for _ in range(2)]
+    endless = send_completion(served.base_url, _greedy(4000, n=4))
     children = descendants(served.process.pid)
     try:
         received = {sock: read_events(sock, 1) for sock in [*short, endless]}
@@ -80,7 +81,9 @@ def test_sigterm_under_load_drains_refuses_new_work_and_exits_zero(serve):
         # [DONE] and the chunked body's last (empty) chunk may arrive in separate reads.
         while not cut.endswith(b"\r\n0\r\n\r\n") and (data := endless.recv(65536)):
             cut += data
-        error = stream_payloads(cut)[-1]["error"]
+        payloads = stream_payloads(cut)
+        assert payloads and "error" in payloads[-1], cut[-600:]
+        error = payloads[-1]["error"]
         assert error["code"] == 503 and "drain timeout" in error["message"], error
         assert cut.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), "a clean end of the stream"
         assert time.monotonic() - stopped_at >= DRAIN_TIMEOUT_S - 0.5
