@@ -47,7 +47,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http-faults")]
 
 HEARTBEAT_TIMEOUT_S = 4.0
 PROMPTS = ["def main():", "import os\n", "class Foo:", "x = [1, 2, 3]"]
-LONG = 3000  # tokens: several seconds, far longer than the heartbeat timeout
+# Tokens, and 2 choices each: two such streams run for 8 s or more even on a quiet machine (3000
+# tokens of one choice took about 5 s), well past the heartbeat timeout that aborts them.
+LONG = 4000
 POISON_SEED = 424242
 
 
@@ -173,7 +175,8 @@ def test_a_killed_frontend_is_restarted_and_the_others_are_unaffected(served):
     victim, survivor = frontend_pids(served.process.pid)
     short = 120
     expected = _whole_text(served, PROMPTS[0], short)
-    bodies = {victim: _greedy(PROMPTS[1], LONG, True), survivor: _greedy(PROMPTS[0], short, True)}
+    long = {**_greedy(PROMPTS[1], LONG, True), "n": 2}
+    bodies = {victim: long, survivor: _greedy(PROMPTS[0], short, True)}
     on = _open_streams_on(served, bodies, num_each=2)
     engine = MPEngineClient(address=served.engine_address, ready_timeout_s=10.0)
     children = descendants(served.process.pid)
@@ -186,14 +189,14 @@ def test_a_killed_frontend_is_restarted_and_the_others_are_unaffected(served):
         for sock in on[victim]:
             assert b"data: [DONE]" not in read_to_end(sock, received[sock])
         # The engine aborts the dead client's requests once its heartbeat is overdue: long
-        # before the 3000 tokens each would take.
+        # before the 4000 tokens each would take.
         engine.check_all_free(HEARTBEAT_TIMEOUT_S + 10.0)
         assert time.monotonic() - killed_at < HEARTBEAT_TIMEOUT_S + 10.0
         assert served.process.poll() is None, "the supervisor must keep serving"
         log = served.log.read_text()
         assert re.search(rf"WARNING serve: frontend-\d \(pid {victim}\) exited with code -9; "
                          r"restarting it", log)  # fmt: skip
-        assert re.search(r"client \d+ gone \(heartbeat timeout\): aborted 2 requests", log)
+        assert re.search(r"client \d+ gone \(heartbeat timeout\): aborted 4 requests", log)
 
         def replaced() -> list[int]:
             pids = frontend_pids(served.process.pid)
