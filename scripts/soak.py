@@ -229,13 +229,9 @@ def checks(
     # (imports, tokenizer, warm-up requests) takes seconds on a busy machine.
     # A sample saw load if requests ran, or more had finished than before the soak (a capacity
     # probe on the same server finished some already; the count only grows).
-    before = samples[0].get("finished", 0.0)
+    before = samples[0]["finished"]
     loaded = next(
-        (
-            s["t_s"]
-            for s in samples
-            if s["running"] or s["waiting"] or s.get("finished", 0.0) > before
-        ),
+        (s["t_s"] for s in samples if s["running"] or s["waiting"] or s["finished"] > before),
         samples[0]["t_s"],
     )
     warm = loaded + args.warmup_fraction * args.minutes * 60.0
