@@ -1,6 +1,7 @@
 """The engine-core process: ``main(config, address)`` -> handshake -> busy loop -> clean exit.
 
-Runs in the engine-core process (``python -m engine_core``). Three threads, one job each: the
+Runs in the engine-core process (``python -m entrypoints.engine``, which builds the executor and
+calls ``main``). Three threads, one job each: the
 socket thread (``ClientIO``) decodes client frames into a queue and sends output frames; the main
 thread runs the busy loop (drain the queue, then schedule -> execute -> update) and blocks on the
 queue when there is nothing to do, instead of spinning; a parent-watch thread stops us if the
@@ -23,15 +24,11 @@ from msgspec.structs import replace
 from engine_core.client_io import BusyLoopInput, ClientGone, ClientInput, ClientIO, IOFailed
 from engine_core.engine_core import EngineCore
 from engine_core.executor import Executor
-from engine_core.executor_factory import make_executor
-from engine_core.lifecycle import (
-    ShutdownRequested,
-    ignore_shutdown_signals,
-    install_shutdown_signals,
-    tie_to_parent,
-)
 from protocol import Abort, EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from protocol.messages import AddRequests, AllFreeReport, CheckAllFree
+from runtime.exit_codes import ExitCode
+from runtime.parent import tie_to_parent
+from runtime.signals import ShutdownRequested, ignore_shutdown_signals, install_shutdown_signals
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +82,7 @@ class EngineCoreProcess:
         self.io.broadcast_engine_dead(reason)
         self.io.stop()
         logging.shutdown()
-        os._exit(3)
+        os._exit(ExitCode.HUNG)
 
     def stop(self) -> None:
         """Ask the busy loop to return after its current step (any thread)."""
@@ -104,7 +101,8 @@ class EngineCoreProcess:
                 item = inputs.get(timeout=_IDLE_WAIT_S)
                 break
             except queue.Empty:
-                check_executor_health(self.core.executor)
+                # A worker death is otherwise only noticed by the next step.
+                self.core.executor.check_health()
         else:
             try:
                 item = inputs.get_nowait()
@@ -226,17 +224,6 @@ def ready_config_msgpack(core: EngineCore) -> bytes:
     return msgspec.msgpack.encode(config)
 
 
-def check_executor_health(executor: Executor) -> None:
-    """Raise if the executor knows its workers are gone; called while idle.
-
-    A worker death is otherwise only noticed by the next step. ``check_health`` is optional
-    (duck-typed): the in-process executor has no workers to lose.
-    """
-    check = getattr(executor, "check_health", None)
-    if check is not None:
-        check()
-
-
 def find_address_problem(address: str, allow_remote_clients: bool = False) -> str | None:
     """Why the engine must not bind ``address``, or None: ipc:// or loopback tcp unless asked.
 
@@ -255,27 +242,28 @@ def find_address_problem(address: str, allow_remote_clients: bool = False) -> st
 def main(
     config: EngineConfig,
     address: str,
-    executor_backend: str | None = None,
+    make_executor: Callable[[EngineConfig], Executor],
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
     parent_pid: int | None = None,
     allow_remote_clients: bool = False,
 ) -> int:
     """Build, serve until a signal or a fatal error, clean up; returns the exit status.
 
-    With ``parent_pid``, the engine stops (as on SIGTERM) when that process dies.
+    ``make_executor`` builds the workers (the engine core cannot: an in-process worker imports
+    torch). With ``parent_pid``, the engine stops (as on SIGTERM) when that process dies.
     """
     problem = find_address_problem(address, allow_remote_clients)
     if problem is not None:
         logger.error("%s", problem)
-        return 2
+        return ExitCode.BAD_CONFIG
     install_shutdown_signals()
     executor: Executor | None = None
     core: EngineCore | None = None
     process: EngineCoreProcess | None = None
-    reason, exit_code = "the engine was shut down", 0
+    reason, exit_code = "the engine was shut down", ExitCode.OK
     try:
         tie_to_parent(parent_pid)
-        executor = make_executor(config, executor_backend)
+        executor = make_executor(config)
         core = EngineCore(config, executor)
         process = EngineCoreProcess(core, address, heartbeat_timeout_s)
         logger.info(
@@ -289,7 +277,7 @@ def main(
         logger.info("shutting down on %s", signal_name)
     except Exception as exc:
         logger.exception("engine core failed")
-        reason, exit_code = f"engine core failed: {exc!r}", 1
+        reason, exit_code = f"engine core failed: {exc!r}", ExitCode.FAILED
     finally:
         ignore_shutdown_signals()  # the cleanup is bounded; a second Ctrl-C must not cut it short
         if process is not None:

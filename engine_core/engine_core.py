@@ -8,8 +8,8 @@ everyone.
 With ``async_scheduling`` a step keeps the workers busy while the engine thinks: it schedules and
 submits step N+1 before waiting for step N, then folds N's tokens in and returns, so the update,
 the outputs and the next schedule all overlap the workers' forward pass. At most one step is in
-flight between calls. An executor that cannot split a step (``submit_step``/``wait_for_output``)
-runs it at submission, which gives the same tokens without the overlap.
+flight between calls. An executor without workers to wait for (``InlineExecutor``) runs a step at
+submission, which gives the same tokens without the overlap.
 """
 
 from __future__ import annotations
@@ -67,11 +67,6 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling
         # Submitted steps whose outputs have not been folded in yet, oldest first.
         self._in_flight: deque[SchedulerOutput] = deque()
-        # Outputs of steps run at submission, for executors without split steps.
-        self._ran: deque[ModelRunnerOutput] = deque()
-        self._split_steps = hasattr(executor, "submit_step") and hasattr(
-            executor, "wait_for_output"
-        )
         trace_path = config.observability.trace_steps
         self.tracer = StepTracer(trace_path) if trace_path else None
 
@@ -169,23 +164,15 @@ class EngineCore:
         if following.total_num_scheduled_tokens > 0:
             self._submit(following)
         done = self._in_flight.popleft()
-        outputs = scheduler.update_from_output(done, self._wait())
+        outputs = scheduler.update_from_output(done, self.executor.wait_for_output())
         self._trace_done()
         self._forget_finished(outputs)
         return outputs
 
     def _submit(self, scheduler_output: SchedulerOutput) -> None:
         self._trace_submitted(scheduler_output)
-        if self._split_steps:
-            self.executor.submit_step(scheduler_output)  # type: ignore[attr-defined]
-        else:
-            self._ran.append(self.executor.execute_model(scheduler_output))
+        self.executor.submit_step(scheduler_output)
         self._in_flight.append(scheduler_output)
-
-    def _wait(self) -> ModelRunnerOutput:
-        if self._split_steps:
-            return self.executor.wait_for_output()  # type: ignore[attr-defined]
-        return self._ran.popleft()
 
     def _trace_submitted(self, scheduler_output: SchedulerOutput) -> None:
         if self.tracer is not None:

@@ -1,13 +1,18 @@
 """The executor interface: how the engine core gets a step run, wherever the workers live.
 
-Runs in the engine-core process. Implementations: a fake for tests (``tests/fake_executor.py``),
-the in-process worker (``worker.InProcessExecutor``) and, later, the multi-process executor. The
-engine core never imports torch, so an implementation that needs it is handed in from outside.
+Runs in the engine-core process (or, for ``LLM(engine="inprocess")``, in the caller's). A step is
+split in two, ``submit_step`` then ``wait_for_output``, so that with async scheduling the engine
+schedules step N+1 while step N runs; ``execute_model`` is the two back to back. Implementations:
+``MultiprocExecutor`` (worker processes, ``engine_core.multiproc_executor``), ``InProcessExecutor``
+below (one worker in this process) and the fake of the tests. The engine core never imports torch,
+so an in-process worker is built by the caller (``entrypoints.engine``, ``frontend``) and handed in.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
+from typing import Protocol
 
 from protocol import ModelRunnerOutput, SchedulerOutput
 
@@ -22,8 +27,86 @@ class Executor(ABC):
         """Allocate the KV cache; called once, before the first step."""
 
     @abstractmethod
+    def submit_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Start a step without waiting for it; steps run, and their outputs return, in order."""
+
+    @abstractmethod
+    def wait_for_output(self) -> ModelRunnerOutput:
+        """The tokens rank 0 sampled in the oldest submitted step."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise what the next step would raise if a worker is gone; cheap, called while idle."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release processes and memory; safe to call more than once."""
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and return the tokens rank 0 sampled."""
+        self.submit_step(scheduler_output)
+        return self.wait_for_output()
 
-    def shutdown(self) -> None:  # noqa: B027 - most executors have nothing to release
-        """Release processes and memory; safe to call more than once."""
+
+class InlineExecutor(Executor):
+    """An executor that runs a step inside ``submit_step``: there is no worker to wait for.
+
+    Async scheduling then gives the same tokens as synchronous scheduling without the overlap.
+    """
+
+    def __init__(self) -> None:
+        self._outputs: deque[ModelRunnerOutput] = deque()
+
+    @abstractmethod
+    def run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step now."""
+
+    def submit_step(self, scheduler_output: SchedulerOutput) -> None:
+        self._outputs.append(self.run_step(scheduler_output))
+
+    def wait_for_output(self) -> ModelRunnerOutput:
+        if not self._outputs:
+            raise RuntimeError("wait_for_output without a submitted step")
+        return self._outputs.popleft()
+
+    def check_health(self) -> None:
+        """Nothing to lose: a step that fails raises in the caller's own thread."""
+
+
+class LocalWorker(Protocol):
+    """What ``InProcessExecutor`` needs of a worker (``worker.Worker`` has it)."""
+
+    def determine_num_blocks(self) -> int: ...
+
+    def initialize_cache(self, num_blocks: int) -> None: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+class InProcessExecutor(InlineExecutor):
+    """One worker inside this process: tensor parallelism needs several, so TP=1 only."""
+
+    def __init__(self, worker: LocalWorker) -> None:
+        super().__init__()
+        self._worker: LocalWorker | None = worker
+
+    def _live_worker(self) -> LocalWorker:
+        if self._worker is None:
+            raise RuntimeError("the executor was shut down")
+        return self._worker
+
+    def determine_num_blocks(self) -> int:
+        return self._live_worker().determine_num_blocks()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._live_worker().initialize_cache(num_blocks)
+
+    def run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._live_worker().execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None

@@ -20,12 +20,7 @@ from typing import NoReturn, TypeVar
 import msgspec
 
 from engine_core.executor import Executor
-from engine_core.worker_processes import (
-    SHUTDOWN_GRACE_S,
-    WorkerProcesses,
-    WorkersClosedError,
-    describe_exit,
-)
+from engine_core.worker_processes import SHUTDOWN_GRACE_S, WorkerProcesses, WorkersClosedError
 from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from protocol.worker_messages import (
     WORKER_COMMAND,
@@ -41,6 +36,7 @@ from protocol.worker_messages import (
     WorkerReady,
     WorkerReply,
 )
+from runtime.processes import describe_exit
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +108,6 @@ class MultiprocExecutor(Executor):
     def initialize_cache(self, num_blocks: int) -> None:
         self._broadcast(InitializeCache(num_blocks))
         self._collect(CacheReady, self.startup_timeout_s)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.submit_step(scheduler_output)
-        return self.wait_for_output()
 
     def shutdown(self) -> None:
         # Broken workers get no grace: they are dead, hung, or stuck in a collective.

@@ -3,7 +3,7 @@
 Runs in the engine-core process, on the busy loop's thread. A record says when the step ended,
 how long the workers had it (from when it could start: its submission, or the end of the step
 before it when steps overlap), what it held (prompt tokens vs generated tokens) and what the
-engine looked like afterwards (running, waiting, KV usage, preemptions). ``scripts/plot_trace.py``
+engine looked like afterwards (running, waiting, KV usage, preemptions). ``conveyor plot-trace``
 draws the picture the Orca and Sarathi-Serve papers draw from these.
 
 Writes go through a buffered file: a line costs a few microseconds. The buffer is flushed

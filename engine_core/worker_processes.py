@@ -1,7 +1,8 @@
 """The worker processes of one executor: start them, talk to them, notice their death, stop them.
 
 Runs in the engine-core process, and never imports torch: each worker is ``python -m worker``
-started with ``subprocess`` (``multiprocessing`` would import the worker's modules here first).
+started through ``runtime.processes`` (``multiprocessing`` would import the worker's modules here
+first).
 
 Every socket is bound here, ipc:// in a private 0700 runtime folder; workers connect. One PUSH
 per rank carries commands, so a step's frame is encoded once and the same bytes go to every rank;
@@ -14,20 +15,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import zmq
 
-from engine_core.process_utils import (
-    make_runtime_dir,
-    remove_runtime_dir,
-    terminate_processes,
-    wait_for_exit,
-)
 from protocol import EngineConfig
 from protocol.worker_messages import (
     LAUNCH_LENGTH_PREFIX,
@@ -36,11 +29,11 @@ from protocol.worker_messages import (
     Shutdown,
     WorkerLaunch,
 )
+from runtime.dirs import make_runtime_dir, remove_runtime_dir
+from runtime.processes import spawn_module, terminate_processes, wait_for_exit
 
 logger = logging.getLogger(__name__)
 
-# The folder holding the engine_core and worker packages: workers import from the same tree.
-_SOURCE_ROOT = str(Path(__file__).resolve().parents[1])
 # A worker that got Shutdown has this long to exit on its own before SIGTERM, then SIGKILL.
 SHUTDOWN_GRACE_S = 2.0
 # How long a command send may block (a full queue) before the workers are checked again.
@@ -49,15 +42,6 @@ _SEND_TIMEOUT_MS = 100
 
 class WorkersClosedError(RuntimeError):
     """The worker processes were stopped; nothing more can be sent or received."""
-
-
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with code {returncode}"
 
 
 class WorkerProcesses:
@@ -93,12 +77,11 @@ class WorkerProcesses:
 
     def start(self, config: EngineConfig) -> None:
         """Start every rank; they load their shards in parallel and report ``WorkerReady``."""
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_SOURCE_ROOT, env.get("PYTHONPATH")) if p)
+        env = {}
         if sys.platform.startswith("linux"):
             # Every rank is on this machine: keep gloo's sockets on loopback rather than on the
             # interface the host name resolves to (internal sockets never face the network).
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
         for rank in range(self.num_workers):
             launch = WorkerLaunch(
                 rank,
@@ -111,7 +94,9 @@ class WorkerProcesses:
             self.processes.append(self._spawn(launch, env))
 
     def _spawn(self, launch: WorkerLaunch, env: dict[str, str]) -> subprocess.Popen[bytes]:
-        process = subprocess.Popen([sys.executable, "-m", "worker"], stdin=subprocess.PIPE, env=env)
+        # The same session as the engine: the workers ignore SIGINT and stop when told (or when
+        # the engine is gone), and stay in the engine's process group for a supervisor to scan.
+        process = spawn_module("worker", env=env, new_session=False, stdin_pipe=True)
         frame = WORKER_LAUNCH.encode(launch)
         assert process.stdin is not None
         try:

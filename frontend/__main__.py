@@ -1,99 +1,11 @@
-"""``python -m frontend``: one OpenAI-compatible HTTP frontend attached to a running engine.
+"""``python -m frontend``: one HTTP frontend process (see ``frontend.server.main``).
 
-    python -m frontend --engine ipc:///run/user/1000/conveyor-x/engine.sock --port 8000
-
-Runs as an HTTP frontend process. Started N times by ``scripts/serve.py --frontends N``, or by
-hand to add one more frontend to an engine that already runs (its address is in serve.py's
-``ready: engine_core ...`` line). The port is bound with SO_REUSEPORT, so frontends given the same
-port share it. SIGTERM/SIGINT drain: /health turns 503, in-flight requests get up to
---drain-timeout-s to finish, then the process exits 0. A frontend the engine dropped (it stalled
-past the heartbeat timeout) exits 1, for its supervisor to start a new one.
+Runs as an HTTP frontend process, started by the supervisor; people type ``conveyor frontend``.
 """
 
-from __future__ import annotations
-
-import argparse
-import logging
-import os
 import sys
-from pathlib import Path
 
-from engine_core.lifecycle import tie_to_parent
-from frontend.api_server import (
-    DEFAULT_MAX_REQUEST_BODY_BYTES,
-    ServerSettings,
-    bind_shared_socket,
-    run_server,
-)
-
-# The API key may come from the environment, which, unlike a command line, other users cannot read.
-API_KEY_ENV = "CONVEYOR_API_KEY"
-LOG_FORMAT = "%(asctime)s frontend[%(process)d] %(levelname)s %(name)s: %(message)s"
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m frontend", description=__doc__.split("\n")[0])
-    parser.add_argument("--engine", required=True, help="the engine's address (ipc:// or tcp://)")
-    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV) or None,
-        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})",
-    )
-    parser.add_argument(
-        "--max-queued-requests",
-        type=_positive_int,
-        default=None,
-        help="answer 429 while this many generation requests are in flight in this frontend",
-    )
-    parser.add_argument(
-        "--served-model-name", default=None, help="the model's name in the API (default: its path)"
-    )
-    parser.add_argument(
-        "--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES
-    )
-    parser.add_argument("--drain-timeout-s", type=float, default=5.0)
-    parser.add_argument(
-        "--engine-ready-timeout-s", type=float, default=30.0, help="give up attaching after this"
-    )
-    parser.add_argument("--parent-pid", type=int, default=None, help="exit when it dies")
-    parser.add_argument("--ready-file", type=Path, default=None, help="written once serving")
-    parser.add_argument("--log-level", default="INFO")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper(), logging.INFO),
-        format=LOG_FORMAT,
-        stream=sys.stderr,
-        force=True,
-    )
-    tie_to_parent(args.parent_pid)
-    settings = ServerSettings(
-        engine_address=args.engine,
-        served_model_name=args.served_model_name,
-        api_key=args.api_key,
-        max_queued_requests=args.max_queued_requests,
-        max_request_body_bytes=args.max_request_body_bytes,
-        engine_ready_timeout_s=args.engine_ready_timeout_s,
-    )
-    try:
-        sock = bind_shared_socket(args.host, args.port)
-    except OSError as exc:
-        logging.getLogger("frontend").error("cannot listen on %s:%d: %s", args.host, args.port, exc)
-        return 2
-    return run_server(settings, sock, args.drain_timeout_s, args.ready_file)
-
+from frontend.server.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

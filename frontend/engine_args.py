@@ -1,7 +1,9 @@
 """Engine arguments as users pass them (keyword arguments or command-line flags) -> EngineConfig.
 
-Runs in the frontend process (and in scripts). The one place where user-facing knobs become the
-frozen ``EngineConfig`` tree; ``check_engine_config`` rejects combinations that cannot run.
+Runs in the frontend process (and in the ``conveyor`` commands). The one place where user-facing
+knobs become the frozen ``EngineConfig`` tree; ``check_engine_config`` rejects combinations that
+cannot run. No model means the embedded default: a small Qwen3 trained on the Python standard
+library's source (``scripts/train_default_model.py``), shipped with the package.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from protocol import (
 from protocol.config import POLICIES
 
 DEFAULT_TOKEN_BUDGET = 2048
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+# The default model's name in the HTTP API.
+DEFAULT_SERVED_MODEL_NAME = "conveyor-tiny"
 
 
 @dataclass
 class EngineArgs:
-    """Flat, user-facing engine knobs; ``model=None`` means the default tiny model."""
+    """Flat, user-facing engine knobs; ``model=None`` means the embedded default model."""
 
     model: str | None = None
     max_num_seqs: int = 256
@@ -57,9 +62,8 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model directory and build the checked, frozen config tree."""
-        if self.model is None:
-            raise ValueError("EngineArgs.model must be a model directory")
-        model_config = load_model_config(self.model, self.dtype, self.max_model_len, self.seed)
+        model = str(DEFAULT_MODEL_DIR) if self.model is None else self.model
+        model_config = load_model_config(model, self.dtype, self.max_model_len, self.seed)
         config = EngineConfig(
             model=model_config,
             cache=CacheConfig(
@@ -116,7 +120,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add one flag per ``EngineArgs`` field, with the same defaults."""
     d = EngineArgs()
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=d.model, help="Hugging Face model directory")
+    group.add_argument(
+        "--model", default=d.model, help="Hugging Face model directory (default: the embedded one)"
+    )
     group.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     group.add_argument(
         "--max-num-batched-tokens",
@@ -160,7 +166,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--trace-steps",
         metavar="FILE",
         default=d.trace_steps,
-        help="write one JSON line per executed step to FILE (see scripts/plot_trace.py)",
+        help="write one JSON line per executed step to FILE (see conveyor plot-trace)",
     )
     group.add_argument(
         "--enable-debug-queries",

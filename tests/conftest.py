@@ -25,9 +25,9 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def tiny_model_dirs() -> dict[str, Path]:
     """The tiny random-weight model of each family: {"qwen3": dir, "qwen2": dir, "llama": dir}."""
-    from worker.model_maker import ensure_default_model
+    from worker.model_maker import ensure_model
 
-    return {arch: ensure_default_model("tiny", arch) for arch in ARCHS}
+    return {arch: ensure_model("tiny", arch) for arch in ARCHS}
 
 
 @pytest.fixture(scope="session")

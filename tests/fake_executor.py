@@ -18,7 +18,7 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine_core.executor import Executor
+from engine_core.executor import InlineExecutor
 from engine_core.scheduler import Scheduler
 from protocol import (
     CacheConfig,
@@ -45,12 +45,13 @@ class _Mirror:
     in_batch: bool = True
 
 
-class FakeExecutor(Executor):
+class FakeExecutor(InlineExecutor):
     """Mirrors, checks and "runs" each step; keeps every SchedulerOutput it ran for inspection."""
 
     def __init__(
         self, num_blocks: int, vocab_size: int, block_size: int = 16, check_kv: bool = True
     ) -> None:
+        super().__init__()
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size
         self.block_size = block_size
@@ -72,8 +73,8 @@ class FakeExecutor(Executor):
     def shutdown(self) -> None:
         self.num_shutdowns += 1
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        assert self.initialized_num_blocks is not None, "execute_model before initialize_cache"
+    def run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.initialized_num_blocks is not None, "a step before initialize_cache"
         assert scheduler_output.total_num_scheduled_tokens > 0, "an empty step was executed"
         if self.scheduler_outputs:
             assert scheduler_output.step_id > self.scheduler_outputs[-1].step_id

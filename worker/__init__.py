@@ -1,5 +1,4 @@
-"""Workers: models, KV cache tensors, attention, sampling. The only package that touches tensors."""
+"""Workers: models, KV cache tensors, attention, sampling. The only package that touches tensors.
 
-from worker.model_maker import ensure_default_model
-
-__all__ = ["ensure_default_model"]
+Importing the package itself is cheap (no torch): its modules are imported where they are used.
+"""

@@ -1,6 +1,6 @@
 """Generate small random-weight models in Hugging Face format, for tests and benchmarks.
 
-Runs in whichever process asks (tests, scripts/make_model.py, a worker wanting its default model).
+Runs in whichever process asks (tests, `conveyor make-model`, benchmarks).
 The directory is what a real checkpoint looks like: config.json, generation_config.json,
 model.safetensors, tokenizer files with a ChatML template; transformers loads it as it is.
 
@@ -195,7 +195,7 @@ def write_model_dir(
     return out
 
 
-def default_model_name(size: str = "tiny", arch: str = "qwen3", seed: int = 0) -> str:
+def cached_model_name(size: str = "tiny", arch: str = "qwen3", seed: int = 0) -> str:
     # The fingerprint changes whenever what we would generate changes (config, generator
     # version, the Python whose stdlib the tokenizer is trained on).
     spec = json.dumps([model_config(size, arch), seed, MAKER_VERSION, sys.version_info[:2]])
@@ -207,13 +207,13 @@ def model_cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "conveyor" / "models"
 
 
-def ensure_default_model(size: str = "tiny", arch: str = "qwen3", seed: int = 0) -> Path:
+def ensure_model(size: str = "tiny", arch: str = "qwen3", seed: int = 0) -> Path:
     """The generated model's directory in the cache, made on first use.
 
     Safe for concurrent callers (pytest-xdist workers, several servers): each writes into its own
     temporary directory and renames it into place; the loser of the race keeps the winner's copy.
     """
-    final = model_cache_dir() / default_model_name(size, arch, seed)
+    final = model_cache_dir() / cached_model_name(size, arch, seed)
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Train the byte-level BPE tokenizer of our generated test models, from text every machine has.
 
-Runs wherever a test model is generated (tests, scripts/make_model.py). The corpus is the source
+Runs wherever a test model is generated (tests, conveyor make-model). The corpus is the source
 of a fixed list of CPython standard-library modules, read from this interpreter's own stdlib, so
 no download is needed and the result is the same every time on a machine. Training takes about a
 second. Byte-level BPE covers every string, so any text round-trips.

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
-import threading
 import time
 
 import msgspec
@@ -38,12 +36,14 @@ from protocol.worker_messages import (
     WorkerReady,
     WorkerReply,
 )
+from runtime.exit_codes import ExitCode
+from runtime.logs import configure_logging
+from runtime.parent import exit_when_pipe_closes
 from worker.fault_injection import FaultInjector, fault_plan_from_env
 from worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-PARENT_DIED_EXIT_CODE = 70
 # How long a closing socket may still try to deliver the last reply (a WorkerError, say).
 REPLY_LINGER_MS = 2000
 
@@ -65,27 +65,6 @@ def _read_exactly(fd: int, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def watch_parent(stdin_fd: int = 0, runtime_dir: str | None = None) -> None:
-    """Exit as soon as the engine process is gone, however it died (SIGKILL included).
-
-    The engine holds the write end of our stdin pipe and never writes after the launch frame, so
-    a read returning EOF means the engine has exited: the kernel closes a dead process's files.
-    Not PDEATHSIG: it fires when the parent *thread* that started us exits, and an engine may
-    well start its workers from a thread that ends long before the engine does. An engine that
-    was killed could not remove its runtime folder, so the workers do.
-    """
-
-    def wait_for_eof() -> None:
-        while os.read(stdin_fd, 4096):
-            pass
-        logger.error("the engine process is gone (stdin closed); exiting")
-        if runtime_dir is not None:
-            shutil.rmtree(runtime_dir, ignore_errors=True)
-        os._exit(PARENT_DIED_EXIT_CODE)
-
-    threading.Thread(target=wait_for_eof, name="parent-watch", daemon=True).start()
-
-
 def handle_command(
     worker: Worker, rank: int, command: WorkerCommand, faults: FaultInjector
 ) -> WorkerReply | None:
@@ -105,7 +84,7 @@ def handle_command(
 def serve(
     worker: Worker, rank: int, commands: zmq.Socket, replies: zmq.Socket, faults: FaultInjector
 ) -> int:
-    """The busy loop: receive -> apply -> reply until Shutdown (0) or an exception (1)."""
+    """The busy loop: receive -> apply -> reply until Shutdown (OK) or an exception (FAILED)."""
     while True:
         frame = commands.recv(copy=False)
         try:
@@ -115,13 +94,13 @@ def serve(
             logger.warning("dropped a malformed %d-byte command frame: %s", len(frame.buffer), exc)
             continue
         if isinstance(command, Shutdown):
-            return 0
+            return ExitCode.OK
         try:
             reply = handle_command(worker, rank, command, faults)
         except Exception as exc:
             logger.exception("rank %d failed on %s", rank, type(command).__name__)
             _send(replies, WorkerError(rank, _describe(exc), time.monotonic()))
-            return 1
+            return ExitCode.FAILED
         if reply is not None:
             _send(replies, reply)
 
@@ -133,13 +112,6 @@ def _send(replies: zmq.Socket, reply: WorkerReply) -> None:
 def _describe(exc: BaseException) -> str:
     # Bounded: the reason travels to the engine and on to every client as an error message.
     return f"{type(exc).__name__}: {exc}"[:2000]
-
-
-def _configure_logging(rank: int) -> None:
-    logging.basicConfig(
-        level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO").upper(),
-        format=f"%(asctime)s %(levelname)s worker-{rank}[%(process)d] %(name)s: %(message)s",
-    )
 
 
 def run_worker(launch: WorkerLaunch) -> int:
@@ -168,7 +140,7 @@ def _start_and_serve(launch: WorkerLaunch, commands: zmq.Socket, replies: zmq.So
     except Exception as exc:
         logger.exception("rank %d failed to start", rank)
         _send(replies, WorkerError(rank, _describe(exc), time.monotonic()))
-        return 1
+        return ExitCode.FAILED
     try:
         _send(replies, WorkerReady(rank, os.getpid()))
         return serve(worker, rank, commands, replies, faults)
@@ -180,6 +152,9 @@ def main() -> int:
     # Ctrl-C in a terminal reaches the whole process group; the engine decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     launch = read_launch()
-    _configure_logging(launch.rank)
-    watch_parent(runtime_dir=launch.runtime_dir)
+    configure_logging(f"worker-{launch.rank}")
+    # The engine holds the write end of our stdin and never writes after the launch frame: EOF
+    # means it is gone, however it died. Not the parent-death signal: that fires when the parent
+    # *thread* that started us exits, and an engine may start workers from a short-lived thread.
+    exit_when_pipe_closes(0, launch.runtime_dir)
     return run_worker(launch)

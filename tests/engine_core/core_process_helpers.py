@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from frontend.mp_engine_client import MPEngineClient
+from frontend.engine_client.sync_client import MPEngineClient
 from protocol import (
     CacheConfig,
     EngineConfig,

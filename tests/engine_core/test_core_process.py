@@ -24,8 +24,8 @@ from msgspec.structs import replace
 from engine_core import EngineCore
 from engine_core.client_registry import ClientRegistry
 from engine_core.core_process import EngineCoreProcess, StepWatchdog, find_address_problem
-from frontend.async_engine_client import AsyncEngineClient
-from frontend.engine_session import EngineDeadError
+from frontend.engine_client.async_client import AsyncEngineClient
+from frontend.engine_client.session import EngineDeadError
 from protocol import EngineConfig, ModelRunnerOutput, ObservabilityConfig, SchedulerOutput
 from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
 from protocol.messages import EngineDead, Heartbeat, Hello, Ready
@@ -57,9 +57,9 @@ def thread_cpu_ticks(native_id: int) -> int:
 class SlowFakeExecutor(FakeExecutor):
     """A step takes a few ms, like a real one: long requests stay in flight for a while."""
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         time.sleep(0.005)
-        return super().execute_model(scheduler_output)
+        return super().run_step(scheduler_output)
 
 
 class ThreadedEngine:
@@ -195,10 +195,9 @@ def test_only_local_addresses_unless_remote_clients_are_allowed(address, allowed
 def test_the_engine_process_refuses_a_public_address(tmp_path):
     config_file = tmp_path / "config.msgpack"
     config_file.write_bytes(msgspec.msgpack.encode(fake_config()))
-    command = [sys.executable, "-m", "engine_core", "--config-file", str(config_file)]
+    command = [sys.executable, "-m", "entrypoints.engine", "--config-file", str(config_file)]
     command += ["--address", "tcp://0.0.0.0:0"]
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=root)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "reachable from other hosts" in result.stderr
 
 
@@ -316,10 +315,10 @@ def test_goodbye_aborts_the_clients_requests_at_once(make_engine, make_client):
 
 
 class FailingExecutor(FakeExecutor):
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if scheduler_output.step_id >= 3:
             raise RuntimeError("injected step failure")
-        return super().execute_model(scheduler_output)
+        return super().run_step(scheduler_output)
 
 
 def test_a_failing_step_sends_engine_dead_to_every_client(make_engine, make_client):

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from frontend.engine_args import EngineArgs
-from frontend.engine_process import EngineProcess
-from frontend.engine_session import EngineDeadError
+from frontend.engine_client.engine_process import EngineProcess
+from frontend.engine_client.session import EngineDeadError
 from protocol import EngineConfig, EngineCoreRequest
 from tests.engine_core.core_process_helpers import (
     ClientPool,

@@ -27,6 +27,7 @@ from engine_core.multiproc_executor import (
     WorkerFailedError,
     WorkerTimeoutError,
 )
+from entrypoints.engine import make_executor
 from protocol import EngineConfig, EngineCoreRequest
 from protocol.messages import ModelRunnerOutput
 from protocol.worker_messages import (
@@ -56,9 +57,7 @@ def config(tiny_model_dir: Path) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def expected_tokens(config: EngineConfig) -> dict[str, list[int]]:
-    from worker.executor import InProcessExecutor
-
-    core = EngineCore(config, InProcessExecutor(config))  # type: ignore[arg-type]
+    core = EngineCore(config, make_executor(config, "inprocess"))
     try:
         return generate(core, make_requests())
     finally:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,6 +15,7 @@ from engine_core import Request, RequestStatus, Scheduler
 from engine_core.request_queue import FCFSRequestQueue, PriorityRequestQueue, make_request_queue
 from protocol import ModelRunnerOutput, SamplingParams
 from protocol.config import POLICIES
+from tests.commands import CONVEYOR
 from tests.fake_executor import FakeExecutor, fake_next_token, make_scheduler, run_step
 
 VOCAB = 50
@@ -361,9 +360,9 @@ def test_runner_output_for_an_unknown_request_is_ignored():
 
 
 def test_bench_scheduler_script_reports_the_sweep_as_json():
-    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_scheduler.py"
     args = ["--running", "64", "--waiting", "20", "--steps", "10", "--json"]
-    out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
+    command = [*CONVEYOR, "bench", "scheduler", *args]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert set(report) == {"machine", "config", "headline", "rows"}

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+import entrypoints.cli
 from engine_core import EngineCore
 from engine_core.step_trace import read_trace
 from protocol import (
@@ -21,7 +21,6 @@ from protocol import (
 from tests.fake_executor import FakeExecutor
 
 VOCAB = 50
-PLOT_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "plot_trace.py"
 
 
 def make_engine(trace: Path, async_scheduling: bool) -> tuple[EngineCore, FakeExecutor]:
@@ -75,11 +74,8 @@ def test_plot_trace_summarizes_and_draws(tmp_path, capsys):
     while engine.has_unfinished_requests():
         engine.step()
     engine.shutdown()
-    spec = importlib.util.spec_from_file_location("plot_trace", PLOT_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     out = tmp_path / "steps.png"
-    assert module.main([str(trace), "--out", str(out)]) == 0
+    assert entrypoints.cli.main(["plot-trace", str(trace), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = capsys.readouterr().out
     assert "prefill_tokens: 10" in summary and "decode_tokens: 3" in summary

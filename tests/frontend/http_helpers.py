@@ -1,4 +1,4 @@
-"""Run a real ``scripts/serve.py`` with HTTP frontends for a test module, and talk to it.
+"""Run a real ``conveyor serve`` with HTTP frontends for a test module, and talk to it.
 
 Runs in the test process. ``ServedHttp`` starts the supervisor on a free port of 127.0.0.1,
 waits (bounded) for both ready lines, and ``stop`` kills the supervisor and every process below
@@ -17,17 +17,16 @@ import random
 import re
 import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.commands import CONVEYOR
 from tests.process_tree import descendants, kill_all
 
-ROOT = Path(__file__).resolve().parents[2]
-SERVE = ROOT / "scripts" / "serve.py"
+SERVE = [*CONVEYOR, "serve"]
 ENGINE_READY = re.compile(r"^ready: engine_core pid=(\d+) address=(\S+)$")
 HTTP_READY = re.compile(r"^ready: (http://\S+)$")
 MODEL_NAME = "tiny"
@@ -83,7 +82,7 @@ def start_served_http(
     timeout_s: float = 90.0,
     env: dict[str, str] | None = None,
 ) -> ServedHttp:
-    """serve.py on a free port; returns once it printed ``ready: http://...``.
+    """``conveyor serve`` on a free port; returns once it printed ``ready: http://...``.
 
     ``env`` is added to the supervisor's environment (its children inherit it)."""
     for _ in range(3):
@@ -94,14 +93,14 @@ def start_served_http(
         # Lost a race for the port: another one. Anything else is a failure.
         if "cannot listen" not in log.read_text():
             break
-    raise AssertionError(f"serve.py did not become ready:\n{log.read_text()}")
+    raise AssertionError(f"conveyor serve did not become ready:\n{log.read_text()}")
 
 
 def _start_once(
     model_dir: Path, log: Path, extra: list[str], timeout_s: float, env: dict[str, str] | None
 ) -> ServedHttp:
     port = free_port()
-    command = [sys.executable, str(SERVE), "--model", str(model_dir), "--kv-cache-memory", "16M"]
+    command = [*SERVE, "--model", str(model_dir), "--kv-cache-memory", "16M"]
     command += ["--port", str(port), "--served-model-name", MODEL_NAME, *extra]
     with log.open("w") as log_file:
         process = subprocess.Popen(
@@ -145,13 +144,13 @@ def _healthy_or_gone(process: subprocess.Popen[bytes], base_url: str) -> bool:
 def start_attached_frontend(
     engine_address: str, log: Path, timeout_s: float = 60.0
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """``python -m frontend`` attached to a running engine; returns once /health says 200."""
+    """``conveyor frontend`` attached to a running engine; returns once /health says 200."""
     for _ in range(3):
         port = free_port()
-        command = [sys.executable, "-m", "frontend", "--engine", engine_address]
+        command = [*CONVEYOR, "frontend", "--engine", engine_address]
         command += ["--port", str(port), "--served-model-name", MODEL_NAME]
         with log.open("w") as log_file:
-            process = subprocess.Popen(command, cwd=ROOT, stderr=log_file)
+            process = subprocess.Popen(command, stderr=log_file)
         base_url = f"http://127.0.0.1:{port}"
 
         wait_for(lambda p=process, u=base_url: _healthy_or_gone(p, u), timeout_s, 0.1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from frontend import LLM
-from frontend.mp_engine_client import MPEngineClient
+from frontend.engine_client.sync_client import MPEngineClient
 from protocol import SamplingParams
 
 PROMPTS = [f"def f{i}(x):\n    return" for i in range(8)]

@@ -26,7 +26,7 @@ from frontend.engine_client import (
     EngineStartError,
     MPEngineClient,
 )
-from frontend.engine_process import EngineProcess
+from frontend.engine_client.engine_process import EngineProcess
 from protocol import EngineCoreRequest, SamplingParams
 from tests.process_tree import descendants, kill_all, wait_until_gone
 

@@ -1,7 +1,7 @@
 """Faults around the HTTP frontends of a real server: an abort storm, a SIGKILLed frontend and a
 stalled (SIGSTOPped) one.
 
-One ``scripts/serve.py --frontends 2 --enable-debug-queries`` per module, with a 4 s heartbeat
+One ``conveyor serve --frontends 2 --enable-debug-queries`` per module, with a 4 s heartbeat
 timeout (so a dead frontend's requests are aborted soon) and a restart budget of one. The engine's
 own block accounting (the debug query, asked by an ``MPEngineClient`` attached to the engine's
 address) says whether every KV block is free again. The kill test kills frontends (the second

@@ -1,6 +1,6 @@
 """Row 2: mutated bodies and headers against a real server: no 5xx, no crash, memory flat.
 
-One ``scripts/serve.py`` with an API key, a 64 KiB body limit and a 64-token context (so a
+One ``conveyor serve`` with an API key, a 64 KiB body limit and a 64-token context (so a
 mutation that happens to be a valid request generates a few tokens, never thousands). Each request
 goes over its own raw socket, so a mutation may break HTTP itself (bad header bytes, lying
 Content-Length, a method the route does not take). Runs for CONVEYOR_FUZZ_SECONDS (default 4 s,

@@ -1,6 +1,6 @@
 """Bad input, the API key, the in-flight cap and the body limit, against a real server.
 
-One ``scripts/serve.py`` per module with one frontend, ``--api-key``, ``--max-queued-requests 2``
+One ``conveyor serve`` per module with one frontend, ``--api-key``, ``--max-queued-requests 2``
 and a 64 KiB body limit. Every refusal must come back as an OpenAI error body of bounded size,
 never a 5xx, and leave the engine serving exactly as before. The last test stops the supervisor
 with SIGTERM, so it must stay last.
@@ -18,9 +18,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from frontend.api_server import ServerSettings, build_app
-from frontend.http_gate import GateMiddleware
-from frontend.http_metrics import ServerMetrics
+from frontend.server.app import ServerSettings, build_app
+from frontend.server.gate import GateMiddleware
+from frontend.server.metrics import ServerMetrics
 from tests.frontend.http_helpers import (
     MODEL_NAME,
     ServedHttp,

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server, through the official ``openai`` client, against real processes.
 
-One ``scripts/serve.py --frontends 2`` per module (engine core, one worker, two frontends sharing a
+One ``conveyor serve --frontends 2`` per module (engine core, one worker, two frontends sharing a
 port) plus one frontend attached by hand with ``python -m frontend``. Greedy outputs are compared
 with ``frontend.LLM`` on the same prompts. The last test kills the engine core (which stops the
 whole server), so it must stay last; tests/frontend/test_http_faults.py kills a frontend.
@@ -86,11 +86,14 @@ def _by_index(choices: list) -> list:
 
 def test_the_demo_prompt_prints_the_greedy_completion(served, reference):
     # The README's quick start relies on this line.
-    line = served.stdout.get(timeout=30.0).strip()
+    lines = [served.stdout.get(timeout=30.0)]
+    while not lines[-1].startswith("try: curl "):
+        lines.append(served.stdout.get(timeout=5.0))
     demo = reference["demo"].outputs[0]
-    expected = f"completion ({demo.finish_reason}): {TEXT_PROMPTS[0]!r} -> {demo.text!r}"
-    assert line == expected
-    assert served.stdout.get(timeout=5.0).startswith("try: curl ")
+    # The prompt and its completion as one text, so that code reads as code.
+    assert (
+        "".join(lines[:-1]) == f"completion ({demo.finish_reason}):\n{TEXT_PROMPTS[0]}{demo.text}\n"
+    )
 
 
 def test_completions_equal_llm_whole_and_streamed(client, reference):

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.choice_tracker import ChoiceTracker
-from frontend.http_errors import MAX_MESSAGE_CHARS, ApiError
-from frontend.http_metrics import ServerMetrics
-from frontend.openai_protocol import (
+from frontend.output_processor import ChoiceState
+from frontend.server.errors import MAX_MESSAGE_CHARS, ApiError
+from frontend.server.metrics import ServerMetrics
+from frontend.server.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_max_tokens,
@@ -29,7 +29,6 @@ from frontend.openai_protocol import (
     prompt_list,
     to_sampling_params,
 )
-from frontend.sample_tracker import SampleTracker
 from frontend.tokenizer import load_tokenizer
 from protocol import EngineCoreOutput, Logprobs, SamplingParams, SchedulerStats
 from protocol.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
@@ -128,11 +127,11 @@ def tokenizer(tiny_model_dir: Path) -> Any:
     return load_tokenizer(tiny_model_dir)
 
 
-def _run_tracker(tokenizer: Any, text: str, stop: list[str]) -> tuple[ChoiceTracker, list[str]]:
+def _run_tracker(tokenizer: Any, text: str, stop: list[str]) -> tuple[ChoiceState, list[str]]:
     """Feed ``text``'s tokens one engine output at a time; the text deltas handed out."""
     token_ids = list(tokenizer(text).input_ids)
     params = SamplingParams(stop=stop, max_tokens=len(token_ids))
-    tracker = ChoiceTracker(0, "r", tokenizer, [5, 6], params, 0.0)
+    tracker = ChoiceState(0, "r", tokenizer, [5, 6], params, 0.0, stream=True)
     deltas = []
     for i, token_id in enumerate(token_ids):
         last = i == len(token_ids) - 1
@@ -219,7 +218,7 @@ def _stopped_by_token(
 @pytest.mark.parametrize("stop", [[], ["never"]], ids=["no-stop-strings", "stop-strings"])
 def test_a_stop_token_leaves_its_text_out_but_counts_as_generated(tokenizer, stop):
     params, token_ids, outputs = _stopped_by_token(tokenizer, stop=stop)
-    tracker = ChoiceTracker(0, "r", tokenizer, [5, 6], params, 0.0)
+    tracker = ChoiceState(0, "r", tokenizer, [5, 6], params, 0.0, stream=True)
     deltas = [tracker.update(output) for output in outputs]
     expected = tokenizer.decode(token_ids[:-1], skip_special_tokens=True)
     assert "".join(d.text for d in deltas) == tracker.text == expected == "x = compute(1)"
@@ -228,10 +227,12 @@ def test_a_stop_token_leaves_its_text_out_but_counts_as_generated(tokenizer, sto
     assert tracker.token_ids == token_ids and len(tracker.logprobs) == len(token_ids)
     assert deltas[-1].token_ids == [token_ids[-1]] and deltas[-1].logprobs
 
-    offline = SampleTracker(tokenizer, [5, 6], msgspec.structs.replace(params, logprobs=0), 0)
+    offline = ChoiceState(
+        0, "r", tokenizer, [5, 6], msgspec.structs.replace(params, logprobs=0), 0.0, stream=False
+    )
     for output in outputs:
         offline.update(output)
-    completion = offline.to_output()
+    completion = offline.to_completion_output()
     assert completion.text == expected and completion.token_ids == token_ids
     assert (completion.finish_reason, completion.stop_reason) == ("stop", token_ids[-1])
     assert len(completion.logprobs) == len(token_ids)
@@ -239,13 +240,13 @@ def test_a_stop_token_leaves_its_text_out_but_counts_as_generated(tokenizer, sto
 
 def test_include_stop_str_in_output_keeps_the_stop_tokens_text(tokenizer):
     params, token_ids, outputs = _stopped_by_token(tokenizer, include=True)
-    tracker = ChoiceTracker(0, "r", tokenizer, [5, 6], params, 0.0)
+    tracker = ChoiceState(0, "r", tokenizer, [5, 6], params, 0.0, stream=True)
     streamed = "".join(tracker.update(output).text for output in outputs)
     assert streamed == tracker.text == "x = compute(1) return"
-    offline = SampleTracker(tokenizer, [5, 6], params, 0)
+    offline = ChoiceState(0, "r", tokenizer, [5, 6], params, 0.0, stream=False)
     for output in outputs:
         offline.update(output)
-    assert offline.to_output().text == "x = compute(1) return"
+    assert offline.to_completion_output().text == "x = compute(1) return"
 
 
 # ---------------------------------------------------------------- stop limits, nulls, stream

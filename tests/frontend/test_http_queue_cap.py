@@ -1,6 +1,6 @@
 """Row 5 across frontends: the engine-wide queue cap (``--max-waiting-requests``).
 
-One ``scripts/serve.py --frontends 2 --max-num-seqs 1 --max-waiting-requests 2`` per module, with
+One ``conveyor serve --frontends 2 --max-num-seqs 1 --max-waiting-requests 2`` per module, with
 the step trace on. A burst of requests over both frontends must split into 200s and 429s (never
 anything else), every 429 must carry Retry-After and come before any stream starts, every 200 must
 carry the exact greedy text, and the engine's waiting queue, as its own step trace records it,

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from frontend.engine_session import EngineDeadError
-from frontend.http_errors import ApiError
-from frontend.http_metrics import ServerMetrics
-from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_body
-from frontend.serving_chat import create_chat_completion
-from frontend.serving_common import ServingState, check_prompt
-from frontend.serving_completion import create_completion
+from frontend.engine_client.session import EngineDeadError
+from frontend.server.chat import create_chat_completion
+from frontend.server.completions import create_completion
+from frontend.server.errors import ApiError
+from frontend.server.metrics import ServerMetrics
+from frontend.server.request_models import ChatCompletionRequest, CompletionRequest, decode_body
+from frontend.server.serving import ServingState, check_prompts
 from frontend.tokenizer import load_tokenizer
 from protocol import (
     CacheConfig,
@@ -174,15 +174,15 @@ def test_a_request_larger_than_the_whole_kv_pool_is_a_400(tiny_model_dir, tokeni
     # 9 blocks of 16 tokens, block 0 reserved: 8 usable, 128 tokens.
     state = _state(tokenizer, _config(tiny_model_dir, num_blocks=9))
     prompt = list(range(10, 110))  # 100 tokens
-    check_prompt(state, prompt, 28)  # exactly 128
-    check_prompt(state, prompt, None)  # until the context is full: may end early (EOS)
+    check_prompts(state, [prompt], 28)  # exactly 128
+    check_prompts(state, [prompt], None)  # until the context is full: may end early (EOS)
     with pytest.raises(ApiError, match="KV cache") as error:
-        check_prompt(state, prompt, 29)
+        check_prompts(state, [prompt], 29)
     assert (error.value.status, error.value.param) == (400, "max_tokens")
     with pytest.raises(ApiError, match="KV cache"):
-        check_prompt(state, list(range(10, 139)), None)  # the prompt alone is too big
+        check_prompts(state, [list(range(10, 139))], None)  # the prompt alone is too big
     # An engine that did not say how big its pool is decides for itself.
-    check_prompt(_state(tokenizer, _config(tiny_model_dir)), prompt, 3000)
+    check_prompts(_state(tokenizer, _config(tiny_model_dir)), [prompt], 3000)
 
 
 def test_the_context_limit_is_the_smaller_of_the_models_and_the_schedulers(
@@ -193,9 +193,9 @@ def test_the_context_limit_is_the_smaller_of_the_models_and_the_schedulers(
         _config(tiny_model_dir, max_model_len=256, scheduler_len=256),
     ):
         state = _state(tokenizer, config)
-        check_prompt(state, list(range(10, 110)), 156)
+        check_prompts(state, [list(range(10, 110))], 156)
         with pytest.raises(ApiError, match="maximum context length is 256") as error:
-            check_prompt(state, list(range(10, 110)), 157)
+            check_prompts(state, [list(range(10, 110))], 157)
         assert error.value.status == 400
         with pytest.raises(ApiError, match="max_model_len is 256"):
-            check_prompt(state, list(range(256)), 1)
+            check_prompts(state, [list(range(256))], 1)

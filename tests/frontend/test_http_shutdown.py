@@ -1,6 +1,6 @@
 """How a real server ends: SIGTERM under load drains, a hung step stops everything.
 
-Each test starts its own ``scripts/serve.py`` with one HTTP frontend and ends it; the fixture's
+Each test starts its own ``conveyor serve`` with one HTTP frontend and ends it; the fixture's
 finalizer kills whatever is left, even when a test fails.
 """
 

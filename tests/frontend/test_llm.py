@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from frontend import LLM
+from frontend.engine_args import DEFAULT_MODEL_DIR
 from frontend.tokenizer import IncrementalDetokenizer
 from protocol import SamplingParams
 
@@ -195,9 +196,9 @@ def test_progress_bar(llm, capsys):
     assert "Processed prompts" not in capsys.readouterr().err
 
 
-def test_default_model_is_the_tiny_qwen3(tiny_model_dir):
+def test_no_model_means_the_embedded_default_model():
     with LLM(kv_cache_memory=SMALL_KV) as llm:
-        assert llm.config.model.model == str(tiny_model_dir.resolve())
+        assert llm.config.model.model == str(DEFAULT_MODEL_DIR.resolve())
         assert len(llm.generate("hi", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import runpy
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -11,15 +10,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import entrypoints.cli
 from worker.model_maker import (
-    default_model_name,
-    ensure_default_model,
+    cached_model_name,
+    ensure_model,
     model_config,
     write_model_dir,
 )
 from worker.tokenizer_maker import CHAT_TEMPLATE
 
-ROOT = Path(__file__).resolve().parents[2]
 TEXT = "def greet(name):\n    return f'Hello, {name}!'  # naïve café, 東京, emoji 🚂 \t tabs"
 
 
@@ -141,20 +140,22 @@ def test_greedy_output_depends_on_the_whole_context(tiny_model_dir_each: Path, h
     assert min(distinct_counts) > 1 and sum(distinct_counts) / 4 >= 8, distinct_counts
 
 
-def test_ensure_default_model_is_made_once_under_concurrent_callers(tmp_path, monkeypatch):
+def test_ensure_model_is_made_once_under_concurrent_callers(tmp_path, monkeypatch):
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
     with ThreadPoolExecutor(3) as pool:
-        paths = list(pool.map(lambda _: ensure_default_model("tiny", "llama"), range(3)))
+        paths = list(pool.map(lambda _: ensure_model("tiny", "llama"), range(3)))
     assert len(set(paths)) == 1
-    assert paths[0] == tmp_path / default_model_name("tiny", "llama")
+    assert paths[0] == tmp_path / cached_model_name("tiny", "llama")
     assert [p.name for p in tmp_path.iterdir()] == [paths[0].name]  # no temporary leftovers
     assert (paths[0] / "model.safetensors").is_file()
-    assert ensure_default_model("tiny", "llama") == paths[0]
+    assert ensure_model("tiny", "llama") == paths[0]
 
 
-def test_make_model_script(tmp_path: Path, capsys):
-    main = runpy.run_path(str(ROOT / "scripts" / "make_model.py"))["main"]
-    main([str(tmp_path / "m"), "--size", "tiny", "--arch", "qwen2", "--seed", "3"])
+def test_conveyor_make_model(tmp_path: Path, capsys):
+    def main(argv: list[str]) -> int:
+        return entrypoints.cli.main(["make-model", *argv])
+
+    assert main([str(tmp_path / "m"), "--size", "tiny", "--arch", "qwen2", "--seed", "3"]) == 0
     assert "Qwen2ForCausalLM" in capsys.readouterr().out
     assert (tmp_path / "m" / "model.safetensors").read_bytes() == (
         write_model_dir(tmp_path / "again", "tiny", "qwen2", seed=3) / "model.safetensors"

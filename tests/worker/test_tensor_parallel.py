@@ -16,6 +16,7 @@ import pytest
 
 from engine_core import EngineCore
 from engine_core.multiproc_executor import MultiprocExecutor, WorkerDiedError, WorkerFailedError
+from entrypoints.engine import make_executor
 from protocol import EngineConfig, EngineCoreRequest
 from tests.multiproc_helpers import (
     GREEDY,
@@ -31,9 +32,7 @@ pytestmark = pytest.mark.slow
 
 def _reference(config: EngineConfig) -> tuple[dict[str, list[int]], int]:
     """Tokens and KV blocks with one rank in this process."""
-    from worker.executor import InProcessExecutor
-
-    core = EngineCore(config, InProcessExecutor(config))  # type: ignore[arg-type]
+    core = EngineCore(config, make_executor(config, "inprocess"))
     try:
         return generate(
             core, make_requests()

@@ -36,7 +36,7 @@ _CPU_DECODE_CHUNK_BYTES = 4 << 20
 _CUDA_DECODE_CHUNK_BYTES = 64 << 20
 # Longest query the CPU kernel takes. It re-reads a request's context once per work item of
 # MAX_ROWS query rows, while a prompt chunk's own SDPA call reads it once and runs the scores as
-# matmuls. scripts/bench_attention.py --query-lens, 8 chunks of 16 (bench model, AMD EPYC, 2
+# matmuls. conveyor bench attention --query-lens, 8 chunks of 16 (bench model, AMD EPYC, 2
 # threads): kernel 1.2 ms vs SDPA 1.7 ms at ctx 256, even at ctx 1024; longer chunks favour SDPA.
 _KERNEL_MAX_QUERY_LEN = 16
 

@@ -3,7 +3,7 @@
 Runs in worker processes. On CPU, MKL's sgemm (what ``F.linear`` calls) is near the machine's
 peak for prefill-sized inputs (thousands of rows) but not at decode sizes (one row per running
 request), where oneDNN with the weight reordered once into its blocked layout is faster
-(scripts/bench_layers.py measures both per shape). So a layer keeps its plain weight, which the
+(conveyor bench layers measures both per shape). So a layer keeps its plain weight, which the
 loader, tensor-parallel slicing and a tied embedding all read, and may hold a packed copy of it
 next to it for small batches. The copy doubles the layer's weight memory; it is made only for
 float32 CPU weights, where the measured gain is.

@@ -1,0 +1,215 @@
+"""Microbenchmark: attention per layer against the same layer's matmuls, on the same tokens.
+
+Runs standalone (one process). For each scenario it times one attention backend call (KV write
+included) and the four linears of one decoder layer of the bench model (qkv, o, gate_up, down)
+for the same number of tokens, and prints microseconds per call per layer (medians) and the
+ratio, so one can read off whether attention is the bottleneck. On CPU the torch backend is timed
+twice, on its pure-torch path and with the compiled kernel (cpu_kernel.py), side by side.
+
+    conveyor bench attention                 # bench model, CPU, torch backend
+    conveyor bench attention --query-lens 2,8,16,32,64   # where the kernel stops paying
+    conveyor bench attention --device cuda --dtype bfloat16 --block-size 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from benchmarks.machine import machine_info
+from worker.attention.cpu_kernel import load_kernel
+from worker.attention.metadata_builder import build_attention_metadata
+from worker.attention.selector import select_backend
+from worker.attention.torch_backend import TorchAttentionBackend
+from worker.kv_cache import allocate_kv_caches
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    # Per request: tokens already cached and tokens scheduled this step.
+    num_computed: list[int]
+    num_scheduled: list[int]
+
+
+def make_scenarios(rng: np.random.Generator, query_lens: list[int]) -> list[Scenario]:
+    def decodes(n: int, low: int, high: int) -> tuple[list[int], list[int]]:
+        return [int(c) - 1 for c in rng.integers(low, high + 1, n)], [1] * n
+
+    if query_lens:
+        # Short prompt chunks after a cached prefix: which path should take a query this long.
+        return [
+            Scenario(f"8 chunks of {q}, ctx {ctx}", [ctx - q] * 8, [q] * 8)
+            for ctx in (256, 1024)
+            for q in query_lens
+        ]
+
+    scenarios = [Scenario(f"64 decodes, ctx {c}", *decodes(64, c, c)) for c in (128, 256, 1024)]
+    scenarios.append(Scenario("64 decodes, ctx 128-256", *decodes(64, 128, 256)))
+    scenarios.append(Scenario("1 prefill of 512", [0], [512]))
+    computed, scheduled = decodes(63, 128, 256)
+    scenarios.append(Scenario("512 prefill + 63 decodes", [0, *computed], [512, *scheduled]))
+    return scenarios
+
+
+def block_table_for(scenario: Scenario, block_size: int, rng: np.random.Generator) -> np.ndarray:
+    """Shuffled, non-contiguous blocks, as a long-running server would hand them out."""
+    seq_lens = np.add(scenario.num_computed, scenario.num_scheduled)
+    blocks_per_req = -(-seq_lens // block_size)
+    pool = rng.permutation(int(blocks_per_req.sum()) + 1)
+    table = np.zeros((len(seq_lens), int(blocks_per_req.max())), dtype=np.int32)
+    start = 0
+    for i, n in enumerate(blocks_per_req):
+        table[i, :n] = pool[start : start + n]
+        start += n
+    return table
+
+
+def time_us(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
+def layer_matmuls(args: argparse.Namespace, num_tokens: int, dtype: torch.dtype, device):
+    """The bench model's four linears for one layer, on ``num_tokens`` tokens."""
+    shapes = [
+        (args.hidden_size, (args.num_heads + 2 * args.num_kv_heads) * args.head_dim),
+        (args.num_heads * args.head_dim, args.hidden_size),
+        (args.hidden_size, 2 * args.intermediate_size),
+        (args.intermediate_size, args.hidden_size),
+    ]
+    weights = [torch.randn(out_f, in_f, dtype=dtype, device=device) for in_f, out_f in shapes]
+    inputs = [torch.randn(num_tokens, in_f, dtype=dtype, device=device) for in_f, _ in shapes]
+
+    def run() -> None:
+        for x, w in zip(inputs, weights):
+            torch.nn.functional.linear(x, w)
+
+    return run
+
+
+def bench_scenario(
+    args, scenario: Scenario, backends: list, rng, dtype, device
+) -> tuple[list[float], float]:
+    table = block_table_for(scenario, args.block_size, rng)
+    metadata, _ = build_attention_metadata(
+        np.array(scenario.num_scheduled, dtype=np.int32),
+        np.array(scenario.num_computed, dtype=np.int32),
+        table,
+        args.block_size,
+        device,
+    )
+    num_blocks = int(table.max()) + 1
+    (kv_cache,) = allocate_kv_caches(
+        1, num_blocks, args.block_size, args.num_kv_heads, args.head_dim, dtype, device, backends[0]
+    )
+    kv_cache.normal_()
+    num_tokens = metadata.num_actual_tokens
+    query = torch.randn(num_tokens, args.num_heads, args.head_dim, dtype=dtype, device=device)
+    key = torch.randn(num_tokens, args.num_kv_heads, args.head_dim, dtype=dtype, device=device)
+    value = torch.randn_like(key)
+    scale = args.head_dim**-0.5
+
+    def attend(backend) -> Callable[[], object]:
+        return lambda: backend.forward(query, key, value, kv_cache, metadata, scale)
+
+    # Interleaved rounds, so load from other processes hits every side alike.
+    matmuls = layer_matmuls(args, num_tokens, dtype, device)
+    attention_us: list[list[float]] = [[] for _ in backends]
+    matmul_us = []
+    for _ in range(args.rounds):
+        for samples, backend in zip(attention_us, backends):
+            samples.append(time_us(attend(backend), args.repeats, device))
+        matmul_us.append(time_us(matmuls, args.repeats, device))
+    return [statistics.median(s) for s in attention_us], statistics.median(matmul_us)
+
+
+def make_backends(args, device: torch.device, dtype: torch.dtype) -> dict[str, object]:
+    """Named backends to time: on CPU the torch backend without and with the compiled kernel."""
+    backend = select_backend(device, args.block_size, args.backend, dtype=dtype)
+    if not isinstance(backend, TorchAttentionBackend) or device.type != "cpu":
+        return {backend.name: backend}
+    backends = {"torch ops": TorchAttentionBackend(use_cpu_kernel=False)}
+    if load_kernel() is not None and dtype == torch.float32:
+        backends["kernel"] = TorchAttentionBackend()
+    return backends
+
+
+def describe_machine(device: torch.device) -> str:
+    return ", ".join(f"{k}={v}" for k, v in machine_info(device=str(device)).items())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="conveyor bench attention", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--backend", default=None, help="torch or flash-attn (default: auto)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-heads", type=int, default=8)
+    parser.add_argument("--num-kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--intermediate-size", type=int, default=1536)
+    parser.add_argument("--repeats", type=int, default=10, help="calls timed per round")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per side")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--query-lens", default="", help="comma-separated: time short prompt chunks instead"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    backends = make_backends(args, device, dtype)
+    rng = np.random.default_rng(args.seed)
+    torch.manual_seed(args.seed)
+    print(f"machine: {describe_machine(device)}")
+    print(
+        f"config: {', '.join(backends)}, {args.dtype}, block_size {args.block_size}, "
+        f"heads {args.num_heads}/{args.num_kv_heads} kv, head_dim {args.head_dim}, "
+        f"hidden {args.hidden_size}, intermediate {args.intermediate_size}, "
+        f"median of {args.rounds} x {args.repeats} calls"
+    )
+    names = list(backends)
+    header = f"{'scenario':<28}{'tokens':>7}" + "".join(f"{n + ' us':>13}" for n in names)
+    print(header + f"{'matmuls us':>12}{'attn/mm':>9}")
+    query_lens = [int(q) for q in args.query_lens.split(",") if q]
+    with torch.inference_mode():
+        for scenario in make_scenarios(rng, query_lens):
+            attention_us, matmul_us = bench_scenario(
+                args, scenario, list(backends.values()), rng, dtype, device
+            )
+            num_tokens = sum(scenario.num_scheduled)
+            row = f"{scenario.name:<28}{num_tokens:>7}" + "".join(
+                f"{t:>13.0f}" for t in attention_us
+            )
+            print(row + f"{matmul_us:>12.0f}{attention_us[-1] / matmul_us:>9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""Microbenchmarks of the model's token-wise ops on CPU: matmul kernels, norms, RoPE, SwiGLU.
+
+    conveyor bench layers --model /tmp/bench2 --rows 1,16,64,256,2048
+    conveyor bench layers --section model      # whole forward, attention stubbed out
+
+Sections:
+  matmul  every linear shape of the model at each row count: F.linear (MKL sgemm on W [out, in]),
+          x @ W^T pre-transposed, oneDNN with the weight packed once (what the layers use for
+          small batches), MKL packed for one exact batch size.
+  ops     the small ops, the straightforward version (as Hugging Face writes them) against ours:
+          residual add + RMSNorm, q/k head norms + RoPE, SiLU * up.
+  model   one forward with a stub attention that only copies q (so the time is everything but
+          attention), decode-sized and prefill-sized, with and without packed weights, and the
+          LM head on 64 rows.
+
+Timings are the best of several interleaved rounds (variants alternate, so a burst of load from
+another process hits them alike); the machine's cores are shared, so compare within a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from worker.attention.backend import AttentionBackend
+from worker.attention.metadata_builder import build_attention_metadata
+from worker.layers import RotaryEmbedding, SiluAndMul, rms_normalize, rotate_
+from worker.layers.gemm import PACKED_MAX_ROWS, pack_weight
+from worker.layers.norm import RMSNorm
+from worker.loader import load_model, read_hf_config
+from worker.worker import keep_freed_memory_in_heap
+
+EPS = 1e-6
+
+
+def best_of(variants: dict[str, Callable[[], object]], budget_s: float) -> dict[str, float]:
+    """Seconds per call of each variant: the best of interleaved rounds within ~budget_s."""
+    for fn in variants.values():  # warm-up: first-call allocations, oneDNN kernel creation
+        fn()
+        fn()
+    start = time.perf_counter()
+    for fn in variants.values():
+        fn()
+    one_round = max(time.perf_counter() - start, 1e-6)
+    calls = max(1, int(budget_s / 12 / one_round))
+    best = dict.fromkeys(variants, float("inf"))
+    for _ in range(12):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / calls)
+    return best
+
+
+def print_row(label: str, times: dict[str, float], flops: float | None = None) -> None:
+    fastest = min(times, key=times.get)
+    cells = []
+    for name, seconds in times.items():
+        rate = f" {flops / seconds / 1e9:4.0f}GF" if flops else ""
+        mark = "*" if name == fastest else " "
+        cells.append(f"{name} {seconds * 1e6:9.1f}us{rate}{mark}")
+    print(f"{label:22s} " + "  ".join(cells), flush=True)
+
+
+def linear_shapes(config) -> dict[str, tuple[int, int]]:
+    """name -> (in, out) of every matmul in one layer, and the LM head, on one rank."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    hidden, heads, kv_heads = (
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+    )
+    return {
+        "qkv": (hidden, (heads + 2 * kv_heads) * head_dim),
+        "o": (heads * head_dim, hidden),
+        "gate_up": (hidden, 2 * config.intermediate_size),
+        "down": (config.intermediate_size, hidden),
+        "lm_head": (hidden, config.vocab_size),
+    }
+
+
+def matmul_variants(x: torch.Tensor, weight: torch.Tensor) -> dict[str, Callable[[], object]]:
+    weight_t, packed = weight.t().contiguous(), pack_weight(weight)
+    variants: dict[str, Callable[[], object]] = {
+        "F.linear": lambda: F.linear(x, weight),
+        "x@W_t": lambda: x @ weight_t,
+    }
+    if packed is not None:
+        variants["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(
+            x, packed, None, "none", [], ""
+        )
+    if torch._C.has_mkl:
+        num_rows = x.shape[0]
+        mkl_packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, num_rows)
+        variants["mkl(1 size)"] = lambda: torch.ops.mkl._mkl_linear(
+            x, mkl_packed, weight, None, num_rows
+        )
+    return variants
+
+
+def bench_matmuls(config, rows: list[int], budget_s: float) -> None:
+    print(f"\n== matmul (packed oneDNN is used for <= {PACKED_MAX_ROWS} rows) ==")
+    for num_rows in rows:
+        for name, (k, n) in linear_shapes(config).items():
+            x, weight = torch.randn(num_rows, k), torch.randn(n, k) / k**0.5
+            times = best_of(matmul_variants(x, weight), budget_s)
+            print_row(f"M={num_rows:<5d} {name}", times, 2 * num_rows * k * n)
+
+
+def reference_add_norm(x, residual, weight):
+    """Hugging Face's RMSNorm after the residual add, op by op."""
+    x = x + residual
+    x32 = x.float()
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + EPS)).to(x.dtype), x
+
+
+def reference_qk_norm_rope(qkv, q_size, kv_size, head_dim, q_weight, k_weight, rope, positions):
+    """Per-head norms of q and k apart, then RoPE with a table lookup per call (per layer)."""
+    num_tokens = qkv.shape[0]
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    outputs = []
+    cos, sin = rope.cos_sin(positions)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    for x, weight in ((q, q_weight), (k, k_weight)):
+        x = x.reshape(num_tokens, -1, head_dim)
+        x32 = x.float()
+        x = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        outputs.append(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+    return outputs[0], outputs[1], v
+
+
+def ours_qk_norm_rope(qkv, q_size, kv_size, head_dim, qk_weight, angles):
+    qk = qkv[:, : q_size + kv_size].view(qkv.shape[0], -1, head_dim)
+    qk = rotate_(rms_normalize(qk, qk_weight, EPS), angles)
+    num_heads = q_size // head_dim
+    return qk[:, :num_heads], qk[:, num_heads:], qkv[:, q_size + kv_size :]
+
+
+class OpCases:
+    """The small ops of one layer of ``config``, reference and ours, at a given row count."""
+
+    def __init__(self, config) -> None:
+        hidden = config.hidden_size
+        self.head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        self.q_size = config.num_attention_heads * self.head_dim
+        self.kv_size = config.num_key_value_heads * self.head_dim
+        self.inter = config.intermediate_size
+        self.rope = RotaryEmbedding.from_config(config, self.head_dim)
+        self.norm = RMSNorm(hidden, EPS)
+        self.q_weight, self.k_weight = torch.rand(self.head_dim), torch.rand(self.head_dim)
+        heads, kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
+        self.qk_weight = torch.cat(
+            [self.q_weight.expand(heads, -1), self.k_weight.expand(kv_heads, -1)]
+        )
+        self.act = SiluAndMul()
+
+    def at(self, num_rows: int) -> dict[str, dict[str, Callable[[], object]]]:
+        x = torch.randn(num_rows, self.norm.weight.shape[0])
+        residual = torch.randn_like(x)
+        qkv = torch.randn(num_rows, self.q_size + 2 * self.kv_size)
+        positions = torch.randint(0, min(self.rope.num_positions, 4096), (num_rows,))
+        gate_up = torch.randn(num_rows, 2 * self.inter)
+        sizes = (self.q_size, self.kv_size, self.head_dim)
+
+        def ours_rope():
+            # The angles are looked up once per step, not per layer: 1/num_layers of it here.
+            angles = self.rope.angles(positions, qkv.dtype)
+            return ours_qk_norm_rope(qkv, *sizes, self.qk_weight, angles)
+
+        weights = (self.q_weight, self.k_weight, self.rope, positions)
+        return {
+            "add+rmsnorm": {
+                "reference": lambda: reference_add_norm(x, residual, self.norm.weight),
+                "ours": lambda: self.norm(x, residual),
+            },
+            "qk norm+rope": {
+                "reference": lambda: reference_qk_norm_rope(qkv, *sizes, *weights),
+                "ours": ours_rope,
+            },
+            "silu*up": {
+                "reference": lambda: F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :],
+                "ours": lambda: self.act(gate_up),
+            },
+        }
+
+
+def bench_ops(config, rows: list[int], budget_s: float) -> None:
+    print("\n== small ops: reference (HF-style) vs ours ==")
+    cases = OpCases(config)
+    for num_rows in rows:
+        for name, variants in cases.at(num_rows).items():
+            print_row(f"M={num_rows:<5d} {name}", best_of(variants, budget_s))
+
+
+class CopyAttention(AttentionBackend):
+    """Stands in for attention: returns a copy of the queries, writes no cache."""
+
+    name = "copy"
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
+        return (0,)
+
+    def forward(self, query, key, value, kv_cache, metadata, scale):
+        return query.clone()
+
+
+def step_inputs(num_tokens: int, num_reqs: int, vocab_size: int):
+    query_lens = np.full(num_reqs, num_tokens // num_reqs)
+    metadata, positions = build_attention_metadata(
+        query_lens, np.full(num_reqs, 100), np.zeros((num_reqs, 64), np.int32), 16, "cpu"
+    )
+    last_rows = torch.from_numpy(np.cumsum(query_lens) - 1)
+    return (
+        torch.randint(0, vocab_size, (num_tokens,)),
+        torch.from_numpy(positions),
+        metadata,
+        last_rows,
+    )
+
+
+class StubbedModel:
+    """The bench model with attention replaced by CopyAttention; packed weights switchable."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model = load_model(model_dir, torch.float32, "cpu")
+        for layer in self.model.attention_layers():
+            layer.backend, layer.kv_cache = CopyAttention(), torch.empty(0)
+        self.packed = {
+            module: module.packed_weight
+            for module in self.model.modules()
+            if getattr(module, "packed_weight", None) is not None
+        }
+
+    def set_packed(self, on: bool) -> None:
+        for module, weight in self.packed.items():
+            module.packed_weight = weight if on else None
+
+    def forward(self, inputs: tuple, packed: bool, output_rows=None) -> torch.Tensor:
+        self.set_packed(packed)
+        return self.model(*inputs, output_rows)
+
+    def logits(self, hidden: torch.Tensor, packed: bool) -> torch.Tensor:
+        self.set_packed(packed)
+        return self.model.compute_logits(hidden)
+
+    def step_variants(self, num_tokens: int, num_reqs: int) -> dict[str, Callable[[], object]]:
+        ids, positions, metadata, last_rows = step_inputs(
+            num_tokens, num_reqs, self.model.config.vocab_size
+        )
+        inputs = (ids, positions, metadata)
+        variants = {
+            "packed off": lambda: self.forward(inputs, False),
+            "packed on": lambda: self.forward(inputs, True),
+        }
+        if num_tokens > num_reqs:  # rows that are not sampled: only the last of each request is
+            variants["+output_rows"] = lambda: self.forward(inputs, True, last_rows)
+        return variants
+
+
+def bench_model(model_dir: str, budget_s: float) -> None:
+    print("\n== model forward, attention stubbed out (copies q) ==")
+    stubbed = StubbedModel(model_dir)
+    for label, num_tokens, num_reqs in (("decode 64x1", 64, 64), ("prefill 16x128", 2048, 16)):
+        print_row(label, best_of(stubbed.step_variants(num_tokens, num_reqs), budget_s * 4))
+    hidden = torch.randn(64, stubbed.model.config.hidden_size)
+    variants = {
+        "packed off": lambda: stubbed.logits(hidden, False),
+        "packed on": lambda: stubbed.logits(hidden, True),
+    }
+    print_row("lm head 64 rows", best_of(variants, budget_s))
+    stubbed.set_packed(True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="conveyor bench layers", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--model", default="/tmp/bench2", help="a model directory (config.json)")
+    parser.add_argument("--rows", default="1,16,64,256,2048", help="comma-separated row counts")
+    parser.add_argument("--section", choices=("all", "matmul", "ops", "model"), default="all")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--budget", type=float, default=0.5, help="seconds per measurement")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    keep_freed_memory_in_heap()  # as the worker does: no page faults on reused buffers
+    config = read_hf_config(Path(args.model))
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"torch {torch.__version__}, {args.threads} threads, model {args.model}")
+    with torch.inference_mode():
+        if args.section in ("all", "matmul"):
+            bench_matmuls(config, rows, args.budget)
+        if args.section in ("all", "ops"):
+            bench_ops(config, rows, args.budget)
+        if args.section in ("all", "model"):
+            bench_model(args.model, args.budget)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

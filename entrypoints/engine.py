@@ -1,0 +1,89 @@
+"""The engine-core process: ``python -m entrypoints.engine --config-file F --address A``.
+
+Runs in the engine-core process. Started by ``frontend.engine_client.EngineProcess`` (for ``LLM``
+and the supervisor); runnable by hand to serve clients that attach by address:
+
+    python -m entrypoints.engine --config-file engine.msgpack --address ipc:///run/user/1000/e.sock
+
+The config file holds one msgpack-encoded ``protocol.EngineConfig``. The address is ipc:// or
+tcp:// (bind tcp to 127.0.0.1 unless the engine must be reachable from elsewhere: the socket
+carries no authentication). This module is where the executor is chosen and built: the engine
+core may not import the worker package (nor torch), and here both are in view.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import msgspec
+
+from engine_core.core_process import DEFAULT_HEARTBEAT_TIMEOUT_S, main
+from engine_core.executor import Executor, InProcessExecutor
+from engine_core.multiproc_executor import MultiprocExecutor
+from protocol import EngineConfig
+from runtime.logs import configure_logging
+
+EXECUTOR_BACKENDS = ("mp", "inprocess")
+
+
+def make_executor(config: EngineConfig, backend: str | None = None) -> Executor:
+    """The executor for ``backend``: "mp" (one worker process per tensor-parallel rank, the
+    default) or "inprocess" (one worker inside this process: debugging, TP=1 only)."""
+    if backend in (None, "mp"):
+        return MultiprocExecutor(config)
+    if backend == "inprocess":
+        if config.parallel.tensor_parallel_size != 1:
+            raise ValueError("the in-process executor runs one worker: tensor_parallel_size=1")
+        # Only this backend loads a model here, so only it pays for importing torch.
+        from worker.worker import Worker
+
+        return InProcessExecutor(Worker(config, rank=0))
+    raise ValueError(f"executor backend must be one of {', '.join(EXECUTOR_BACKENDS)}: {backend!r}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m entrypoints.engine", description=__doc__)
+    parser.add_argument("--config-file", type=Path, required=True, help="msgpack EngineConfig")
+    parser.add_argument("--address", required=True, help="ipc://PATH or tcp://127.0.0.1:PORT")
+    parser.add_argument(
+        "--executor-backend",
+        choices=EXECUTOR_BACKENDS,
+        default=None,
+        help="worker processes (mp, the default) or one in-process worker",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+        help="a client silent this long is dropped and its requests aborted",
+    )
+    parser.add_argument(
+        "--parent-pid", type=int, default=None, help="exit when this process (our parent) dies"
+    )
+    parser.add_argument(
+        "--allow-remote-clients",
+        action="store_true",
+        help="allow a tcp address other hosts can reach (the socket has no authentication)",
+    )
+    parser.add_argument("--log-level", default=None, help="default: $CONVEYOR_LOG_LEVEL or INFO")
+    return parser.parse_args(argv)
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging("engine_core", args.log_level)
+    config = msgspec.msgpack.decode(args.config_file.read_bytes(), type=EngineConfig)
+    return main(
+        config,
+        args.address,
+        lambda config: make_executor(config, args.executor_backend),
+        args.heartbeat_timeout_s,
+        args.parent_pid,
+        args.allow_remote_clients,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(run())

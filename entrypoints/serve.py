@@ -1,0 +1,277 @@
+"""``conveyor serve [MODEL]``: the supervisor. Start the engine core (which starts its workers) and
+the HTTP frontends; watch them.
+
+    conveyor serve [MODEL] [--frontends N] [--port 8000] [engine args...]
+
+Runs as the supervisor process, the parent of every conveyor process. It prints
+``ready: engine_core pid=PID address=ADDRESS`` once the engine answers clients at ADDRESS (attach
+with ``MPEngineClient(address=...)``, ``AsyncEngineClient.start(address=...)`` or
+``conveyor frontend --engine ADDRESS``), then starts N OpenAI-compatible HTTP frontends sharing
+one port and prints ``ready: http://HOST:PORT`` once each of them serves. Then it watches its
+children: a dead frontend is restarted (it holds no state; the engine aborts its requests when its
+heartbeat stops), unless frontends died more than --frontend-max-restarts times within
+--frontend-restart-window-s; the engine core's death, or a spent restart budget, stops everything
+and exits 1. SIGTERM or SIGINT stops all of them gracefully (frontends drain first, for up to
+--drain-timeout-s; SIGTERM, then SIGKILL after --stop-timeout-s) and exits 0. Children watch their
+parent, so even a SIGKILLed supervisor leaves no orphans. MODEL (or ``--model``) is a local
+Hugging Face model directory; without one it serves the embedded default model. ``--frontends 0``
+runs the engine alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from entrypoints.supervisor import (
+    FrontendProcess,
+    FrontendStartError,
+    RestartBudget,
+    base_url,
+    stop_all,
+    wait_healthy,
+    watch,
+)
+from frontend.engine_args import DEFAULT_SERVED_MODEL_NAME, EngineArgs, add_engine_args
+from frontend.engine_client import EngineProcess, EngineStartError
+from frontend.engine_client.session import DEFAULT_READY_TIMEOUT_S, HEARTBEAT_INTERVAL_S
+from protocol import ConfigError
+from runtime.dirs import make_runtime_dir, remove_runtime_dir
+from runtime.exit_codes import ExitCode
+from runtime.logs import LOG_LEVEL_ENV, configure_logging
+from runtime.processes import ChildProcess
+from runtime.signals import ShutdownRequested, ignore_shutdown_signals, install_shutdown_signals
+
+logger = logging.getLogger("serve")
+
+API_KEY_ENV = "CONVEYOR_API_KEY"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="conveyor serve",
+        description="Serve a model over an OpenAI-compatible HTTP API: the engine core, its "
+        "workers and N HTTP frontends, supervised.",
+    )
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="a local Hugging Face model directory (same as --model; default: the embedded model)",
+    )
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="where the engine listens: ipc://PATH (default: a private folder) or "
+        "tcp://127.0.0.1:PORT; another host only if you mean it (no authentication)",
+    )
+    parser.add_argument(
+        "--allow-remote-clients",
+        action="store_true",
+        help="let the engine bind a tcp address other hosts can reach",
+    )
+    parser.add_argument("--executor-backend", choices=("mp", "inprocess"), default=None)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=None)
+    parser.add_argument("--ready-timeout-s", type=float, default=DEFAULT_READY_TIMEOUT_S)
+    parser.add_argument("--stop-timeout-s", type=float, default=10.0)
+    parser.add_argument(
+        "--log-level", default=None, help="every process's log level (default: INFO)"
+    )
+    add_frontend_args(parser)
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree")
+        args.model = args.model_tag
+    if args.frontends < 0:
+        parser.error(f"--frontends must be >= 0, got {args.frontends}")
+    if (
+        args.heartbeat_timeout_s is not None
+        and args.heartbeat_timeout_s < 1.5 * HEARTBEAT_INTERVAL_S
+    ):
+        # Below that, a healthy idle client (a frontend) would be dropped between two heartbeats.
+        parser.error(
+            f"--heartbeat-timeout-s must be at least {1.5 * HEARTBEAT_INTERVAL_S:g} (clients "
+            f"heartbeat every {HEARTBEAT_INTERVAL_S:g} s), got {args.heartbeat_timeout_s:g}"
+        )
+    if args.frontend_max_restarts < 0 or args.drain_timeout_s < 0:
+        parser.error("--frontend-max-restarts and --drain-timeout-s must be >= 0")
+    for name in ("max_queued_requests", "max_request_body_bytes"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.frontends and not 0 < args.port < 65536:
+        # Port 0 would give every frontend its own random port: they must share one.
+        parser.error(f"--port must be in [1, 65535], got {args.port}")
+    return args
+
+
+def add_frontend_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("HTTP frontends")
+    group.add_argument("--frontends", type=int, default=1, help="HTTP frontend processes (0: none)")
+    group.add_argument("--host", default="127.0.0.1", help="interface the frontends listen on")
+    group.add_argument("--port", type=int, default=8000, help="the port every frontend shares")
+    group.add_argument(
+        "--api-key", default=None, help=f"require this bearer key on /v1/* (or ${API_KEY_ENV})"
+    )
+    group.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="per frontend: 429 while this many generation requests are in flight",
+    )
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        help=f"the model's name in the API (default: --model, or {DEFAULT_SERVED_MODEL_NAME})",
+    )
+    group.add_argument("--max-request-body-bytes", type=int, default=None)
+    group.add_argument("--frontend-ready-timeout-s", type=float, default=60.0)
+    group.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=5.0,
+        help="on SIGTERM: how long in-flight requests may run on before they are aborted",
+    )
+    group.add_argument(
+        "--frontend-max-restarts",
+        type=int,
+        default=5,
+        help="restart a dead frontend at most this often within --frontend-restart-window-s; "
+        "one more death stops everything (0: any frontend death stops everything)",
+    )
+    group.add_argument("--frontend-restart-window-s", type=float, default=60.0)
+    group.add_argument(
+        "--demo-prompt",
+        default=None,
+        metavar="TEXT",
+        help="once serving, send this prompt through the HTTP API, print the completion and "
+        "a curl command, then go on serving",
+    )
+
+
+def frontend_options(args: argparse.Namespace) -> list[str]:
+    """The ``python -m frontend`` flags every frontend gets (the API key travels by env)."""
+    options = ["--host", args.host, "--port", str(args.port)]
+    options += ["--served-model-name", args.served_model_name]
+    options += ["--drain-timeout-s", str(args.drain_timeout_s)]
+    if args.max_queued_requests is not None:
+        options += ["--max-queued-requests", str(args.max_queued_requests)]
+    if args.max_request_body_bytes is not None:
+        options += ["--max-request-body-bytes", str(args.max_request_body_bytes)]
+    return options
+
+
+def serve(args: argparse.Namespace) -> int:
+    try:
+        config = EngineArgs.from_cli(args).create_engine_config()
+    except ConfigError as exc:
+        logger.error("%s", exc)
+        return ExitCode.BAD_CONFIG
+    engine = EngineProcess(
+        config,
+        args.executor_backend,
+        args.heartbeat_timeout_s,
+        address=args.address,
+        allow_remote_clients=args.allow_remote_clients,
+    )
+    # Registered before it starts: a signal at any point below still stops it.
+    children: dict[str, ChildProcess] = {"engine_core": engine}
+    runtime_dir = make_runtime_dir()
+    try:
+        engine.start()
+        served = engine.wait_ready(args.ready_timeout_s)
+        logger.info("engine core serves %s with %d KV blocks", args.model, served.cache.num_blocks)
+        print(f"ready: engine_core pid={engine.pid} address={engine.address}", flush=True)
+        # Frontends start only now, so they never talk to an engine still loading.
+        if args.frontends:
+            start_frontends(args, engine.address, runtime_dir, children)
+            print(f"ready: http://{args.host}:{args.port}", flush=True)
+            if args.demo_prompt is not None:
+                show_completion(args, args.demo_prompt)
+        restarts = RestartBudget(args.frontend_max_restarts, args.frontend_restart_window_s)
+        logger.error("%s; stopping everything", watch(children, restarts))
+        return ExitCode.FAILED
+    except ShutdownRequested as signal_name:
+        logger.info("%s: stopping everything", signal_name)
+        return ExitCode.OK
+    except (EngineStartError, FrontendStartError) as exc:
+        logger.error("%s", exc)
+        return ExitCode.FAILED
+    finally:
+        ignore_shutdown_signals()  # stopping the children must not itself be interrupted
+        stop_all(children, args.stop_timeout_s, args.drain_timeout_s)
+        remove_runtime_dir(runtime_dir)
+
+
+def start_frontends(
+    args: argparse.Namespace, address: str, runtime_dir: Path, children: dict[str, ChildProcess]
+) -> None:
+    """Start every frontend, then wait for each: they load their tokenizers in parallel."""
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    env = {API_KEY_ENV: api_key} if api_key else {}
+    frontends = []
+    for index in range(args.frontends):
+        frontend = FrontendProcess(index, address, frontend_options(args), runtime_dir, env)
+        children[f"frontend-{index}"] = frontend
+        frontends.append(frontend.start())
+    deadline = time.monotonic() + args.frontend_ready_timeout_s
+    for frontend in frontends:
+        frontend.wait_ready(max(deadline - time.monotonic(), 0.0))
+    wait_healthy(args.host, args.port, max(deadline - time.monotonic(), 1.0))
+
+
+def show_completion(args: argparse.Namespace, prompt: str) -> None:
+    """One greedy completion through our own HTTP API: proof that the whole path serves."""
+    url = f"{base_url(args.host, args.port)}/v1/completions"
+    model = args.served_model_name
+    body = {"model": model, "prompt": prompt, "max_tokens": 32, "temperature": 0}
+    headers = {"Content-Type": "application/json"}
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60.0) as response:
+            result = json.load(response)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        # The demo is a courtesy: a failure is reported, the server keeps serving.
+        logger.error("the demo completion failed: %s", exc)
+        return
+    choice = result["choices"][0]
+    print(f"completion ({choice['finish_reason']}):\n{prompt}{choice['text']}\n", flush=True)
+    curl_body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 32})
+    print(
+        f"try: curl {url} -H 'Content-Type: application/json' -d '{curl_body}'\n"
+        "serving until Ctrl-C",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Installed before anything starts, so no signal can leave a half-started child behind.
+    install_shutdown_signals()
+    try:
+        args = parse_args(argv)
+        configure_logging("serve", args.log_level)
+        if args.log_level:
+            # Every child reads the level from the environment it inherits.
+            os.environ[LOG_LEVEL_ENV] = args.log_level
+        if args.served_model_name is None:
+            args.served_model_name = args.model or DEFAULT_SERVED_MODEL_NAME
+        return serve(args)
+    except ShutdownRequested:
+        return ExitCode.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The supervisor's children: frontend processes, a restart budget, watching and stopping them all.
+
+Runs in the supervisor (``conveyor serve``). A frontend is told our pid so it stops when we die,
+and runs in its own session so a terminal's Ctrl-C reaches only the supervisor. It writes a ready
+file once its server accepts connections: with several frontends on one port, asking the port
+cannot tell which of them answered, the file can. A frontend holds no state the engine needs (the
+engine aborts a dead client's requests), so a dead one is restarted, within a ``RestartBudget``;
+the engine core's death stops everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+from runtime.processes import ChildProcess
+
+logger = logging.getLogger(__name__)
+
+FRONTEND_MODULE = "frontend"
+_POLL_INTERVAL_S = 0.05
+_WATCH_INTERVAL_S = 0.2
+
+
+class FrontendStartError(RuntimeError):
+    """The frontend exited, or did not serve within the timeout."""
+
+
+class FrontendProcess(ChildProcess):
+    """One HTTP frontend child (``python -m frontend``). ``start`` it, ``wait_ready``, ``stop`` it."""
+
+    def __init__(
+        self,
+        index: int,
+        engine_address: str,
+        options: list[str],
+        runtime_dir: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """``options``: more frontend flags; ``env``: added to the environment (secrets such as
+        CONVEYOR_API_KEY go there, not on a command line anyone can read)."""
+        self.index = index
+        self.ready_file = runtime_dir / f"frontend-{index}.ready"
+        args = ["--engine", engine_address, "--parent-pid", str(os.getpid())]
+        args += ["--ready-file", str(self.ready_file), *options]
+        super().__init__(f"frontend-{index}", FRONTEND_MODULE, args, env)
+
+    def start(self) -> FrontendProcess:
+        # A restarted frontend must not look ready because the one before it was.
+        self.ready_file.unlink(missing_ok=True)
+        super().start()
+        return self
+
+    def is_ready(self) -> bool:
+        return self.ready_file.exists()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready_file.exists():
+            code = self.exit_code()
+            if code is not None:
+                raise FrontendStartError(f"frontend {self.index} exited with code {code}")
+            if time.monotonic() > deadline:
+                raise FrontendStartError(
+                    f"frontend {self.index} did not serve in {timeout_s:.0f} s"
+                )
+            time.sleep(_POLL_INTERVAL_S)
+
+
+class RestartBudget:
+    """At most ``max_restarts`` restarts within any ``window_s`` seconds.
+
+    A frontend that died once (a bug hit by one request, the OOM killer) is worth restarting; one
+    that keeps dying would only hide the fault behind a restart loop.
+    """
+
+    def __init__(
+        self, max_restarts: int, window_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self._clock = clock
+        self._times: deque[float] = deque()
+
+    def take(self) -> bool:
+        """Count one restart if the budget allows it; False when it is spent."""
+        now = self._clock()
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        if len(self._times) >= self.max_restarts:
+            return False
+        self._times.append(now)
+        return True
+
+    @property
+    def num_recent(self) -> int:
+        return len(self._times)
+
+
+def watch(children: dict[str, ChildProcess], restarts: RestartBudget) -> str:
+    """Block until a child's death must stop everything; returns what happened to it.
+
+    A dead frontend is restarted in place while ``restarts`` allows it; the others keep serving.
+    """
+    restarting: set[str] = set()
+    while True:
+        for name, child in children.items():
+            code = child.exit_code()
+            if code is None:
+                if name in restarting and isinstance(child, FrontendProcess) and child.is_ready():
+                    restarting.discard(name)
+                    logger.info("%s serves again (pid %d)", name, child.pid)
+                continue
+            death = f"{name} (pid {child.pid}) exited with code {code}"
+            if not isinstance(child, FrontendProcess):
+                return death
+            if not restarts.take():
+                return (
+                    f"{death}, more than {restarts.max_restarts} frontend restarts within "
+                    f"{restarts.window_s:g} s"
+                )
+            logger.warning(
+                "%s; restarting it (restart %d of at most %d within %g s)",
+                death,
+                restarts.num_recent,
+                restarts.max_restarts,
+                restarts.window_s,
+            )
+            child.start()
+            restarting.add(name)
+        time.sleep(_WATCH_INTERVAL_S)
+
+
+def stop_all(
+    children: dict[str, ChildProcess], timeout_s: float, drain_timeout_s: float = 0.0
+) -> None:
+    """Frontends first, all draining at once, then the engine they were streaming from."""
+    frontends = [c for c in children.values() if isinstance(c, FrontendProcess)]
+    for frontend in frontends:
+        frontend.request_stop()
+    # A frontend's drain is no reason to SIGKILL it: it gets the drain on top of the timeout.
+    for frontend in frontends:
+        frontend.stop(timeout_s + drain_timeout_s)
+    for child in children.values():
+        if child not in frontends:
+            child.stop(timeout_s)
+
+
+def wait_healthy(host: str, port: int, timeout_s: float) -> None:
+    """Poll GET /health on the shared port until it answers 200."""
+    url = f"{base_url(host, port)}/health"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise FrontendStartError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+def base_url(host: str, port: int) -> str:
+    """Where a local client reaches frontends listening on ``host`` (a wildcard -> loopback)."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -1,0 +1,25 @@
+"""How a frontend reaches an engine: three clients with the same requests-in, outputs-out shape.
+
+Runs in the frontend process.
+  ``MPEngineClient``        blocking, over ZMQ to an engine-core process (``LLM``'s default);
+  ``AsyncEngineClient``     asyncio, over ZMQ, one output stream per request (HTTP servers);
+  ``InProcessEngineClient`` the engine core and one worker in this process, stepped by the
+                            caller (debugging: one process, one stack trace).
+The two ZMQ clients share ``EngineClientBase`` (``core_client``): the handshake, liveness, frame
+handling and death are written once. ``EngineProcess`` starts an engine-core process.
+"""
+
+from frontend.engine_client.async_client import AsyncEngineClient
+from frontend.engine_client.engine_process import EngineProcess
+from frontend.engine_client.inprocess_client import InProcessEngineClient
+from frontend.engine_client.session import EngineDeadError, EngineStartError
+from frontend.engine_client.sync_client import MPEngineClient
+
+__all__ = [
+    "AsyncEngineClient",
+    "EngineDeadError",
+    "EngineProcess",
+    "EngineStartError",
+    "InProcessEngineClient",
+    "MPEngineClient",
+]

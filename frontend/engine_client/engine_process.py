@@ -1,0 +1,94 @@
+"""Start an engine-core process (``python -m entrypoints.engine``), wait until it serves, stop it.
+
+Runs in the process that owns the engine: an ``LLM`` caller, an engine client given a config, or
+the supervisor. The engine gets a private runtime folder (0700) holding its config file and its
+ipc:// socket, is told our pid so it dies with us, and runs in its own session so a Ctrl-C in the
+terminal reaches only us: we decide how the engine stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import msgspec
+import zmq
+
+from frontend.engine_client.session import EngineLiveness, decode_ready_config, handshake
+from protocol import EngineConfig
+from protocol.codec import CLIENT_TO_ENGINE
+from protocol.messages import Goodbye
+from runtime.dirs import make_runtime_dir, remove_runtime_dir
+from runtime.processes import ChildProcess
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STOP_TIMEOUT_S = 10.0
+ENGINE_MODULE = "entrypoints.engine"
+
+
+class EngineProcess(ChildProcess):
+    """One engine-core child. ``start`` it, ``wait_ready``, and always ``stop`` it."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor_backend: str | None = None,
+        heartbeat_timeout_s: float | None = None,
+        address: str | None = None,
+        log_level: str | None = None,
+        allow_remote_clients: bool = False,
+    ) -> None:
+        self.config = config
+        self.runtime_dir = make_runtime_dir()
+        self.address = address or f"ipc://{self.runtime_dir / 'engine.sock'}"
+        config_file = self.runtime_dir / "engine-config.msgpack"
+        config_file.write_bytes(msgspec.msgpack.encode(config))
+        args = ["--config-file", str(config_file), "--address", self.address]
+        args += ["--parent-pid", str(os.getpid())]
+        if executor_backend is not None:
+            args += ["--executor-backend", executor_backend]
+        if heartbeat_timeout_s is not None:
+            args += ["--heartbeat-timeout-s", str(heartbeat_timeout_s)]
+        if log_level is not None:
+            args += ["--log-level", log_level]
+        if allow_remote_clients:
+            args.append("--allow-remote-clients")
+        super().__init__("engine_core", ENGINE_MODULE, args)
+
+    def start(self) -> EngineProcess:
+        """Spawn the child. Call from a long-lived thread: the child's parent-death signal fires
+        when the thread that forked it ends."""
+        super().start()
+        logger.info("engine core at %s", self.address)
+        return self
+
+    def liveness(self) -> EngineLiveness:
+        return EngineLiveness(self.address, exit_code=self.exit_code)
+
+    def wait_ready(self, timeout_s: float) -> EngineConfig:
+        """Block until the engine answers a Hello (stopping it if it never does); its config.
+
+        A throwaway session (Hello, Ready, Goodbye) proves the engine serves clients, the same
+        path every real client takes.
+        """
+        context = zmq.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 1000)
+        try:
+            socket.connect(self.address)
+            ready = handshake(socket, self.liveness(), timeout_s, client_name="ready-probe")
+            socket.send(CLIENT_TO_ENGINE.encode(Goodbye()))
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            socket.close()
+            context.term()
+        return decode_ready_config(ready)
+
+    def stop(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; removes the runtime folder. Idempotent."""
+        code = super().stop(timeout_s)
+        remove_runtime_dir(self.runtime_dir)
+        return code

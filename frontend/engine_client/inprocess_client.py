@@ -1,0 +1,59 @@
+"""``InProcessEngineClient``: the engine core and one worker in this process, stepped by the caller.
+
+Runs in the frontend process: debugging, one process and one stack trace. It offers the same calls
+as ``MPEngineClient``, so ``LLM`` does not care which one it drives. It is the one client that
+builds an engine itself, so it is the one that imports the engine core and a worker.
+"""
+
+from __future__ import annotations
+
+from msgspec.structs import replace
+
+from engine_core import EngineCore
+from engine_core.executor import InProcessExecutor
+from protocol import EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+
+
+class InProcessEngineClient:
+    """``EngineCore`` + ``InProcessExecutor`` driven step by step from the caller's thread."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        # Imported here: only this client loads a model (and torch) in the caller's process.
+        from worker.worker import Worker
+
+        self._core = EngineCore(config, InProcessExecutor(Worker(config, rank=0)))
+        # As a client of an engine process gets it in Ready: the engine's own (max_model_len
+        # capped at the pool), with the num_blocks learned.
+        core_config = self._core.config
+        num_blocks = self._core.scheduler.kv_cache_manager.block_pool.num_blocks
+        self.config = replace(core_config, cache=replace(core_config.cache, num_blocks=num_blocks))
+        self.stats = None
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> list[EngineCoreOutput]:
+        """Submit several requests; the outputs of those the engine rejected at once."""
+        rejected = [self._core.add_request(request) for request in requests]
+        return [output for outputs in rejected if outputs is not None for output in outputs.outputs]
+
+    def add_request(self, request: EngineCoreRequest) -> list[EngineCoreOutput]:
+        return self.add_requests([request])
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._core.abort_requests(request_ids)
+
+    def step(self) -> EngineCoreOutputs | None:
+        """Run one engine step; the outputs for this client, or None when it produced none."""
+        outputs = self._core.step().get(0)
+        if outputs is not None and outputs.scheduler_stats is not None:
+            self.stats = outputs.scheduler_stats
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self._core.has_unfinished_requests()
+
+    def check_all_free(self) -> None:
+        """AssertionError unless no request is left and every KV block is free again."""
+        self._core.check_all_free()
+
+    def shutdown(self) -> None:
+        self._core.shutdown()

@@ -1,0 +1,220 @@
+"""Prompts in, engine requests out: tokenize, check, fan ``n`` out. Shared by ``LLM`` and HTTP.
+
+Runs in the frontend process. Everything a caller can get wrong is found here, before the first
+engine request is sent, so a bad prompt never leaves half a batch in the engine; the engine re-checks
+what it must (it never trusts the wire). A problem is a ``PromptError`` (a ``ValueError`` naming
+the field), which the HTTP server turns into a 400 and ``LLM.generate`` raises as it is.
+
+Each choice (one of the n samples of one prompt) becomes one engine request with its own
+``ChoiceState``; choice index = prompt index * n + sample, and request id = ``{id}-{index}``. A
+seeded request's samples get seeds seed, seed + 1, ..., so they differ, and the same seed gives
+the same choices through either API.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from frontend.output_processor import ChoiceState
+from protocol import CacheConfig, EngineConfig, EngineCoreRequest, SamplingParams
+
+
+class PromptError(ValueError):
+    """A request that cannot run as given; ``param`` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Choice:
+    """One engine request and the state that follows its outputs."""
+
+    request: EngineCoreRequest
+    state: ChoiceState
+
+
+class InputProcessor:
+    """``strict_context``: a prompt + max_tokens over the context is an error (the HTTP rule, as
+    vLLM's server has it) rather than a request that runs until the context is full (``LLM``).
+    ``max_choices``: the most engine requests (prompts x n) one call may fan out into."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        *,
+        strict_context: bool = True,
+        max_choices: int | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.strict_context = strict_context
+        self.max_choices = max_choices
+        self.max_model_len = context_limit(config)
+        self._eos_token_ids = list(config.model.eos_token_ids)
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text).input_ids)
+
+    def render_chat(self, conversation: list[dict[str, Any]]) -> list[int]:
+        """A conversation as prompt token ids, through the model's chat template."""
+        if not conversation:
+            raise PromptError("messages must not be empty", "messages")
+        tokenizer = self.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise PromptError("this model has no chat template; use /v1/completions")
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # a template may raise anything on input it does not expect
+            raise PromptError(
+                f"the chat template cannot render these messages: {exc}", "messages"
+            ) from None
+        # The template wrote the special tokens itself.
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+    def to_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenize(prompt)
+        try:
+            return [int(t) for t in prompt]
+        except (TypeError, ValueError) as exc:
+            raise PromptError(
+                f"a prompt must be a string or a list of token ids: {exc}", "prompt"
+            ) from None
+
+    def check_prompt(
+        self, token_ids: list[int], max_tokens: int | None, index: int | None = None
+    ) -> None:
+        """``PromptError`` unless the prompt can run: valid ids, room for output, and prompt +
+        max_tokens within the engine's whole KV cache (else the engine could only fail it)."""
+        where = "" if index is None else f"prompt {index}: "
+        problem = find_prompt_problem(token_ids, self.config.model.vocab_size, self.max_model_len)
+        if problem is not None:
+            raise PromptError(where + problem, "prompt")
+        room = self.max_model_len - len(token_ids)
+        if max_tokens is not None and max_tokens > room:
+            if self.strict_context:
+                raise PromptError(
+                    f"{where}this model's maximum context length is {self.max_model_len} "
+                    f"tokens, but {len(token_ids) + max_tokens} were requested "
+                    f"({len(token_ids)} in the prompt, {max_tokens} for the completion); "
+                    "shorten the prompt or lower max_tokens",
+                    "max_tokens",
+                )
+            # The engine stops at the context: the pool need hold no more.
+            max_tokens = room
+        problem = find_kv_cache_problem(len(token_ids), max_tokens, self.config.cache)
+        if problem is not None:
+            raise PromptError(where + problem, "max_tokens")
+
+    def make_choices(
+        self,
+        prompts: Sequence[list[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        request_id: str,
+        arrival_time: float,
+        *,
+        priority: int = 0,
+        stream: bool = False,
+    ) -> list[Choice]:
+        """One engine request per choice, for checked prompts; ``params`` is one for all
+        prompts or one per prompt. Every choice has the same n, so indices are dense."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        if len(per_prompt) != len(prompts):
+            raise PromptError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
+        num_choices = sum(p.n for p in per_prompt)
+        if self.max_choices is not None and num_choices > self.max_choices:
+            raise PromptError(
+                f"{len(prompts)} prompts x n={per_prompt[0].n} exceeds {self.max_choices} "
+                "choices per request",
+                "n",
+            )
+        wall_time = time.time()  # the engine's arrival time is wall-clock
+        choices, index = [], 0
+        for token_ids, prompt_params in zip(prompts, per_prompt):
+            for sample_params in fan_out(prompt_params):
+                choice_id = f"{request_id}-{index}"
+                request = EngineCoreRequest(
+                    choice_id, token_ids, sample_params, wall_time, priority, self._eos_token_ids
+                )
+                state = ChoiceState(
+                    index, choice_id, self.tokenizer, token_ids, sample_params, arrival_time, stream
+                )
+                choices.append(Choice(request, state))
+                index += 1
+        return choices
+
+
+def fan_out(params: SamplingParams) -> list[SamplingParams]:
+    """n samples -> n single-sample requests; seeded ones get seed + i so they differ."""
+    if params.n == 1:
+        return [params]
+    try:
+        return [
+            msgspec.structs.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i
+            )
+            for i in range(params.n)
+        ]
+    except ValueError as exc:  # seed + i past the 64-bit range
+        raise PromptError(f"with n={params.n}: {exc}", "seed") from None
+
+
+def context_limit(config: EngineConfig) -> int:
+    """The most tokens (prompt + output) one request may hold: the engine's scheduler may be
+    configured below the model's own limit, and the engine enforces the scheduler's."""
+    return min(config.model.max_model_len, config.scheduler.max_model_len)
+
+
+def find_prompt_problem(
+    prompt_token_ids: list[int], vocab_size: int, max_model_len: int
+) -> str | None:
+    """A human-readable reason the prompt cannot run, or None if it can."""
+    if not prompt_token_ids:
+        return "the prompt is empty"
+    if not all(isinstance(t, int) for t in prompt_token_ids):
+        return "prompt token ids must be integers"
+    low, high = min(prompt_token_ids), max(prompt_token_ids)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        return f"token id {bad} is outside the vocabulary [0, {vocab_size})"
+    if len(prompt_token_ids) >= max_model_len:
+        return (
+            f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
+            f"{max_model_len} (the prompt must leave room for at least one generated token)"
+        )
+    return None
+
+
+def find_kv_cache_problem(
+    num_prompt_tokens: int, max_tokens: int | None, cache: CacheConfig
+) -> str | None:
+    """A reason the request can never fit the engine's whole KV pool, or None.
+
+    Counts prompt + max_tokens, as a policy that reserves every output's block at admission
+    does. ``max_tokens=None`` (until the context is full) is checked for its prompt and first
+    token only: it may end (EOS) long before the context is full. An engine that did not say how
+    many blocks it has (``num_blocks`` None) is left to decide on its own.
+    """
+    if cache.num_blocks is None:
+        return None
+    num_tokens = num_prompt_tokens + (1 if max_tokens is None else max_tokens)
+    num_needed = -(-num_tokens // cache.block_size)
+    num_usable = cache.num_blocks - 1  # block 0 is the engine's reserved null block
+    if num_needed <= num_usable:
+        return None
+    output = "its first output token" if max_tokens is None else f"max_tokens={max_tokens}"
+    return (
+        f"the prompt ({num_prompt_tokens} tokens) and {output} need {num_needed} KV cache blocks "
+        f"of {cache.block_size} tokens, but the server's whole KV cache holds {num_usable} "
+        f"({num_usable * cache.block_size} tokens); shorten the prompt or lower max_tokens"
+    )

@@ -1,0 +1,16 @@
+"""The OpenAI-compatible HTTP server of one frontend process.
+
+Runs in an HTTP frontend process, on a uvloop event loop.
+  ``main``            the process's flags and start-up (``conveyor frontend``, ``python -m frontend``)
+  ``runner``          uvicorn on a shared port, the SIGTERM drain, the ready file
+  ``app``             routes, error handlers, attaching to the engine at start-up
+  ``gate``            API key, the per-frontend in-flight cap, 503 while draining
+  ``request_models``  request bodies (msgspec) and their checks -> ``SamplingParams``
+  ``response_models`` response bodies and server-sent events
+  ``completions``, ``chat``   the two generation endpoints
+  ``serving``         what they share: state, the pipeline's errors as 400s, streaming helpers
+  ``choice_stream``   one HTTP request's engine requests, merged into one delta stream
+  ``logprobs``        engine logprob rows -> OpenAI's two formats
+  ``metrics``         Prometheus metrics
+  ``errors``          OpenAI-shaped error bodies
+"""

@@ -1,0 +1,204 @@
+"""The OpenAI-compatible HTTP app: its routes, its error handlers and its start-up.
+
+Runs in an HTTP frontend process (``python -m frontend``), on a uvloop event loop. At start-up the
+app attaches to a running engine as one more ``AsyncEngineClient`` and loads the model's tokenizer
+from the directory the engine names; each frontend process is its own engine client, so several
+of them (sharing one port through SO_REUSEPORT) add tokenizing and streaming CPU.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 while
+the engine is dead, has dropped this frontend or this frontend drains), GET /metrics (Prometheus
+text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from frontend.engine_client.async_client import AsyncEngineClient
+from frontend.engine_client.session import EngineDeadError
+from frontend.input_processor import context_limit
+from frontend.server.chat import create_chat_completion
+from frontend.server.completions import create_completion
+from frontend.server.errors import RETRY_AFTER_UNAVAILABLE_S, ApiError, error_response
+from frontend.server.gate import GateMiddleware
+from frontend.server.metrics import ServerMetrics
+from frontend.server.request_models import ChatCompletionRequest, CompletionRequest, decode_body
+from frontend.server.response_models import ModelCard, ModelList, encode_json
+from frontend.server.serving import ClientDisconnected, ServingState
+from frontend.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+# nginx's code for "the client closed the request": counted in /metrics, never seen by anyone.
+CLIENT_CLOSED_STATUS = 499
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    engine_address: str
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_queued_requests: int | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # The engine already runs when a frontend attaches: a wrong address must not hang for long.
+    engine_ready_timeout_s: float = 30.0
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, or 413 as soon as it is known to exceed ``limit`` (never buffered past it)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise ApiError(400, "invalid Content-Length header")
+        if int(declared) > limit:
+            raise ApiError(413, f"the request body exceeds {limit} bytes")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body exceeds {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # A hang-up mid-upload is the client's choice, not a server error: nothing was sent
+        # to the engine yet, and nobody is left to read an answer.
+        raise ClientDisconnected() from None
+    return b"".join(chunks)
+
+
+def _serving(request: Request) -> ServingState:
+    return request.app.state.serving
+
+
+async def completions(request: Request) -> Response:
+    state = _serving(request)
+    body = decode_body(await read_body(request, state.max_request_body_bytes), CompletionRequest)
+    return await create_completion(state, body, request.receive)
+
+
+async def chat_completions(request: Request) -> Response:
+    state = _serving(request)
+    raw = await read_body(request, state.max_request_body_bytes)
+    return await create_chat_completion(
+        state, decode_body(raw, ChatCompletionRequest), request.receive
+    )
+
+
+async def models(request: Request) -> Response:
+    state = _serving(request)
+    card = ModelCard(state.model_name, state.created, context_limit(state.config))
+    return Response(encode_json(ModelList([card])), media_type="application/json")
+
+
+async def health(request: Request) -> Response:
+    state = _serving(request)
+    client = state.client
+    if client.dead_reason is not None:
+        status = "engine session lost" if client.session_lost else "engine dead"
+        return JSONResponse({"status": status, "reason": client.dead_reason}, 503)
+    if state.draining:
+        return JSONResponse({"status": "draining"}, 503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    state = _serving(request)
+    text = state.metrics.render(state.client.stats)
+    return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return error_response(ApiError(exc.status_code, str(exc.detail)))
+
+
+async def _engine_dead(request: Request, exc: Exception) -> Response:
+    message = f"the engine is unavailable: {exc}"
+    return error_response(ApiError(503, message, retry_after_s=RETRY_AFTER_UNAVAILABLE_S))
+
+
+async def _client_closed(request: Request, exc: Exception) -> Response:
+    return Response(status_code=CLIENT_CLOSED_STATUS)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    logger.exception("unexpected error serving %s", request.url.path, exc_info=exc)
+    return error_response(ApiError(500, f"internal error: {type(exc).__name__}"))
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: Starlette) -> AsyncIterator[None]:
+    settings: ServerSettings = app.state.settings
+    client = await AsyncEngineClient.start(
+        address=settings.engine_address,
+        ready_timeout_s=settings.engine_ready_timeout_s,
+        client_name=f"http-frontend-{os.getpid()}",
+    )
+    try:
+        # Off the loop: loading a tokenizer takes a while and the engine heartbeat must go on.
+        tokenizer = await asyncio.to_thread(load_tokenizer, client.config.model.model)
+        model_name = settings.served_model_name or client.config.model.model
+        app.state.serving = ServingState(
+            client,
+            tokenizer,
+            model_name,
+            ServerMetrics(model_name),
+            settings.max_request_body_bytes,
+        )
+        logger.info("attached to the engine at %s, serving %s", settings.engine_address, model_name)
+        yield
+    finally:
+        await client.shutdown()
+
+
+def build_app(settings: ServerSettings) -> Starlette:
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app: Starlette
+
+    def serving_state() -> ServingState | None:
+        return getattr(app.state, "serving", None)
+
+    gate = Middleware(
+        GateMiddleware,
+        state=serving_state,
+        api_key=settings.api_key,
+        max_queued_requests=settings.max_queued_requests,
+    )
+    app = Starlette(
+        routes=routes,
+        middleware=[gate],
+        exception_handlers={
+            ApiError: _api_error,
+            HTTPException: _http_error,
+            EngineDeadError: _engine_dead,
+            ClientDisconnected: _client_closed,
+            Exception: _unexpected,
+        },
+        lifespan=_lifespan,
+    )
+    app.state.settings = settings
+    return app

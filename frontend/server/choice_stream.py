@@ -1,0 +1,118 @@
+"""Run the engine requests of one HTTP request and merge their outputs into one delta stream.
+
+Runs in an HTTP frontend process, on its event loop. Each choice (one of n samples of one of the
+prompts) is one engine request with its own output stream from ``AsyncEngineClient``; every output
+goes through the request's ``OutputProcessor``, as ``LLM.generate``'s do. A choice whose stop
+string appears is closed at once, which aborts it in the engine. Closing the merged
+stream (the client went away, the handler was cancelled) aborts every choice still running, so
+no engine work outlives its HTTP request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from frontend.engine_client.async_client import AsyncEngineClient
+from frontend.input_processor import Choice
+from frontend.output_processor import ChoiceDelta, ChoiceState, OutputProcessor
+from frontend.server.metrics import ServerMetrics
+from protocol import EngineCoreOutput
+
+_Item = ChoiceDelta | BaseException | None
+
+
+async def stream_choices(
+    client: AsyncEngineClient, choices: Sequence[Choice], metrics: ServerMetrics
+) -> AsyncIterator[ChoiceDelta]:
+    """Deltas of every choice as they come; raises ``EngineDeadError`` if the engine dies.
+
+    Iterate it inside ``contextlib.aclosing``, so leaving early aborts what still runs.
+    """
+    processor = OutputProcessor(choice.state for choice in choices)
+    streams: list[AsyncIterator[EngineCoreOutput]] = []
+    try:
+        for choice in choices:
+            streams.append(await client.add_request(choice.request))
+        sources = [
+            _choice_deltas(stream, processor, choice.state, metrics)
+            for stream, choice in zip(streams, choices)
+        ]
+        # The common case (one choice) needs no task and no queue.
+        deltas = sources[0] if len(sources) == 1 else _merge(sources)
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                yield delta
+    finally:
+        # Also covers streams nobody started iterating (closing those sends no abort).
+        sent = choices[: len(streams)]
+        client.abort_nowait([c.request.request_id for c in sent if not c.state.finished])
+
+
+async def _merge(sources: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[ChoiceDelta]:
+    """Interleave several delta streams in arrival order, one pump task each."""
+    merged: asyncio.Queue[_Item] = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(source, merged)) for source in sources]
+    try:
+        num_running = len(tasks)
+        while num_running:
+            item = await merged.get()
+            if item is None:
+                num_running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        # The cancelled pumps finish on their own; waiting here could itself be cancelled.
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _pump(source: AsyncIterator[ChoiceDelta], merged: asyncio.Queue[_Item]) -> None:
+    try:
+        async with contextlib.aclosing(source):  # type: ignore[type-var]
+            async for delta in source:
+                merged.put_nowait(delta)
+    except Exception as exc:  # EngineDeadError, or a bug: it must reach the consumer
+        merged.put_nowait(exc)
+        return
+    merged.put_nowait(None)
+
+
+async def _choice_deltas(
+    stream: AsyncIterator[EngineCoreOutput],
+    processor: OutputProcessor,
+    choice: ChoiceState,
+    metrics: ServerMetrics,
+) -> AsyncIterator[ChoiceDelta]:
+    """One choice's deltas until it finishes; leaving early closes (and aborts) its stream."""
+    ending = "abort"  # unless the choice finishes, or fails below
+    try:
+        async with contextlib.aclosing(stream):  # type: ignore[type-var]
+            async for output in stream:
+                previous = choice.last_token_time
+                delta = processor.process_output(output)
+                if delta is None:
+                    continue
+                if output.new_token_ids and choice.last_token_time is not None:
+                    metrics.observe_tokens(choice.arrival_time, previous, choice.last_token_time)
+                yield delta
+                if choice.finished:
+                    # After a stop string the engine still runs it: closing the stream aborts it.
+                    return
+    except Exception:
+        ending = "error"
+        raise
+    finally:
+        metrics.observe_finished(
+            choice.finish_reason or ending,
+            choice.arrival_time,
+            time.monotonic(),
+            choice.num_prompt_tokens,
+            len(choice.token_ids),
+        )

@@ -1,0 +1,56 @@
+"""Engine logprob rows -> the two OpenAI formats (legacy completions, chat ``content``).
+
+Runs in an HTTP frontend process. A row is (token ids, logprobs): the sampled token first, then
+the top-k alternatives from the raw model distribution. Tokens are shown as their decoded text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from frontend.output_processor import LogprobRow
+from frontend.server.response_models import ChatLogprobEntry, CompletionLogprobs, TopLogprob
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def completion_logprobs(
+    tokenizer: Any, rows: Sequence[LogprobRow], num_top: int, text_offset: int
+) -> tuple[CompletionLogprobs, int]:
+    """The completions format for ``rows``, text offsets starting at ``text_offset``; also
+    returns the offset after the last token, for the next streamed chunk."""
+    result = CompletionLogprobs([], [], [], [])
+    for token_ids, logprobs in rows:
+        text = token_text(tokenizer, token_ids[0])
+        result.tokens.append(text)
+        result.token_logprobs.append(logprobs[0])
+        # vLLM's shape: the sampled token plus the top-k (up to k + 1 entries).
+        top = {
+            token_text(tokenizer, t): v for t, v in zip(token_ids[1 : num_top + 1], logprobs[1:])
+        }
+        top.setdefault(text, logprobs[0])
+        result.top_logprobs.append(top)
+        result.text_offset.append(text_offset)
+        text_offset += len(text)
+    return result, text_offset
+
+
+def chat_logprobs(
+    tokenizer: Any, rows: Sequence[LogprobRow], num_top: int
+) -> list[ChatLogprobEntry]:
+    entries = []
+    for token_ids, logprobs in rows:
+        text = token_text(tokenizer, token_ids[0])
+        top = [
+            _top_logprob(token_text(tokenizer, t), v)
+            for t, v in zip(token_ids[1 : num_top + 1], logprobs[1:])
+        ]
+        entries.append(ChatLogprobEntry(text, logprobs[0], list(text.encode()), top))
+    return entries
+
+
+def _top_logprob(text: str, logprob: float) -> TopLogprob:
+    return TopLogprob(text, logprob, list(text.encode()))

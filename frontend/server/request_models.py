@@ -1,0 +1,255 @@
+"""OpenAI request bodies as msgspec Structs, and their conversion to ``SamplingParams``.
+
+Runs in an HTTP frontend process. Decoding a body with ``msgspec.json.decode(body, type=...)``
+checks every field's type (no pydantic layer); the conversion then checks values, so each bad
+input becomes an ``ApiError`` (400) naming the field. Unknown fields are ignored, as OpenAI's own
+server and vLLM do; fields we cannot honour (``echo``, ``logit_bias``, ``tools``, ...) are refused
+rather than silently ignored. The response bodies live in ``frontend/openai_responses.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+import msgspec
+
+from frontend.server.errors import bad_request
+from protocol import SamplingParams
+from protocol.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+
+# Integers must fit the wire (msgpack int64); a bigger JSON number is a 400, not a crash.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+
+# A prompt: one text, a batch of texts, one token-id list, or a batch of token-id lists.
+# (msgspec allows one array type per union, so the batch forms share one element union.)
+PromptField = Union[str, list[Union[str, Int64, list[Int64]]]]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields both endpoints share; ``None`` means "the SamplingParams default".
+
+    OpenAI's clients send an explicit ``null`` for a parameter set to None, meaning "the default":
+    the fields they may send so are Optional here, and ``__post_init__`` (which msgspec runs on
+    decode) puts the default back, so the handlers never see None in them.
+    """
+
+    model: str | None = None
+    n: Int64 | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Int64] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: Int64 = 0
+    include_stop_str_in_output: bool = False
+    priority: Int64 = 0
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.n is None:
+            self.n = 1
+        if self.stream is None:
+            self.stream = False
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: PromptField
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: Int64 | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.echo is None:
+            self.echo = False
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
+    logprobs: bool | None = False
+    top_logprobs: Int64 | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.logprobs is None:
+            self.logprobs = False
+
+
+_OPTIONAL_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+def decode_body(body: bytes, body_type: type[Any]) -> Any:
+    """JSON bytes -> the request Struct; any malformed or mistyped input is a 400."""
+    try:
+        return msgspec.json.decode(body, type=body_type)
+    except msgspec.ValidationError as exc:
+        # msgspec ends its message with "- at `$.field`": a path, never the offending value.
+        return _raise_invalid(str(exc))
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        # Even an unknown field is parsed to skip it: deep nesting must be a 400, not a 500.
+        raise bad_request("the request body is nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        # msgspec decodes a string's bytes lazily: invalid UTF-8 inside one surfaces as this.
+        raise bad_request(f"the request body is not valid UTF-8: {exc.reason}") from None
+
+
+def _raise_invalid(message: str) -> Any:
+    param = message.rsplit("`$.", 1)[1].rstrip("`") if "`$." in message else None
+    raise bad_request(f"invalid request: {message}", param)
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def to_sampling_params(
+    body: SamplingFields, max_tokens: int | None, logprobs: int | None, vocab_size: int
+) -> SamplingParams:
+    """The engine's sampling parameters for one sample of ``body`` (n is fanned out later);
+    400 for any field, or combination of fields, that cannot be honoured."""
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if body.stream_options is not None and not body.stream:
+        # OpenAI's rule: the options describe a stream, so without one they are a mistake.
+        raise bad_request("stream_options can only be given with stream: true", "stream_options")
+    stop_token_ids = list(body.stop_token_ids or ())
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        # Counted as sent; SamplingParams counts the distinct ones it keeps.
+        raise bad_request(
+            f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_token_ids)}",
+            "stop_token_ids",
+        )
+    if any(not 0 <= t < vocab_size for t in stop_token_ids):
+        raise bad_request(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    kwargs: dict[str, Any] = {
+        name: getattr(body, name)
+        for name in _OPTIONAL_SAMPLING_FIELDS
+        if getattr(body, name) is not None
+    }
+    try:
+        return SamplingParams(
+            n=body.n,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=stop_strings(body.stop),
+            stop_token_ids=stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            **kwargs,
+        )
+    except (ValueError, TypeError) as exc:
+        # SamplingParams' messages start with the field's name.
+        message = str(exc)
+        param = message.split(" ", 1)[0]
+        raise bad_request(message, param if hasattr(body, param) else None) from None
+
+
+def check_completion_request(body: CompletionRequest) -> None:
+    """Refuse the completion features this server does not implement."""
+    if body.echo:
+        raise bad_request("echo is not supported", "echo")
+    if body.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("best_of is not supported (use n)", "best_of")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
+
+
+def chat_num_logprobs(body: ChatCompletionRequest) -> int | None:
+    """Chat's ``logprobs: bool`` + ``top_logprobs: int`` -> the engine's top-k count (or None)."""
+    if body.tools:
+        raise bad_request("tools are not supported", "tools")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise bad_request("only response_format type 'text' is supported", "response_format")
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
+    if not body.logprobs:
+        return None
+    return body.top_logprobs or 0
+
+
+def chat_max_tokens(body: ChatCompletionRequest) -> int | None:
+    # The newer name wins, as in OpenAI's API.
+    return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+
+
+def message_text(message: ChatMessage, index: int) -> str:
+    """A message's content as one string; only text parts are supported."""
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(
+                f"messages[{index}]: only text content parts are supported", "messages"
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def prompt_list(prompt: Any) -> list[str | list[int]]:
+    """Normalize the four prompt forms to a list of texts or token-id lists (never mixed)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("the prompt is empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, list) for p in prompt):
+        return [list(p) for p in prompt]
+    raise bad_request(
+        "prompt must be a string, a list of strings, a token-id list or a list of those", "prompt"
+    )

@@ -1,0 +1,139 @@
+"""Running the app: uvicorn on a shared port, a drain on SIGTERM, a ready file, exit codes.
+
+Runs in an HTTP frontend process (``python -m frontend``), on a uvloop event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from frontend.server.app import ServerSettings, build_app
+from frontend.server.serving import ServingState
+from runtime.exit_codes import ExitCode
+
+logger = logging.getLogger(__name__)
+
+_DRAIN_POLL_S = 0.05
+_CLOSE_TIMEOUT_S = 2.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus a drain on SIGTERM, a ready file and an exit on a lost session.
+
+    Draining keeps the listening socket open, so a new request is answered 503 + Retry-After (by
+    the gate; /health says 503 too) rather than refused; requests in flight get up to
+    ``drain_timeout_s`` to finish. Those still running then are aborted in the engine and end
+    with an error (a 503, or an error event and [DONE] on a stream) before uvicorn closes the
+    connections.
+
+    An engine that dropped this frontend (it stalled past the heartbeat timeout) serves it
+    nothing more, while its own /health could only say 503 forever: the server stops and
+    ``run_server`` returns 1, so that the supervisor starts a frontend that attaches anew.
+    """
+
+    def __init__(self, config: uvicorn.Config, ready_file: Path | None, drain_timeout_s: float):
+        super().__init__(config)
+        self._ready_file = ready_file
+        self._drain_timeout_s = drain_timeout_s
+        self.session_lost = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        serving = getattr(self.config.app.state, "serving", None)
+        if serving is not None:
+            serving.draining = True
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        serving: ServingState | None = getattr(self.config.app.state, "serving", None)
+        if serving is not None and serving.client.session_lost and not self.session_lost:
+            logger.error("the engine dropped this frontend; exiting, to be restarted")
+            self.session_lost = True
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self._ready_file is not None:
+            self._ready_file.write_text(f"{os.getpid()}\n")
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        serving: ServingState | None = getattr(self.config.app.state, "serving", None)
+        if serving is not None and not self.force_exit:
+            await drain(serving, self._drain_timeout_s)
+        await super().shutdown(sockets)
+
+
+async def drain(state: ServingState, timeout_s: float) -> None:
+    """Wait (bounded) for the generation requests in flight; abort whatever is left."""
+    deadline = time.monotonic() + timeout_s
+    if state.metrics.num_in_flight:
+        logger.info("draining %d requests in flight", state.metrics.num_in_flight)
+    while state.metrics.num_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(_DRAIN_POLL_S)
+    if state.metrics.num_in_flight:
+        logger.warning(
+            "drain timeout (%g s): aborting %d requests in flight",
+            timeout_s,
+            state.metrics.num_in_flight,
+        )
+        # Goodbye makes the engine abort every request of ours; each open stream ends with
+        # an error naming the reason.
+        await state.client.shutdown(f"the server shut down (drain timeout {timeout_s:g} s)")
+
+
+def bind_shared_socket(host: str, port: int) -> socket.socket:
+    """A listening socket with SO_REUSEPORT: every frontend on this port gets its own, and the
+    kernel spreads new connections across them."""
+    family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if hasattr(socket, "SO_REUSEPORT"):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def run_server(
+    settings: ServerSettings,
+    sock: socket.socket,
+    drain_timeout_s: float,
+    ready_file: Path | None = None,
+) -> int:
+    """Serve on ``sock`` until SIGTERM/SIGINT (then drain for up to ``drain_timeout_s``)."""
+    config = uvicorn.Config(
+        build_app(settings),
+        http="httptools",
+        lifespan="on",
+        log_config=None,
+        access_log=False,
+        # After our drain only error events and idle connections are left to close.
+        timeout_graceful_shutdown=_CLOSE_TIMEOUT_S,
+    )
+    server = _Server(config, ready_file, drain_timeout_s)
+    # uvicorn re-raises a caught signal once it has stopped; with this handler that re-raise
+    # ends nothing, so a drained frontend exits 0.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
+    if sys.platform != "win32":
+        import uvloop
+
+        uvloop.run(server.serve(sockets=[sock]))
+    else:
+        asyncio.run(server.serve(sockets=[sock]))
+    return ExitCode.OK if server.started and not server.session_lost else ExitCode.FAILED

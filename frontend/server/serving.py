@@ -1,0 +1,198 @@
+"""What both generation endpoints share: the serving state, the pipeline's entry points with its
+errors as 400s, usage, streaming responses and the disconnect watch.
+
+Runs in an HTTP frontend process, on its event loop. Prompts go through the same
+``InputProcessor`` and ``OutputProcessor`` as ``LLM.generate``; only HTTP's own rules live here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from frontend.engine_client.async_client import AsyncEngineClient
+from frontend.input_processor import Choice, InputProcessor, PromptError
+from frontend.output_processor import ChoiceDelta, ChoiceState
+from frontend.server.errors import RETRY_AFTER_OVERLOADED_S, ApiError, bad_request
+from frontend.server.metrics import ServerMetrics
+from frontend.server.response_models import UsageInfo
+from protocol import EngineConfig, SamplingParams
+
+T = TypeVar("T")
+
+# One HTTP request may not fan out into more engine requests than this (prompts x n): a small
+# body must not be able to queue unbounded work.
+MAX_CHOICES_PER_REQUEST = 256
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready; its work was aborted."""
+
+
+@dataclass
+class ServingState:
+    """Everything a handler needs, made once when the frontend starts."""
+
+    client: AsyncEngineClient
+    tokenizer: Any
+    model_name: str
+    metrics: ServerMetrics
+    max_request_body_bytes: int
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    inputs: InputProcessor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.inputs = InputProcessor(
+            self.client.config,
+            self.tokenizer,
+            strict_context=True,
+            max_choices=MAX_CHOICES_PER_REQUEST,
+        )
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.client.config
+
+
+def check_model(state: ServingState, model: str | None) -> None:
+    # An omitted model means the one this server serves (as vLLM allows).
+    if model is not None and model != state.model_name:
+        raise ApiError(404, f"the model {model!r} does not exist", "model")
+
+
+@contextlib.contextmanager
+def as_bad_request() -> Iterator[None]:
+    """The pipeline's ``PromptError`` as a 400 naming the field."""
+    try:
+        yield
+    except PromptError as exc:
+        raise bad_request(str(exc), exc.param) from None
+
+
+def check_prompts(
+    state: ServingState, prompts: Sequence[list[int]], max_tokens: int | None
+) -> None:
+    """400 unless every prompt can run; prompts are numbered in the message when there are
+    several."""
+    with as_bad_request():
+        for i, token_ids in enumerate(prompts):
+            state.inputs.check_prompt(token_ids, max_tokens, i if len(prompts) > 1 else None)
+
+
+def make_choices(
+    state: ServingState,
+    prompts: Sequence[list[int]],
+    params: SamplingParams,
+    priority: int,
+    arrival_time: float,
+    stream: bool,
+) -> tuple[str, list[Choice]]:
+    """A fresh id for the response and one engine request per choice (index = prompt index * n
+    + sample)."""
+    base_id = uuid.uuid4().hex
+    with as_bad_request():
+        choices = state.inputs.make_choices(
+            prompts, params, base_id, arrival_time, priority=priority, stream=stream
+        )
+    return base_id, choices
+
+
+def usage(prompts: Sequence[list[int]], choices: Sequence[ChoiceState]) -> UsageInfo:
+    # A prompt counts once however many samples it has, as in OpenAI's API.
+    num_prompt = sum(len(p) for p in prompts)
+    num_completion = sum(len(c.token_ids) for c in choices)
+    return UsageInfo(num_prompt, num_completion, num_prompt + num_completion)
+
+
+def raise_on_error(choices: Sequence[ChoiceState]) -> None:
+    """A choice the engine failed or refused fails the whole response (500 or 429)."""
+    for choice in choices:
+        if choice.finish_reason == "rejected":
+            raise overloaded(str(choice.stop_reason))
+    for choice in choices:
+        if choice.finish_reason == "error":
+            raise ApiError(500, f"the engine failed the request: {choice.stop_reason}")
+
+
+def overloaded(reason: str) -> ApiError:
+    return ApiError(429, reason, retry_after_s=RETRY_AFTER_OVERLOADED_S)
+
+
+async def start_stream(
+    receive: Receive, deltas: AsyncIterator[ChoiceDelta]
+) -> AsyncIterator[ChoiceDelta]:
+    """Wait for the engine's first answer, then hand the whole stream back.
+
+    No header goes out before it: a request the engine refuses (its queue is full) or cannot
+    serve (it died) gets a 429 or 503 instead of a 200 stream that ends in an error event. The
+    client waits no longer for it: the first token comes in the same moment as the headers.
+    """
+    try:
+        first = await run_unless_disconnected(receive, anext(deltas, None))
+        if first is not None and first.finish_reason == "rejected":
+            raise overloaded(str(first.stop_reason))
+    except BaseException:
+        await deltas.aclose()  # type: ignore[attr-defined]
+        raise
+    return _prepended(first, deltas)
+
+
+async def _prepended(
+    first: ChoiceDelta | None, rest: AsyncIterator[ChoiceDelta]
+) -> AsyncIterator[ChoiceDelta]:
+    async with contextlib.aclosing(rest):  # type: ignore[type-var]
+        if first is not None:
+            yield first
+        async for delta in rest:
+            yield delta
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events whose generator is always closed when the response ends.
+
+    Starlette cancels the sending task when the client disconnects, which may leave the generator
+    suspended at a ``yield``; closing it here runs its cleanup (the engine aborts) at once.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache"})
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()  # type: ignore[attr-defined]
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it (and so aborting its engine requests) if the client leaves."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+    if work_task.cancelled() or not work_task.done():
+        # Give the cancelled work its chance to clean up before answering.
+        await asyncio.gather(work_task, return_exceptions=True)
+        raise ClientDisconnected()
+    return work_task.result()

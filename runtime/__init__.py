@@ -1,0 +1,14 @@
+"""The one process runtime: how every conveyor process is started, tied to its parent, signalled,
+stopped and logged.
+
+Runs in every conveyor process: the supervisor, the engine core, the workers and the frontends.
+Standard library only (no torch, no other conveyor package), so each of them may import it, the
+worker included: like ``protocol/``, it sits below the import fence.
+
+  ``processes``  spawn ``python -m <module>`` children, stop them, scan the process tree
+  ``parent``     die with the parent: the kernel's parent-death signal, a pid watch, a pipe watch
+  ``signals``    SIGTERM/SIGINT as one ``ShutdownRequested``, held while a child is spawned
+  ``dirs``       private (0700) runtime folders for ipc:// sockets and rendezvous files
+  ``logs``       one log-line format that names the process
+  ``exit_codes`` what a conveyor process's exit status means
+"""

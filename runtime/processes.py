@@ -1,0 +1,189 @@
+"""Child processes: spawn ``python -m <module>``, stop them politely then firmly, scan the tree.
+
+Runs in whichever process starts children: the supervisor (engine core, frontends), the engine core
+(workers), an ``LLM`` caller (its engine core). Children are always installed modules started with
+this interpreter, never files found relative to a source tree, so an installed conveyor runs from
+any directory. Every wait here is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from runtime.signals import signals_held
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.01
+
+
+def spawn_module(
+    module: str,
+    args: Sequence[str] = (),
+    *,
+    env: dict[str, str] | None = None,
+    new_session: bool = True,
+    stdin_pipe: bool = False,
+) -> subprocess.Popen[bytes]:
+    """Start ``python -m module args...`` with this interpreter.
+
+    ``env`` is added to this process's environment (secrets go there, never on a command line
+    that every local user can read). ``new_session``: a Ctrl-C in the terminal then reaches only
+    the parent, which decides how its children stop. A shutdown signal arriving meanwhile is
+    held until the child's handle exists.
+    """
+    command = [sys.executable, "-m", module, *args]
+    stdin = subprocess.PIPE if stdin_pipe else None
+    with signals_held():
+        return subprocess.Popen(
+            command, env={**os.environ, **(env or {})}, start_new_session=new_session, stdin=stdin
+        )
+
+
+class ChildProcess:
+    """One conveyor child. ``start`` it, poll ``exit_code``, and always ``stop`` it."""
+
+    def __init__(
+        self, name: str, module: str, args: Sequence[str] = (), env: dict[str, str] | None = None
+    ) -> None:
+        self.name = name
+        self.module = module
+        self.args = list(args)
+        self.env = dict(env or {})
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, f"{self.name} was not started"
+        return self.process.pid
+
+    def start(self) -> ChildProcess:
+        self.process = spawn_module(self.module, self.args, env=self.env)
+        logger.info("started %s, pid %d", self.name, self.process.pid)
+        return self
+
+    def exit_code(self) -> int | None:
+        """None while running (or not started); reaps the child once it has exited."""
+        return None if self.process is None else self.process.poll()
+
+    def request_stop(self) -> None:
+        """SIGTERM without waiting: several children wind down at once, not one after another."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; the exit code. Idempotent."""
+        return None if self.process is None else terminate(self.process, timeout_s)
+
+
+def terminate(process: subprocess.Popen[bytes], timeout_s: float) -> int | None:
+    """Stop a child politely, then firmly; returns its exit code (None if it survived both)."""
+    # Popen's send_signal and kill do nothing for a child that has already been reaped.
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        logger.warning("pid %d ignored SIGTERM for %.0f s: killing it", process.pid, timeout_s)
+    process.kill()
+    try:
+        return process.wait(5.0)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def terminate_processes(
+    processes: Sequence[subprocess.Popen], grace_s: float = 3.0, kill_wait_s: float = 5.0
+) -> None:
+    """SIGTERM every live child, SIGKILL those still alive after ``grace_s``, then reap them all.
+
+    A child that survives SIGKILL for ``kill_wait_s`` (stuck in the kernel) is logged and left;
+    everything else is reaped, so no zombie remains.
+    """
+    live = [p for p in processes if p.poll() is None]
+    for process in live:
+        _signal(process, signal.SIGTERM)
+    live = wait_for_exit(live, grace_s)
+    for process in live:
+        logger.warning("pid %d ignored SIGTERM for %.1f s; sending SIGKILL", process.pid, grace_s)
+        _signal(process, signal.SIGKILL)
+    for process in wait_for_exit(live, kill_wait_s):
+        logger.error("pid %d survived SIGKILL; leaving it", process.pid)
+
+
+def _signal(process: subprocess.Popen, signum: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signum)
+
+
+def wait_for_exit(
+    processes: Sequence[subprocess.Popen], timeout_s: float
+) -> list[subprocess.Popen]:
+    """Poll until every process exited or the time is up; returns those still running."""
+    deadline = time.monotonic() + timeout_s
+    live = [p for p in processes if p.poll() is None]
+    while live and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+        live = [p for p in live if p.poll() is None]
+    return live
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def proc_stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...); None if gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+    return text.rsplit(")", 1)[1].split()
+
+
+def pid_is_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (a killed child its parent has not reaped)."""
+    fields = proc_stat_fields(pid)
+    if fields is not None:
+        return fields[0] not in ("Z", "X")
+    try:  # gone, or no readable /proc: ask the kernel
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, grandchildren, ...), from /proc (Linux).
+
+    A zombie (exited, not yet reaped) is not live: it holds no memory, sockets or devices.
+    """
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        fields = proc_stat_fields(int(entry))
+        if fields is not None and fields[0] not in ("Z", "X"):
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, frontier = [], [pid]
+    while frontier:
+        below = children.get(frontier.pop(), [])
+        found += below
+        frontier += below
+    return found

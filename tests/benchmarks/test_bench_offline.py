@@ -1,0 +1,71 @@
+"""conveyor bench offline: its workloads and its one-line JSON report, on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks import offline as bench
+from benchmarks.machine import tree_cpu_seconds
+
+
+def test_workloads_have_the_promised_shapes_and_are_seeded():
+    prompts, params = bench.make_requests("mix", 4, 1000, seed=0)
+    assert [len(p) for p in prompts] == [32, 512, 32, 512]
+    assert [p.max_tokens for p in params] == [32, 128, 32, 128]
+    assert all(p.ignore_eos and p.temperature == 0.0 for p in params)
+    assert all(0 <= t < 1000 for p in prompts for t in p)
+    assert bench.make_requests("mix", 4, 1000, seed=0)[0] == prompts
+    equal, _ = bench.make_requests("equal", 3, 1000, seed=0)
+    assert [len(p) for p in equal] == [128] * 3
+
+
+def test_json_report(tiny_model_dir, capsys):
+    argv = ["--model", str(tiny_model_dir), "--workload", "equal"]
+    argv += ["--num-requests", "4", "--num-warmup-requests", "1", "--json"]
+    argv += ["--kv-cache-memory", "32M", "--max-num-seqs", "4"]
+    assert bench.main(argv) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(line)
+    assert report["num_output_tokens"] == 4 * 128 and report["num_prompt_tokens"] == 4 * 128
+    expected_rate = report["num_output_tokens"] / report["seconds"]
+    assert abs(report["output_tok_s"] - expected_rate) < 0.1 * expected_rate
+    assert report["config"]["max_num_seqs"] == 4 and report["machine"]["num_cpus"] >= 1
+    assert report["engine"] == "mp" and report["cpu_utilization"] > 0.0
+
+
+@pytest.mark.slow
+def test_compare_times_every_setup_on_the_same_prompts(tiny_model_dir, capsys):
+    argv = ["--model", str(tiny_model_dir), "--workload", "mix", "--compare"]
+    argv += ["--num-requests", "2", "--num-warmup-requests", "1", "--repeats", "1", "--json"]
+    argv += ["--kv-cache-memory", "32M", "--max-num-seqs", "4"]
+    assert bench.main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["runs"]) == {"inprocess", "mp_sync", "mp_async"}
+    assert report["ratio_to_inprocess"]["inprocess"] == 1.0
+    for name, (run,) in report["runs"].items():
+        assert run["num_output_tokens"] == 32 + 128, name
+        ratio = run["output_tok_s"] / report["best_output_tok_s"]["inprocess"]
+        assert abs(ratio - report["ratio_to_inprocess"][name]) < 0.01
+        # Positive for every setup; that child processes' CPU time is counted at all is
+        # tested directly below (a threshold here would measure how busy the machine is).
+        assert run["cpu_utilization"] > 0.0, name
+
+
+def test_tree_cpu_seconds_counts_a_busy_child():
+    """The engine and workers are child processes: bench offline's CPU use must include them."""
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
+    burn += "import sys\nsys.stdin.read()"  # stay alive (and counted) until told to go
+    before = tree_cpu_seconds()
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30.0
+        while tree_cpu_seconds() - before < 0.4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tree_cpu_seconds() - before >= 0.4
+    finally:
+        child.communicate(b"", timeout=10)

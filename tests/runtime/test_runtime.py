@@ -1,0 +1,130 @@
+"""The process runtime: children started as installed modules, parents watched, signals held
+while a child is spawned, runtime folders private, one log format."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from runtime.dirs import make_runtime_dir, remove_runtime_dir
+from runtime.exit_codes import ExitCode
+from runtime.logs import LOG_LEVEL_ENV, log_level
+from runtime.processes import ChildProcess, describe_exit, pid_is_alive, terminate
+from runtime.signals import ShutdownRequested, install_shutdown_signals, signals_held
+
+
+def test_a_child_exits_when_its_stdin_pipe_closes():
+    """The parent watch that needs no PDEATHSIG: EOF on a pipe the parent holds means it is gone."""
+    code = "import time\nfrom runtime.parent import exit_when_pipe_closes\n"
+    code += "exit_when_pipe_closes(0)\ntime.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    try:
+        assert child.stdin is not None
+        child.stdin.close()
+        assert child.wait(timeout=15) == ExitCode.PARENT_DIED
+    finally:
+        child.kill()
+        child.wait(timeout=5)
+
+
+def test_a_child_tied_to_its_parent_stops_when_the_parent_dies():
+    """tie_to_parent: the kernel's signal (or the pid watch) turns the parent's death into a
+    SIGTERM, which the child's handler turns into ShutdownRequested and a clean exit."""
+    child_code = textwrap.dedent(
+        """
+        import os, sys, time
+        from runtime.parent import tie_to_parent
+        from runtime.signals import ShutdownRequested, install_shutdown_signals
+        install_shutdown_signals()
+        tie_to_parent(int(sys.argv[1]))
+        print(os.getpid(), flush=True)
+        try:
+            time.sleep(30)
+        except ShutdownRequested:
+            sys.exit(0)
+        sys.exit(1)
+        """
+    )
+    parent_code = textwrap.dedent(
+        f"""
+        import os, subprocess, sys
+        child = subprocess.Popen(
+            [sys.executable, "-c", {child_code!r}, str(os.getpid())], stdout=subprocess.PIPE
+        )
+        print(child.stdout.readline().decode().strip(), flush=True)
+        """
+    )
+    parent = subprocess.run(
+        [sys.executable, "-c", parent_code], capture_output=True, text=True, timeout=30
+    )
+    child_pid = int(parent.stdout.strip())
+    deadline = time.monotonic() + 10.0
+    while pid_is_alive(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_is_alive(child_pid)
+
+
+def test_a_signal_during_a_spawn_is_raised_once_the_spawn_is_done():
+    install_shutdown_signals()
+    try:
+        with pytest.raises(ShutdownRequested, match="SIGTERM"), signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            # Still inside the block: the signal waits here, so a spawn cannot lose its handle.
+            handle = subprocess.Popen([sys.executable, "-c", "pass"])
+        assert handle.wait(timeout=10) == 0
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN, "later signals are ignored"
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_a_child_process_runs_an_installed_module_and_is_stopped(tmp_path):
+    # runtime.processes starts children as ``python -m MODULE`` from any working directory.
+    child = ChildProcess("sleeper", "http.server", ["0", "--bind", "127.0.0.1"])
+    child.start()
+    try:
+        assert child.exit_code() is None and pid_is_alive(child.pid)
+    finally:
+        code = child.stop(timeout_s=5)
+    assert code == -signal.SIGTERM and describe_exit(code) == "was killed by SIGTERM"
+    assert not pid_is_alive(child.pid)
+
+
+def test_terminate_kills_a_child_that_ignores_sigterm():
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True)"
+    )
+    code += "; time.sleep(30)"
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert process.stdout is not None and process.stdout.readline()
+    assert terminate(process, timeout_s=0.5) == -signal.SIGKILL
+
+
+def test_runtime_dirs_are_private_and_removed():
+    path = make_runtime_dir()
+    try:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    finally:
+        remove_runtime_dir(path)
+    assert not path.exists()
+
+
+def test_log_lines_name_the_process_and_levels_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv(LOG_LEVEL_ENV, "warning")
+    assert log_level() == logging.WARNING and log_level("debug") == logging.DEBUG
+    assert log_level("nonsense") == logging.INFO
+    code = "import logging\nfrom runtime.logs import configure_logging\n"
+    code += "configure_logging('worker-3')\nlogging.getLogger('x').info('quiet')\n"
+    code += "logging.getLogger('x').warning('hello')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0
+    (line,) = done.stderr.strip().splitlines()  # the INFO line is below $CONVEYOR_LOG_LEVEL
+    assert " worker-3[" in line and "] WARNING x: hello" in line
