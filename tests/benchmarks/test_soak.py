@@ -1,7 +1,7 @@
 """scripts/soak.py end to end, shortened: a real server, load with cancellations, samples, checks.
 
 Runs the script as a subprocess for 12 s of load at a rate well under the tiny model's capacity
-(given, so no probe), sampling every 3 s; the long run is in the README.
+(given, so no probe), sampling every 3 s; the long run is in docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``python -m engine_core`` on the tiny model, stopped and broken on purpose.
+"""``python -m entrypoints.engine`` on the tiny model, stopped and broken on purpose.
 
 SIGTERM exits 0 and tells every client; SIGKILL fails every open request within seconds; a worker
 that raises or dies (mid-step or while the engine idles) is fatal: EngineDead, exit 1. No test
@@ -35,7 +35,7 @@ def make_client() -> Iterator[ClientPool]:
 
 @pytest.fixture
 def engine_processes() -> Iterator:
-    """Starts ``python -m engine_core`` processes; kills them and their workers at the end."""
+    """Starts ``python -m entrypoints.engine`` processes; kills them and their workers at the end."""
     started: list[tuple[EngineProcess, list[int]]] = []
 
     def start(config: EngineConfig, **kwargs: object) -> EngineProcess:

@@ -194,7 +194,7 @@ def test_a_killed_frontend_is_restarted_and_the_others_are_unaffected(served):
         assert time.monotonic() - killed_at < HEARTBEAT_TIMEOUT_S + 10.0
         assert served.process.poll() is None, "the supervisor must keep serving"
         log = served.log.read_text()
-        assert re.search(rf"WARNING serve: frontend-\d \(pid {victim}\) exited with code -9; "
+        assert re.search(rf"WARNING entrypoints.supervisor: frontend-\d \(pid {victim}\) exited with code -9; "
                          r"restarting it", log)  # fmt: skip
         assert re.search(r"client \d+ gone \(heartbeat timeout\): aborted 4 requests", log)
 
@@ -224,7 +224,7 @@ def test_a_killed_frontend_is_restarted_and_the_others_are_unaffected(served):
         kill_all(children)
 
 
-STALL_HEARTBEAT_TIMEOUT_S = 3.0  # the least serve.py allows
+STALL_HEARTBEAT_TIMEOUT_S = 3.0  # the least conveyor serve allows
 
 
 @pytest.fixture

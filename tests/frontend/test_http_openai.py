@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server, through the official ``openai`` client, against real processes.
 
 One ``conveyor serve --frontends 2`` per module (engine core, one worker, two frontends sharing a
-port) plus one frontend attached by hand with ``python -m frontend``. Greedy outputs are compared
+port) plus one frontend attached by hand with ``conveyor frontend``. Greedy outputs are compared
 with ``frontend.LLM`` on the same prompts. The last test kills the engine core (which stops the
 whole server), so it must stay last; tests/frontend/test_http_faults.py kills a frontend.
 """
@@ -47,6 +47,8 @@ TOKEN_PROMPT = [5, 6, 7, 8, 9, 10]
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
 MAX_TOKENS = 12
 SEEDED = dict(n=3, temperature=1.0, seed=7, max_tokens=10)
+# Sampled, with n, a stop string and logprobs: everything the two APIs' pipeline does.
+PIPELINE = dict(n=2, temperature=0.9, seed=11, max_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,22 @@ def reference(tiny_model_dir: Path) -> dict[str, object]:
         seeded = llm.generate([TEXT_PROMPTS[0]], SamplingParams(**SEEDED), use_tqdm=False)
         demo_params = SamplingParams(temperature=0.0, max_tokens=32)
         demo = llm.generate([TEXT_PROMPTS[0]], demo_params, use_tqdm=False)
-    return {"greedy": outputs, "seeded": seeded[0], "demo": demo[0], "tokenizer": tokenizer}
+        # A stop string that one choice certainly meets: two characters from its middle.
+        unstopped = llm.generate(
+            TEXT_PROMPTS[:1], SamplingParams(**PIPELINE, top_k=50), use_tqdm=False
+        )
+        text = unstopped[0].outputs[0].text
+        stop = next(text[i : i + 2] for i in range(4, len(text)) if "\ufffd" not in text[i : i + 2])
+        pipeline_params = SamplingParams(**PIPELINE, top_k=50, logprobs=1, stop=[stop])
+        pipeline = llm.generate(TEXT_PROMPTS, pipeline_params, use_tqdm=False)
+    return {
+        "greedy": outputs,
+        "seeded": seeded[0],
+        "demo": demo[0],
+        "pipeline": pipeline,
+        "pipeline_stop": stop,
+        "tokenizer": tokenizer,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +102,14 @@ def _by_index(choices: list) -> list:
 
 
 def test_the_demo_prompt_prints_the_greedy_completion(served, reference):
-    # The README's quick start relies on this line.
+    # The README's quick start relies on these lines.
     lines = [served.stdout.get(timeout=30.0)]
     while not lines[-1].startswith("try: curl "):
         lines.append(served.stdout.get(timeout=5.0))
     demo = reference["demo"].outputs[0]
-    # The prompt and its completion as one text, so that code reads as code.
-    assert (
-        "".join(lines[:-1]) == f"completion ({demo.finish_reason}):\n{TEXT_PROMPTS[0]}{demo.text}\n"
-    )
+    # The prompt and its completion as one text, so that code reads as code; a blank line after.
+    expected = f"completion ({demo.finish_reason}):\n{TEXT_PROMPTS[0]}{demo.text}\n\n"
+    assert "".join(lines[:-1]) == expected
 
 
 def test_completions_equal_llm_whole_and_streamed(client, reference):
@@ -170,6 +186,69 @@ def test_seeded_samples_are_reproducible_and_match_llm(client, reference):
     assert first == again
     assert first == [o.text for o in reference["seeded"].outputs]
     assert len(set(first)) > 1, "n samples with seed + i should differ"
+
+
+def test_completions_and_llm_generate_give_identical_tokens_and_text(client, reference):
+    """One request pipeline: the same prompts and sampling through ``/v1/completions`` and
+    ``LLM.generate`` give the same tokens (each sampled token's text and logprob), text, finish
+    and stop reasons, choice by choice."""
+    tokenizer = reference["tokenizer"]
+    expected = [c for out in reference["pipeline"] for c in out.outputs]
+    prompts = TEXT_PROMPTS
+    for stream in (False, True):
+        chunks = client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompts,
+            logprobs=1,
+            stream=stream,
+            extra_body={"top_k": 50},
+            stop=[reference["pipeline_stop"]],
+            **PIPELINE,
+        )
+        choices = _merge_stream(chunks) if stream else _whole_choices(chunks)
+        assert len(choices) == len(expected) == len(prompts) * PIPELINE["n"]
+        for choice, want in zip(choices, expected):
+            assert choice["text"] == want.text, (stream, choice["index"])
+            assert choice["finish_reason"] == want.finish_reason
+            assert choice["stop_reason"] == want.stop_reason
+            tokens = [tokenizer.decode([t]) for t in want.token_ids]
+            assert choice["tokens"] == tokens, (stream, choice["index"])
+            values = [row[t] for row, t in zip(want.logprobs, want.token_ids)]
+            assert choice["token_logprobs"] == pytest.approx(values, abs=1e-5)
+    assert {c.finish_reason for c in expected} >= {"stop"}, "no choice met a stop string"
+    assert len({tuple(c.token_ids) for c in expected}) > len(TEXT_PROMPTS), "samples differ"
+
+
+def _whole_choices(response) -> list[dict]:
+    return [
+        {
+            "index": c.index,
+            "text": c.text,
+            "tokens": c.logprobs.tokens,
+            "token_logprobs": c.logprobs.token_logprobs,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.to_dict().get("stop_reason"),
+        }
+        for c in _by_index(response.choices)
+    ]
+
+
+def _merge_stream(chunks) -> list[dict]:
+    """A streamed completion folded back into whole choices (text, tokens, reasons)."""
+    merged: dict[int, dict] = {}
+    for chunk in chunks:
+        for part in chunk.choices:
+            choice = merged.setdefault(part.index, {"index": part.index, "text": "",
+                                                    "tokens": [], "token_logprobs": [],
+                                                    "finish_reason": None, "stop_reason": None})  # fmt: skip
+            choice["text"] += part.text
+            if part.logprobs is not None:
+                choice["tokens"] += part.logprobs.tokens
+                choice["token_logprobs"] += part.logprobs.token_logprobs
+            if part.finish_reason is not None:
+                choice["finish_reason"] = part.finish_reason
+                choice["stop_reason"] = part.to_dict().get("stop_reason")
+    return [merged[i] for i in sorted(merged)]
 
 
 def test_completion_logprobs_in_openai_format(client):
