@@ -24,6 +24,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 import urllib.error
@@ -39,7 +40,12 @@ from entrypoints.supervisor import (
     wait_healthy,
     watch,
 )
-from frontend.engine_args import DEFAULT_SERVED_MODEL_NAME, EngineArgs, add_engine_args
+from frontend.engine_args import (
+    DEFAULT_MODEL_DIR,
+    DEFAULT_SERVED_MODEL_NAME,
+    EngineArgs,
+    add_engine_args,
+)
 from frontend.engine_client import EngineProcess, EngineStartError
 from frontend.engine_client.session import DEFAULT_READY_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 from protocol import ConfigError
@@ -52,6 +58,7 @@ from runtime.signals import ShutdownRequested, ignore_shutdown_signals, install_
 logger = logging.getLogger("serve")
 
 API_KEY_ENV = "CONVEYOR_API_KEY"
+DEMO_MAX_TOKENS = 48
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -230,11 +237,26 @@ def start_frontends(
     wait_healthy(args.host, args.port, max(deadline - time.monotonic(), 1.0))
 
 
+def demo_body(args: argparse.Namespace, prompt: str) -> dict[str, object]:
+    """A greedy completion request, with the repetition penalty the model's own generation
+    config recommends (the embedded model's: greedy decoding of a small model loops)."""
+    body: dict[str, object] = {"model": args.served_model_name, "prompt": prompt}
+    body.update(max_tokens=DEMO_MAX_TOKENS, temperature=0)
+    model_dir = Path(args.model) if args.model else DEFAULT_MODEL_DIR
+    try:
+        penalty = json.loads((model_dir / "generation_config.json").read_text())
+        penalty = penalty.get("repetition_penalty")
+    except (OSError, ValueError, AttributeError):
+        penalty = None
+    if isinstance(penalty, (int, float)) and penalty != 1:
+        body["repetition_penalty"] = penalty
+    return body
+
+
 def show_completion(args: argparse.Namespace, prompt: str) -> None:
     """One greedy completion through our own HTTP API: proof that the whole path serves."""
     url = f"{base_url(args.host, args.port)}/v1/completions"
-    model = args.served_model_name
-    body = {"model": model, "prompt": prompt, "max_tokens": 32, "temperature": 0}
+    body = demo_body(args, prompt)
     headers = {"Content-Type": "application/json"}
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
     if api_key:
@@ -249,9 +271,9 @@ def show_completion(args: argparse.Namespace, prompt: str) -> None:
         return
     choice = result["choices"][0]
     print(f"completion ({choice['finish_reason']}):\n{prompt}{choice['text']}\n", flush=True)
-    curl_body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 32})
+    curl_body = json.dumps(body)
     print(
-        f"try: curl {url} -H 'Content-Type: application/json' -d '{curl_body}'\n"
+        f"try: curl {url} -H 'Content-Type: application/json' -d {shlex.quote(curl_body)}\n"
         "serving until Ctrl-C",
         flush=True,
     )

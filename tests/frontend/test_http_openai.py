@@ -19,6 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from entrypoints.serve import DEMO_MAX_TOKENS
 from frontend import LLM
 from frontend.tokenizer import load_tokenizer
 from protocol import SamplingParams
@@ -72,7 +73,7 @@ def reference(tiny_model_dir: Path) -> dict[str, object]:
     with LLM(str(tiny_model_dir), engine="inprocess", kv_cache_memory=16 << 20) as llm:
         outputs = llm.generate([*TEXT_PROMPTS, TOKEN_PROMPT, chat_ids], greedy, use_tqdm=False)
         seeded = llm.generate([TEXT_PROMPTS[0]], SamplingParams(**SEEDED), use_tqdm=False)
-        demo_params = SamplingParams(temperature=0.0, max_tokens=32)
+        demo_params = SamplingParams(temperature=0.0, max_tokens=DEMO_MAX_TOKENS)
         demo = llm.generate([TEXT_PROMPTS[0]], demo_params, use_tqdm=False)
         # A stop string that one choice certainly meets: two characters from its middle.
         unstopped = llm.generate(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from frontend import LLM
@@ -196,10 +198,15 @@ def test_progress_bar(llm, capsys):
     assert "Processed prompts" not in capsys.readouterr().err
 
 
-def test_no_model_means_the_embedded_default_model():
+def test_no_model_means_the_embedded_default_model_and_it_writes_python():
     with LLM(kv_cache_memory=SMALL_KV) as llm:
         assert llm.config.model.model == str(DEFAULT_MODEL_DIR.resolve())
-        assert len(llm.generate("hi", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
+        params = SamplingParams(temperature=0.0, max_tokens=48)
+        (output,) = llm.generate("def main():\n", params, use_tqdm=False)
+    text = output.outputs[0].text
+    # Trained on the standard library's source: keywords, calls, indentation.
+    assert re.search(r"\b(return|self|if|for|import|None|def)\b", text), text
+    assert "\n    " in text or "(" in text, text
 
 
 def test_incremental_detokenizer_matches_full_decode(llm):

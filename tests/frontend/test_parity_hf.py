@@ -18,8 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from frontend import LLM
+from frontend.engine_args import DEFAULT_MODEL_DIR
 from protocol import SamplingParams
 
 ARCHS = ("qwen3", "qwen2", "llama")
@@ -56,6 +58,8 @@ class Reference:
         # ignore_eos on our side: HF must not stop at EOS either.
         generation_config = copy.deepcopy(model.generation_config)
         generation_config.eos_token_id = None
+        # Plain greedy: a repetition penalty the model's own config recommends is not applied.
+        generation_config.repetition_penalty = 1.0
         self.tokens: list[list[int]] = []
         self.logits: list[torch.Tensor] = []
         with torch.inference_mode():
@@ -225,3 +229,48 @@ def test_the_checker_reports_near_ties_and_fails_on_real_differences():
     wrong = [3] * 6 + [5] * (NUM_NEW_TOKENS - 6)
     with pytest.raises(AssertionError, match="position 6"):
         _check(reference, [output(wrong)], [0])
+
+
+def test_the_embedded_default_model_matches_hf(hf_model):
+    """The model ``conveyor serve`` ships with (trained, bfloat16 on disk) is an ordinary Qwen3
+    checkpoint: the same parity as the random test models."""
+    reference = _reference(DEFAULT_MODEL_DIR, hf_model)
+    with _llm(reference, max_num_seqs=8) as llm:
+        outputs = llm.generate(reference.prompts, GREEDY, use_tqdm=False)
+        _check(reference, outputs, list(range(len(reference.prompts))))
+
+
+def test_the_default_models_recommended_repetition_penalty_decodes_as_hf_does(hf_model):
+    """What ``conveyor serve --demo-prompt`` shows: greedy with the repetition penalty of the
+    model's generation_config.json, which HF ``generate`` applies by itself."""
+    model = hf_model(DEFAULT_MODEL_DIR)
+    penalty = model.generation_config.repetition_penalty
+    assert penalty is not None and penalty > 1.0
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    prompts = ["def main():", "import os\n", "class Config:"]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, repetition_penalty=penalty
+    )
+    with LLM(str(DEFAULT_MODEL_DIR), engine="inprocess", kv_cache_memory=SMALL_KV) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    failures = []
+    for prompt, output in zip(prompts, outputs):
+        ids = tokenizer(prompt).input_ids
+        with torch.inference_mode():
+            hf = model.generate(
+                torch.tensor([ids]), max_new_tokens=NUM_NEW_TOKENS, do_sample=False,
+                eos_token_id=None, output_scores=True, return_dict_in_generate=True,
+                pad_token_id=0,
+            )  # fmt: skip
+        ours, theirs = output.outputs[0].token_ids, hf.sequences[0, len(ids) :].tolist()
+        diverge = next((p for p, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if diverge is None:
+            continue
+        top2 = hf.scores[diverge][0].topk(2).values  # after the penalty, as HF chose
+        gap = (top2[0] - top2[1]).item()
+        where = f"default model, prompt {prompt!r} position {diverge}"
+        if gap < TIE_GAP:
+            warnings.warn(NearTieWarning(f"{where}: HF top-2 gap {gap:.2e}"), stacklevel=2)
+        else:
+            failures.append(f"{where}: ours {ours[diverge]} vs HF {theirs[diverge]}, gap {gap:.3g}")
+    assert not failures, "\n".join(failures)
