@@ -1,5 +1,5 @@
 """Frontends: the offline ``LLM`` API, the engine clients and the OpenAI-compatible HTTP server
-(``python -m frontend``). Tokenize, detokenize, stream."""
+(``conveyor frontend``). Tokenize, detokenize, stream."""
 
 from frontend.engine_args import EngineArgs
 from frontend.llm import LLM

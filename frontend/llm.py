@@ -184,7 +184,7 @@ class _Progress:
         self.bar = tqdm(total=num_prompts, desc="Processed prompts", disable=not use_tqdm)
 
     def record(self, processed: ProcessedOutputs) -> None:
-        self._num_output_tokens += sum(len(delta.token_ids) for delta in processed.deltas)
+        self._num_output_tokens += processed.num_new_tokens
         for choice in processed.finished:
             owner = self._owners[choice.request_id]
             self._remaining[owner] -= 1

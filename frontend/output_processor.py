@@ -38,7 +38,7 @@ from protocol import (
 LogprobRow = tuple[list[int], list[float]]
 
 
-@dataclass
+@dataclass(slots=True)
 class ChoiceDelta:
     """What one engine output added to a choice; the last delta carries the finish reason."""
 
@@ -106,6 +106,15 @@ class ChoiceState:
         After a stop string (``stopped_by_frontend``) the engine does not know the choice is
         over: the caller must abort it there.
         """
+        num_rows = len(self.logprobs)
+        text = self.fold(output)
+        delta = ChoiceDelta(self.index, text, output.new_token_ids, self.logprobs[num_rows:])
+        delta.finish_reason, delta.stop_reason = self.finish_reason, self.stop_reason
+        return delta
+
+    def fold(self, output: EngineCoreOutput) -> str:
+        """``update`` without the delta: the text the output added (a batch caller that reads
+        the choice only when it ends need not pay for a delta per token)."""
         new_token_ids = output.new_token_ids
         if new_token_ids:
             now = time.monotonic()
@@ -114,10 +123,8 @@ class ChoiceState:
             self.last_token_time = now
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         self.token_ids.extend(new_token_ids)
-        rows: list[LogprobRow] = []
         if output.logprobs is not None:
-            rows = list(zip(output.logprobs.token_ids, output.logprobs.logprobs))
-            self.logprobs.extend(rows)
+            self.logprobs.extend(zip(output.logprobs.token_ids, output.logprobs.logprobs))
         text_ids = text_token_ids(output, self.sampling_params.include_stop_str_in_output)
         self.num_text_tokens += len(text_ids)
         stop_string = None
@@ -128,9 +135,7 @@ class ChoiceState:
             self.stopped_by_frontend = output.finish_reason is None
         elif output.finish_reason is not None:
             self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
-        delta = ChoiceDelta(self.index, self._next_text(stop_string), new_token_ids, rows)
-        delta.finish_reason, delta.stop_reason = self.finish_reason, self.stop_reason
-        return delta
+        return self._next_text(stop_string)
 
     def _next_text(self, stop_string: str | None) -> str:
         if self.finish_reason is None:
@@ -179,7 +184,7 @@ class ChoiceState:
 
 @dataclass
 class ProcessedOutputs:
-    deltas: list[ChoiceDelta] = field(default_factory=list)
+    num_new_tokens: int = 0
     # Choices that ended in this batch.
     finished: list[ChoiceState] = field(default_factory=list)
     # Request ids a stop string ended: the engine still runs them, abort them there.
@@ -205,15 +210,18 @@ class OutputProcessor:
         return delta
 
     def process_outputs(self, outputs: EngineCoreOutputs) -> ProcessedOutputs:
-        """Fold a batch of engine outputs in."""
+        """Fold a batch of engine outputs in, for a caller that reads whole choices at the end
+        (``LLM.generate``): what ended, and what to abort, but no delta per output."""
         processed = ProcessedOutputs()
+        by_request_id = self._by_request_id
         for output in outputs.outputs:
-            delta = self.process_output(output)
-            if delta is None:
+            choice = by_request_id.get(output.request_id)
+            if choice is None or choice.finished:
                 continue
-            processed.deltas.append(delta)
-            choice = self._by_request_id[output.request_id]
+            choice.fold(output)
+            processed.num_new_tokens += len(output.new_token_ids)
             if choice.finished:
+                self.num_unfinished -= 1
                 processed.finished.append(choice)
                 if choice.stopped_by_frontend:
                     processed.to_abort.append(choice.request_id)

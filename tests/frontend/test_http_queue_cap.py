@@ -113,9 +113,12 @@ def test_a_burst_over_two_frontends_never_queues_past_the_cap(served):
             assert stream_text(body) == (reference, "length")
         else:
             assert json.loads(body)["choices"][0]["text"] == reference
-    # One runs and two wait; a request that arrives after others finished may be admitted, so
-    # the split is not fixed, but a burst of 12 against room for 3 must see refusals.
-    assert statuses.count(429) >= 1 and statuses.count(200) >= 1 + MAX_WAITING, statuses
+    # The first MAX_WAITING to arrive always fit the empty queue; one more fits only if the
+    # engine scheduled the first before the next ones arrived (it takes every queued arrival
+    # before it schedules, so a tight burst may not give it the chance), and a request that
+    # arrives after others finished may be admitted too: the split is not fixed, but a burst of
+    # 12 against room for 3 must see refusals.
+    assert statuses.count(429) >= 1 and statuses.count(200) >= MAX_WAITING, statuses
 
     trace = served.log.with_name("steps.jsonl")  # flushed: the engine is idle again
     records = [json.loads(line) for line in trace.read_text().splitlines()]
