@@ -78,9 +78,7 @@ class AsyncEngineClient(EngineClientBase):
             if engine is not None:
                 await asyncio.to_thread(engine.stop)
             raise
-        client = cls(address, ready, engine, client_name)
-        client._context = context
-        client._socket = zmq.asyncio.Socket.from_socket(dealer)
+        client = cls(address, ready, engine, client_name, context, dealer)
         client._tasks = [
             asyncio.create_task(client._receive_frames(), name="engine-outputs"),
             asyncio.create_task(client._keep_alive(heartbeat_interval_s), name="engine-heartbeat"),
@@ -88,11 +86,19 @@ class AsyncEngineClient(EngineClientBase):
         return client
 
     def __init__(
-        self, address: str, ready: Ready, engine: EngineProcess | None, client_name: str
+        self,
+        address: str,
+        ready: Ready,
+        engine: EngineProcess | None,
+        client_name: str,
+        context: zmq.Context,
+        dealer: zmq.Socket,
     ) -> None:
+        """Use ``start``: it launches or attaches and does the handshake on ``dealer``, which
+        the event loop drives from here on."""
         super().__init__(address, ready, engine, client_name)
-        self._context: zmq.Context
-        self._socket: zmq.asyncio.Socket
+        self._context = context
+        self._socket = zmq.asyncio.Socket.from_socket(dealer)
         self._streams: dict[str, asyncio.Queue[_StreamItem]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._reports: dict[int, asyncio.Future[AllFreeReport]] = {}

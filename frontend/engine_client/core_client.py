@@ -9,6 +9,7 @@ the liveness check and the meaning of every frame are written once, here and in 
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 
 from frontend.engine_client.engine_process import EngineProcess
 from frontend.engine_client.session import (
@@ -43,7 +44,7 @@ def launch_engine(
     return engine, engine.address, engine.liveness()
 
 
-class EngineClientBase:
+class EngineClientBase(ABC):
     """The state and frame handling both ZMQ clients share, after a successful handshake.
 
     Subclasses say what an output batch, a report and the engine's death mean to their callers
@@ -68,14 +69,17 @@ class EngineClientBase:
         # The engine's latest scheduler stats, from the last outputs this client received.
         self.stats: SchedulerStats | None = None
 
+    @abstractmethod
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
-        raise NotImplementedError
+        """An output batch for this client (called on the thread or loop that reads frames)."""
 
+    @abstractmethod
     def _on_report(self, report: AllFreeReport) -> None:
-        raise NotImplementedError
+        """The engine's answer to a CheckAllFree query."""
 
+    @abstractmethod
     def _on_dead(self, error: EngineDeadError) -> None:
-        raise NotImplementedError
+        """The engine is gone (or dropped us): fail whatever waits on it."""
 
     def _handle_frame(self, frame: bytes) -> bool:
         """Act on one frame from the engine; False once the engine said it is dead."""
