@@ -9,17 +9,13 @@ anything gets an error event, not the start of a message.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import AsyncIterator
 
 from starlette.responses import Response
 from starlette.types import Receive
 
 from frontend.input_processor import Choice
 from frontend.output_processor import ChoiceDelta, LogprobRow
-from frontend.server.choice_stream import stream_choices
-from frontend.server.errors import ApiError, error_body
 from frontend.server.logprobs import chat_logprobs
 from frontend.server.request_models import (
     ChatCompletionRequest,
@@ -29,7 +25,6 @@ from frontend.server.request_models import (
     to_sampling_params,
 )
 from frontend.server.response_models import (
-    SSE_DONE,
     ChatChoice,
     ChatChoiceLogprobs,
     ChatCompletionChunk,
@@ -37,22 +32,18 @@ from frontend.server.response_models import (
     ChatDelta,
     ChatMessageOut,
     ChatStreamChoice,
-    encode_json,
+    UsageInfo,
     sse_event,
 )
 from frontend.server.serving import (
+    GenerationRun,
     ServingState,
-    SSEResponse,
     as_bad_request,
     check_model,
     check_prompts,
+    ended_normally,
     make_choices,
-    raise_on_error,
-    run_unless_disconnected,
-    start_stream,
-    usage,
 )
-from protocol import FAILED_FINISH_REASONS
 
 ROLE = "assistant"
 
@@ -70,11 +61,8 @@ async def create_chat_completion(
     response_id, choices = make_choices(
         state, [prompt], params, body.priority, arrival_time, bool(body.stream)
     )
-    run = _ChatRun(state, body, prompt, f"chatcmpl-{response_id}", choices, num_logprobs)
-    if body.stream:
-        return SSEResponse(run.events(await start_stream(receive, run.deltas())))
-    response = await run_unless_disconnected(receive, run.collect())
-    return Response(encode_json(response), media_type="application/json")
+    run = _ChatRun(state, body, [prompt], f"chatcmpl-{response_id}", choices, num_logprobs)
+    return await run.respond(receive)
 
 
 def render_chat(state: ServingState, body: ChatCompletionRequest) -> list[int]:
@@ -86,89 +74,55 @@ def render_chat(state: ServingState, body: ChatCompletionRequest) -> list[int]:
         return state.inputs.render_chat(conversation)
 
 
-class _ChatRun:
-    """One chat request in flight."""
+class _ChatRun(GenerationRun):
+    """One chat request in flight: messages out, the role with each choice's first chunk."""
 
     def __init__(
         self,
         state: ServingState,
         body: ChatCompletionRequest,
-        prompt: list[int],
+        prompts: list[list[int]],
         response_id: str,
         choices: list[Choice],
         num_logprobs: int | None,
     ) -> None:
-        self.state = state
-        self.body = body
-        self.prompt = prompt
-        self.response_id = response_id
-        self.choices = choices
-        self.states = [choice.state for choice in choices]
+        super().__init__(state, body, prompts, response_id, choices)
         self.num_logprobs = num_logprobs
-        self.created = int(time.time())
+        self._started: set[int] = set()  # choices whose role went out
 
-    def deltas(self) -> AsyncIterator[ChoiceDelta]:
-        return stream_choices(self.state.client, self.choices, self.state.metrics)
+    def response(self) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                c.index,
+                ChatMessageOut(ROLE, c.text),
+                self._logprobs(c.logprobs),
+                c.finish_reason,
+                c.stop_reason,
+            )
+            for c in self.states
+        ]
+        return ChatCompletionResponse(
+            self.response_id, self.created, self.state.model_name, choices, self.usage()
+        )
+
+    def delta_event(self, delta: ChoiceDelta) -> bytes:
+        first = delta.index not in self._started
+        self._started.add(delta.index)
+        message = ChatDelta(ROLE if first else None, delta.text)
+        choice = ChatStreamChoice(delta.index, message, self._logprobs(delta.logprobs))
+        if ended_normally(delta):
+            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+        return self._chunk([choice])
+
+    def usage_event(self) -> bytes:
+        return self._chunk([], self.usage())
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> bytes:
+        chunk = ChatCompletionChunk(self.response_id, self.created, self.state.model_name, choices)
+        chunk.usage = usage
+        return sse_event(chunk)
 
     def _logprobs(self, rows: list[LogprobRow]) -> ChatChoiceLogprobs | None:
         if self.num_logprobs is None:
             return None
         return ChatChoiceLogprobs(chat_logprobs(self.state.tokenizer, rows, self.num_logprobs))
-
-    async def collect(self) -> ChatCompletionResponse:
-        async with contextlib.aclosing(self.deltas()) as deltas:
-            async for _ in deltas:
-                pass
-        raise_on_error(self.states)
-        choices = [
-            ChatChoice(
-                t.index,
-                ChatMessageOut(ROLE, t.text),
-                self._logprobs(t.logprobs),
-                t.finish_reason,
-                t.stop_reason,
-            )
-            for t in self.states
-        ]
-        return ChatCompletionResponse(
-            self.response_id,
-            self.created,
-            self.state.model_name,
-            choices,
-            usage([self.prompt], self.states),
-        )
-
-    def _chunk(self, choices: list[ChatStreamChoice], with_usage: bool = False) -> bytes:
-        chunk = ChatCompletionChunk(self.response_id, self.created, self.state.model_name, choices)
-        if with_usage:
-            chunk.usage = usage([self.prompt], self.states)
-        return sse_event(chunk)
-
-    async def events(self, source: AsyncIterator[ChoiceDelta]) -> AsyncIterator[bytes]:
-        started: set[int] = set()  # choices whose role went out
-        try:
-            async with contextlib.aclosing(source) as deltas:  # type: ignore[type-var]
-                async for delta in deltas:
-                    # A failed choice sends nothing itself: the error event below reports it.
-                    ended = delta.finish_reason not in (None, *FAILED_FINISH_REASONS)
-                    if delta.text or delta.logprobs or ended:
-                        first = delta.index not in started
-                        started.add(delta.index)
-                        yield self._chunk([self._stream_choice(delta, first)])
-            raise_on_error(self.states)
-        except ApiError as exc:
-            yield sse_event(error_body(exc.status, exc.message))
-        except Exception as exc:  # EngineDeadError above all: the stream ends with an error event
-            yield sse_event(error_body(503, f"the engine failed: {exc}"))
-        else:
-            options = self.body.stream_options
-            if options is not None and options.include_usage:
-                yield self._chunk([], with_usage=True)
-        yield SSE_DONE
-
-    def _stream_choice(self, delta: ChoiceDelta, first: bool) -> ChatStreamChoice:
-        message = ChatDelta(ROLE if first else None, delta.text)
-        choice = ChatStreamChoice(delta.index, message, self._logprobs(delta.logprobs))
-        if delta.finish_reason is not None and delta.finish_reason not in FAILED_FINISH_REASONS:
-            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
-        return choice

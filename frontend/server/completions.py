@@ -6,17 +6,13 @@ checked before the first engine request is sent, so a 400 never leaves work behi
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import AsyncIterator
 
 from starlette.responses import Response
 from starlette.types import Receive
 
 from frontend.input_processor import Choice
 from frontend.output_processor import ChoiceDelta
-from frontend.server.choice_stream import stream_choices
-from frontend.server.errors import ApiError, error_body
 from frontend.server.logprobs import completion_logprobs
 from frontend.server.request_models import (
     CompletionRequest,
@@ -25,25 +21,20 @@ from frontend.server.request_models import (
     to_sampling_params,
 )
 from frontend.server.response_models import (
-    SSE_DONE,
     CompletionChoice,
     CompletionResponse,
-    encode_json,
+    UsageInfo,
     sse_event,
 )
 from frontend.server.serving import (
+    GenerationRun,
     ServingState,
-    SSEResponse,
     as_bad_request,
     check_model,
     check_prompts,
+    ended_normally,
     make_choices,
-    raise_on_error,
-    run_unless_disconnected,
-    start_stream,
-    usage,
 )
-from protocol import FAILED_FINISH_REASONS
 
 
 async def create_completion(
@@ -62,14 +53,11 @@ async def create_completion(
         state, prompts, params, body.priority, arrival_time, bool(body.stream)
     )
     run = _CompletionRun(state, body, prompts, f"cmpl-{response_id}", choices)
-    if body.stream:
-        return SSEResponse(run.events(await start_stream(receive, run.deltas())))
-    response = await run_unless_disconnected(receive, run.collect())
-    return Response(encode_json(response), media_type="application/json")
+    return await run.respond(receive)
 
 
-class _CompletionRun:
-    """One completion request in flight: its choices and response id."""
+class _CompletionRun(GenerationRun):
+    """One completion request in flight: the legacy completions format, text and logprobs."""
 
     def __init__(
         self,
@@ -79,68 +67,32 @@ class _CompletionRun:
         response_id: str,
         choices: list[Choice],
     ) -> None:
-        self.state = state
-        self.body = body
-        self.prompts = prompts
-        self.response_id = response_id
-        self.choices = choices
-        self.states = [choice.state for choice in choices]
-        self.created = int(time.time())
+        super().__init__(state, body, prompts, response_id, choices)
         self._text_offsets = [0] * len(choices)
 
-    def deltas(self) -> AsyncIterator[ChoiceDelta]:
-        return stream_choices(self.state.client, self.choices, self.state.metrics)
-
-    async def collect(self) -> CompletionResponse:
-        async with contextlib.aclosing(self.deltas()) as deltas:
-            async for _ in deltas:
-                pass
-        raise_on_error(self.states)
+    def response(self) -> CompletionResponse:
         choices = []
         for choice in self.states:
             choices.append(self._choice(choice.index, choice.text, choice.logprobs))
             choices[-1].finish_reason = choice.finish_reason
             choices[-1].stop_reason = choice.stop_reason
-        return CompletionResponse(
-            self.response_id,
-            self.created,
-            self.state.model_name,
-            choices,
-            usage(self.prompts, self.states),
-        )
+        return self._body(choices, self.usage())
 
-    async def events(self, source: AsyncIterator[ChoiceDelta]) -> AsyncIterator[bytes]:
-        try:
-            async with contextlib.aclosing(source) as deltas:  # type: ignore[type-var]
-                async for delta in deltas:
-                    # A failed choice sends nothing itself: the error event below reports it.
-                    ended = delta.finish_reason not in (None, *FAILED_FINISH_REASONS)
-                    if delta.text or delta.logprobs or ended:
-                        yield sse_event(self._chunk(delta))
-            raise_on_error(self.states)
-        except ApiError as exc:
-            yield sse_event(error_body(exc.status, exc.message))
-        except Exception as exc:  # EngineDeadError above all: the stream ends with an error event
-            yield sse_event(error_body(503, f"the engine failed: {exc}"))
-        else:
-            options = self.body.stream_options
-            if options is not None and options.include_usage:
-                yield sse_event(
-                    CompletionResponse(
-                        self.response_id,
-                        self.created,
-                        self.state.model_name,
-                        [],
-                        usage(self.prompts, self.states),
-                    )
-                )
-        yield SSE_DONE
-
-    def _chunk(self, delta: ChoiceDelta) -> CompletionResponse:
+    def delta_event(self, delta: ChoiceDelta) -> bytes:
         choice = self._choice(delta.index, delta.text, delta.logprobs)
-        if delta.finish_reason is not None and delta.finish_reason not in FAILED_FINISH_REASONS:
+        if ended_normally(delta):
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
-        return CompletionResponse(self.response_id, self.created, self.state.model_name, [choice])
+        return sse_event(self._body([choice]))
+
+    def usage_event(self) -> bytes:
+        return sse_event(self._body([], self.usage()))
+
+    def _body(
+        self, choices: list[CompletionChoice], usage: UsageInfo | None = None
+    ) -> CompletionResponse:
+        return CompletionResponse(
+            self.response_id, self.created, self.state.model_name, choices, usage
+        )
 
     def _choice(self, index: int, text: str, rows: list) -> CompletionChoice:
         choice = CompletionChoice(index, text)

@@ -11,20 +11,23 @@ import asyncio
 import contextlib
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from starlette.responses import StreamingResponse
+import msgspec
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from frontend.engine_client.async_client import AsyncEngineClient
 from frontend.input_processor import Choice, InputProcessor, PromptError
 from frontend.output_processor import ChoiceDelta, ChoiceState
-from frontend.server.errors import RETRY_AFTER_OVERLOADED_S, ApiError, bad_request
+from frontend.server.choice_stream import stream_choices
+from frontend.server.errors import RETRY_AFTER_OVERLOADED_S, ApiError, bad_request, error_body
 from frontend.server.metrics import ServerMetrics
-from frontend.server.response_models import UsageInfo
-from protocol import EngineConfig, SamplingParams
+from frontend.server.response_models import SSE_DONE, UsageInfo, encode_json, sse_event
+from protocol import FAILED_FINISH_REASONS, EngineConfig, SamplingParams
 
 T = TypeVar("T")
 
@@ -125,6 +128,84 @@ def raise_on_error(choices: Sequence[ChoiceState]) -> None:
 
 def overloaded(reason: str) -> ApiError:
     return ApiError(429, reason, retry_after_s=RETRY_AFTER_OVERLOADED_S)
+
+
+class GenerationRun(ABC):
+    """One generation request in flight: its choices, its response id, and what both endpoints
+    do with them (run them to the end, or frame their deltas as server-sent events). Subclasses
+    say how a whole response, a delta and the closing usage chunk look."""
+
+    def __init__(
+        self,
+        state: ServingState,
+        body: Any,
+        prompts: list[list[int]],
+        response_id: str,
+        choices: list[Choice],
+    ) -> None:
+        self.state = state
+        self.body = body
+        self.prompts = prompts
+        self.response_id = response_id
+        self.choices = choices
+        self.states = [choice.state for choice in choices]
+        self.created = int(time.time())
+
+    @abstractmethod
+    def response(self) -> msgspec.Struct:
+        """The whole response, once every choice has ended."""
+
+    @abstractmethod
+    def delta_event(self, delta: ChoiceDelta) -> bytes:
+        """One delta as a server-sent event."""
+
+    @abstractmethod
+    def usage_event(self) -> bytes:
+        """The last chunk of a stream that asked for ``stream_options.include_usage``."""
+
+    def usage(self) -> UsageInfo:
+        return usage(self.prompts, self.states)
+
+    def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        return stream_choices(self.state.client, self.choices, self.state.metrics)
+
+    async def collect(self) -> msgspec.Struct:
+        async with contextlib.aclosing(self.deltas()) as deltas:
+            async for _ in deltas:
+                pass
+        raise_on_error(self.states)
+        return self.response()
+
+    async def events(self, source: AsyncIterator[ChoiceDelta]) -> AsyncIterator[bytes]:
+        try:
+            async with contextlib.aclosing(source) as deltas:  # type: ignore[type-var]
+                async for delta in deltas:
+                    # A failed choice sends nothing itself: the error event below reports it.
+                    ended = delta.finish_reason not in (None, *FAILED_FINISH_REASONS)
+                    if delta.text or delta.logprobs or ended:
+                        yield self.delta_event(delta)
+            raise_on_error(self.states)
+        except ApiError as exc:
+            yield sse_event(error_body(exc.status, exc.message))
+        except Exception as exc:  # EngineDeadError above all: the stream ends with an error event
+            yield sse_event(error_body(503, f"the engine failed: {exc}"))
+        else:
+            options = self.body.stream_options
+            if options is not None and options.include_usage:
+                yield self.usage_event()
+        yield SSE_DONE
+
+    async def respond(self, receive: Receive) -> Response:
+        """A stream (headers with the engine's first output) or a whole JSON response."""
+        if self.body.stream:
+            return SSEResponse(self.events(await start_stream(receive, self.deltas())))
+        response = await run_unless_disconnected(receive, self.collect())
+        return Response(encode_json(response), media_type="application/json")
+
+
+def ended_normally(delta: ChoiceDelta) -> bool:
+    """The delta ends its choice with a reason a client is shown (a failure is an error event)."""
+    return delta.finish_reason is not None and delta.finish_reason not in FAILED_FINISH_REASONS
 
 
 async def start_stream(
