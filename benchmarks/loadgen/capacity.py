@@ -79,11 +79,11 @@ class SearchStopped(Exception):
     """Raised by a probe run that was stopped: the search ends with what it knows."""
 
 
-ProbeRun = Callable[[float], Awaitable[dict[str, Any]]]  # rate -> loadgen_metrics.summarize()
+ProbeRun = Callable[[float], Awaitable[dict[str, Any]]]  # rate -> metrics.summarize()
 
 
 def make_probe(rate: float, result: dict[str, Any], spec: CapacitySpec) -> Probe:
-    """One probe's verdict from its run's summary (loadgen_metrics.summarize())."""
+    """One probe's verdict from its run's summary (metrics.summarize())."""
     ttft_bound = spec.slo_ttft_median_ms
     holds = (
         result["failed"] == 0

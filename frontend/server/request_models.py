@@ -4,7 +4,7 @@ Runs in an HTTP frontend process. Decoding a body with ``msgspec.json.decode(bod
 checks every field's type (no pydantic layer); the conversion then checks values, so each bad
 input becomes an ``ApiError`` (400) naming the field. Unknown fields are ignored, as OpenAI's own
 server and vLLM do; fields we cannot honour (``echo``, ``logit_bias``, ``tools``, ...) are refused
-rather than silently ignored. The response bodies live in ``frontend/openai_responses.py``.
+rather than silently ignored. The response bodies live in ``frontend.server.response_models``.
 """
 
 from __future__ import annotations

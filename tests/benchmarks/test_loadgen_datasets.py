@@ -1,4 +1,4 @@
-"""scripts/loadgen_datasets.py: seeded, length-exact with a tokenizer, prefix groups that share."""
+"""benchmarks/loadgen/datasets.py: seeded, length-exact with a tokenizer, prefix groups that share."""
 
 from __future__ import annotations
 

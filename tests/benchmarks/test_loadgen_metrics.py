@@ -1,4 +1,4 @@
-"""scripts/loadgen_metrics.py and the arrival schedule, on hand-made samples (no server)."""
+"""benchmarks/loadgen/metrics.py and the arrival schedule, on hand-made samples (no server)."""
 
 from __future__ import annotations
 
