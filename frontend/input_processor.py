@@ -9,6 +9,13 @@ Each choice (one of the n samples of one prompt) becomes one engine request with
 ``ChoiceState``; choice index = prompt index * n + sample, and request id = ``{id}-{index}``. A
 seeded request's samples get seeds seed, seed + 1, ..., so they differ, and the same seed gives
 the same choices through either API.
+
+Checks come in two weights. ``check_sizes`` and ``check_conversation_size`` cost no more than a
+``len``: how many choices, and whether a text is too long to fit the context whatever the
+tokenizer makes of it (more characters than ``max_model_len`` tokens of the vocabulary's longest
+token can hold). They run first, so a request that will be refused is refused in microseconds.
+Tokenizing and the chat template cost time in proportion to the input; a server runs them off its
+event loop.
 """
 
 from __future__ import annotations
@@ -59,6 +66,46 @@ class InputProcessor:
         self.max_choices = max_choices
         self.max_model_len = context_limit(config)
         self._eos_token_ids = list(config.model.eos_token_ids)
+        # No text of more characters than this can fit the context. A token's string in the
+        # vocabulary is at least as long as the text it decodes to (one character per byte for
+        # byte-level BPE, "▁" for a space in SentencePiece); the factor covers normalizers
+        # that compose several characters into one.
+        self.max_prompt_chars = self.max_model_len * max_token_chars(tokenizer) * 4
+
+    def check_sizes(self, prompts: Sequence[str | Sequence[int]], n: int) -> None:
+        """The cheap checks, before any tokenizing: the number of choices, and each prompt's
+        length against the most the context could hold."""
+        if self.max_choices is not None and len(prompts) * n > self.max_choices:
+            raise PromptError(
+                f"{len(prompts)} prompts x n={n} exceeds {self.max_choices} choices per request",
+                "n",
+            )
+        for i, prompt in enumerate(prompts):
+            where = "" if len(prompts) == 1 else f"prompt {i}: "
+            if isinstance(prompt, str):
+                if len(prompt) > self.max_prompt_chars:
+                    raise PromptError(
+                        f"{where}the prompt has {len(prompt)} characters, more than "
+                        f"{self.max_model_len} tokens (this model's context) can hold",
+                        "prompt",
+                    )
+            elif len(prompt) >= self.max_model_len:
+                raise PromptError(where + _too_long(len(prompt), self.max_model_len), "prompt")
+
+    def check_conversation_size(self, num_messages: int, num_chars: int) -> None:
+        """The cheap checks of a chat: every message costs at least one token of the context."""
+        if num_messages >= self.max_model_len:
+            raise PromptError(
+                f"{num_messages} messages cannot fit this model's context of "
+                f"{self.max_model_len} tokens",
+                "messages",
+            )
+        if num_chars > self.max_prompt_chars:
+            raise PromptError(
+                f"the messages hold {num_chars} characters, more than {self.max_model_len} "
+                "tokens (this model's context) can hold",
+                "messages",
+            )
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text).input_ids)
@@ -131,8 +178,7 @@ class InputProcessor:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
         if len(per_prompt) != len(prompts):
             raise PromptError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
-        num_choices = sum(p.n for p in per_prompt)
-        if self.max_choices is not None and num_choices > self.max_choices:
+        if self.max_choices is not None and sum(p.n for p in per_prompt) > self.max_choices:
             raise PromptError(
                 f"{len(prompts)} prompts x n={per_prompt[0].n} exceeds {self.max_choices} "
                 "choices per request",
@@ -188,11 +234,23 @@ def find_prompt_problem(
         bad = low if low < 0 else high
         return f"token id {bad} is outside the vocabulary [0, {vocab_size})"
     if len(prompt_token_ids) >= max_model_len:
-        return (
-            f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
-            f"{max_model_len} (the prompt must leave room for at least one generated token)"
-        )
+        return _too_long(len(prompt_token_ids), max_model_len)
     return None
+
+
+def _too_long(num_tokens: int, max_model_len: int) -> str:
+    return (
+        f"the prompt has {num_tokens} tokens, but max_model_len is {max_model_len} "
+        "(the prompt must leave room for at least one generated token)"
+    )
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The longest string of the tokenizer's vocabulary: no token decodes to more characters."""
+    try:
+        return max(map(len, tokenizer.get_vocab()), default=1) or 1
+    except (AttributeError, NotImplementedError, TypeError):
+        return 1 << 10  # an unknown tokenizer: a bound that still stops megabytes
 
 
 def find_kv_cache_problem(

@@ -44,6 +44,7 @@ from frontend.server.serving import (
     ended_normally,
     make_choices,
 )
+from protocol import SamplingParams
 
 ROLE = "assistant"
 
@@ -55,23 +56,44 @@ async def create_chat_completion(
     check_model(state, body.model)
     num_logprobs = chat_num_logprobs(body)
     max_tokens = chat_max_tokens(body)
-    prompt = render_chat(state, body)
-    check_prompts(state, [prompt], max_tokens)
+    conversation = _conversation(state, body)
     params = to_sampling_params(body, max_tokens, num_logprobs, state.config.model.vocab_size)
-    response_id, choices = make_choices(
-        state, [prompt], params, body.priority, arrival_time, bool(body.stream)
+    prompt, response_id, choices = await state.run_cpu(
+        _prepare, state, body, conversation, max_tokens, params, arrival_time
     )
-    run = _ChatRun(state, body, [prompt], f"chatcmpl-{response_id}", choices, num_logprobs)
+    run = _ChatRun(state, body, [prompt], response_id, choices, num_logprobs)
     return await run.respond(receive)
 
 
-def render_chat(state: ServingState, body: ChatCompletionRequest) -> list[int]:
-    """The conversation as prompt token ids, through the model's chat template."""
+def _conversation(state: ServingState, body: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as the chat template takes them, after the checks that cost a ``len``."""
+    with as_bad_request():
+        state.inputs.check_conversation_size(len(body.messages), 0)
     conversation = [
         {"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)
     ]
     with as_bad_request():
-        return state.inputs.render_chat(conversation)
+        num_chars = sum(len(m["content"]) for m in conversation)
+        state.inputs.check_conversation_size(len(conversation), num_chars)
+    return conversation
+
+
+def _prepare(
+    state: ServingState,
+    body: ChatCompletionRequest,
+    conversation: list[dict[str, str]],
+    max_tokens: int | None,
+    params: SamplingParams,
+    arrival_time: float,
+) -> tuple[list[int], str, list[Choice]]:
+    """The chat template, tokenizing, checks and fan-out: on the CPU pool."""
+    with as_bad_request():
+        prompt = state.inputs.render_chat(conversation)
+    check_prompts(state, [prompt], max_tokens)
+    response_id, choices = make_choices(
+        state, [prompt], params, body.priority, arrival_time, bool(body.stream)
+    )
+    return prompt, f"chatcmpl-{response_id}", choices
 
 
 class _ChatRun(GenerationRun):

@@ -32,9 +32,11 @@ from frontend.server.serving import (
     as_bad_request,
     check_model,
     check_prompts,
+    check_sizes,
     ended_normally,
     make_choices,
 )
+from protocol import SamplingParams
 
 
 async def create_completion(
@@ -43,17 +45,28 @@ async def create_completion(
     arrival_time = time.monotonic()
     check_model(state, body.model)
     check_completion_request(body)
-    with as_bad_request():
-        prompts = [
-            p if isinstance(p, list) else state.inputs.tokenize(p) for p in prompt_list(body.prompt)
-        ]
-    check_prompts(state, prompts, body.max_tokens)
+    prompts = prompt_list(body.prompt)
+    check_sizes(state, prompts, body.n)
     params = to_sampling_params(body, body.max_tokens, body.logprobs, state.config.model.vocab_size)
+    prepared = await state.run_cpu(_prepare, state, body, prompts, params, arrival_time)
+    return await _CompletionRun(state, body, *prepared).respond(receive)
+
+
+def _prepare(
+    state: ServingState,
+    body: CompletionRequest,
+    prompts: list[str | list[int]],
+    params: SamplingParams,
+    arrival_time: float,
+) -> tuple[list[list[int]], str, list[Choice]]:
+    """Tokenize, check and fan out: work that grows with the input, so on the CPU pool."""
+    with as_bad_request():
+        token_ids = [p if isinstance(p, list) else state.inputs.tokenize(p) for p in prompts]
+    check_prompts(state, token_ids, body.max_tokens)
     response_id, choices = make_choices(
-        state, prompts, params, body.priority, arrival_time, bool(body.stream)
+        state, token_ids, params, body.priority, arrival_time, bool(body.stream)
     )
-    run = _CompletionRun(state, body, prompts, f"cmpl-{response_id}", choices)
-    return await run.respond(receive)
+    return token_ids, f"cmpl-{response_id}", choices
 
 
 class _CompletionRun(GenerationRun):

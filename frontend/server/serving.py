@@ -3,16 +3,22 @@ errors as 400s, usage, streaming responses and the disconnect watch.
 
 Runs in an HTTP frontend process, on its event loop. Prompts go through the same
 ``InputProcessor`` and ``OutputProcessor`` as ``LLM.generate``; only HTTP's own rules live here.
+The loop itself only moves bytes: work that grows with the input (decoding a large body,
+tokenizing, the chat template) runs on ``ServingState.cpu_pool`` (``run_cpu``), so one huge
+request cannot stall the other streams of its frontend, its /health, or its heartbeats.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import os
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -34,6 +40,9 @@ T = TypeVar("T")
 # One HTTP request may not fan out into more engine requests than this (prompts x n): a small
 # body must not be able to queue unbounded work.
 MAX_CHOICES_PER_REQUEST = 256
+# Threads for tokenizing and templating: HF's fast tokenizers release the GIL, so two threads use
+# two cores; more would only queue behind the same cores.
+NUM_CPU_THREADS = min(4, os.cpu_count() or 1)
 
 
 class ClientDisconnected(Exception):
@@ -52,6 +61,7 @@ class ServingState:
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     inputs: InputProcessor = field(init=False)
+    cpu_pool: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
         self.inputs = InputProcessor(
@@ -60,6 +70,15 @@ class ServingState:
             strict_context=True,
             max_choices=MAX_CHOICES_PER_REQUEST,
         )
+        self.cpu_pool = ThreadPoolExecutor(NUM_CPU_THREADS, thread_name_prefix="frontend-cpu")
+
+    async def run_cpu(self, function: Callable[..., T], *args: Any) -> T:
+        """``function(*args)`` on the CPU pool, off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.cpu_pool, functools.partial(function, *args))
+
+    def close(self) -> None:
+        self.cpu_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def config(self) -> EngineConfig:
@@ -79,6 +98,13 @@ def as_bad_request() -> Iterator[None]:
         yield
     except PromptError as exc:
         raise bad_request(str(exc), exc.param) from None
+
+
+def check_sizes(state: ServingState, prompts: Sequence[str | Sequence[int]], n: int) -> None:
+    """The checks that cost no more than a ``len`` (choices, prompt lengths): on the loop,
+    before anything is tokenized, so an oversized request is refused at once."""
+    with as_bad_request():
+        state.inputs.check_sizes(prompts, n)
 
 
 def check_prompts(
