@@ -1,49 +1,42 @@
 """``AsyncEngineClient``: the asyncio (uvloop-friendly) client an HTTP frontend streams through.
 
-Runs in a frontend process, on its event loop. Every request gets its own queue and an async
-iterator over its outputs; one task receives and dispatches the engine's frames, another sends
-heartbeats and checks the engine process is alive. When the engine dies, every open stream raises
+Runs in a frontend process: its state on the event loop, its socket on the client's socket thread
+(``core_client.SocketThread``), which hands each message to the loop. Every request gets its own
+queue and an async iterator over its outputs. When the engine dies, every open stream raises
 ``EngineDeadError`` and so does every later ``add_request``; the same happens, with
-``session_lost`` set, when the engine serves on but has dropped this client (it missed its
-heartbeats: its process stalled). Everything runs on the loop's thread, so the one DEALER socket
-is used by one thread only (the handshake, in a worker thread, finishes before the loop uses it).
+``session_lost`` set, when the engine serves on but has dropped this client.
+
+The socket thread heartbeats while the loop answers: it asks the loop to note the time once per
+heartbeat, and stays silent once the loop has not done so for ``LOOP_STALL_LIMIT_S``. So a busy
+loop (or a long request) never gets this frontend dropped, and a stuck one does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Union
 
 import zmq
-import zmq.asyncio
 
-from frontend.engine_client.core_client import EngineClientBase, launch_engine
+from frontend.engine_client.core_client import EngineClientBase, EngineMessage, launch_engine
 from frontend.engine_client.engine_process import EngineProcess
 from frontend.engine_client.session import (
     DEFAULT_READY_TIMEOUT_S,
-    HEARTBEAT_FRAME,
     HEARTBEAT_INTERVAL_S,
-    LIVENESS_INTERVAL_S,
     EngineDeadError,
     connect,
 )
 from protocol import Abort, EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from protocol.codec import CLIENT_TO_ENGINE
-from protocol.messages import (
-    AllFreeReport,
-    CheckAllFree,
-    EngineCoreClientMessage,
-    Goodbye,
-    Ready,
-)
-
-logger = logging.getLogger(__name__)
+from protocol.messages import AllFreeReport, CheckAllFree, Goodbye, Ready
 
 _StreamItem = Union[EngineCoreOutput, EngineDeadError]
+
+# A loop that has not run a scheduled callback for this long is stuck, not busy: the work that
+# grows with a request runs off the loop, and /health must answer within 100 ms.
+LOOP_STALL_LIMIT_S = 10.0
 
 
 class AsyncEngineClient(EngineClientBase):
@@ -78,12 +71,7 @@ class AsyncEngineClient(EngineClientBase):
             if engine is not None:
                 await asyncio.to_thread(engine.stop)
             raise
-        client = cls(address, ready, engine, client_name, context, dealer)
-        client._tasks = [
-            asyncio.create_task(client._receive_frames(), name="engine-outputs"),
-            asyncio.create_task(client._keep_alive(heartbeat_interval_s), name="engine-heartbeat"),
-        ]
-        return client
+        return cls(address, ready, engine, client_name, context, dealer, heartbeat_interval_s)
 
     def __init__(
         self,
@@ -93,18 +81,45 @@ class AsyncEngineClient(EngineClientBase):
         client_name: str,
         context: zmq.Context,
         dealer: zmq.Socket,
+        heartbeat_interval_s: float,
     ) -> None:
-        """Use ``start``: it launches or attaches and does the handshake on ``dealer``, which
-        the event loop drives from here on."""
+        """Use ``start``: it launches or attaches and does the handshake on ``dealer``."""
         super().__init__(address, ready, engine, client_name)
-        self._context = context
-        self._socket = zmq.asyncio.Socket.from_socket(dealer)
+        self._loop = asyncio.get_running_loop()
         self._streams: dict[str, asyncio.Queue[_StreamItem]] = {}
-        self._tasks: list[asyncio.Task[None]] = []
         self._reports: dict[int, asyncio.Future[AllFreeReport]] = {}
         self._next_query_id = 0
+        self._last_tick = time.monotonic()
+        self._start_io(
+            context,
+            dealer,
+            heartbeat_interval_s,
+            lambda message: self._on_loop(self._handle_message, message),
+            lambda reason: self._on_loop(self._mark_dead, reason),
+            self._loop_responsive,
+        )
+
+    # ------------------------------------------------------------------ from the socket thread
+
+    def _on_loop(self, callback: object, argument: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to tell
+            self._loop.call_soon_threadsafe(callback, argument)  # type: ignore[arg-type]
+
+    def _loop_responsive(self) -> bool:
+        """Whether the loop ran the last tick we asked of it recently; asks for the next one."""
+        responsive = time.monotonic() - self._last_tick < LOOP_STALL_LIMIT_S
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._tick)
+        return responsive
+
+    def _tick(self) -> None:
+        self._last_tick = time.monotonic()
 
     # ------------------------------------------------------------------ EngineClientBase
+
+    def _handle_message(self, message: EngineMessage) -> None:
+        if self.dead_reason is None:  # late news for a client that is already closed
+            super()._handle_message(message)
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         streams = self._streams
@@ -134,46 +149,33 @@ class AsyncEngineClient(EngineClientBase):
 
         Closing the iterator early (``aclose``, or a cancelled consumer) aborts the request.
         """
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
         if request.request_id in self._streams:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        self._send(request)  # never blocks; EngineDeadError if the engine is gone
         stream: asyncio.Queue[_StreamItem] = asyncio.Queue()
         self._streams[request.request_id] = stream
-        try:
-            await self._send(request)
-        except BaseException:
-            # Cancelled mid-send (its HTTP client left, say): the frame may be out already, and
-            # nobody will ever iterate the stream whose cleanup would abort it.
-            self._streams.pop(request.request_id, None)
-            self.abort_nowait([request.request_id])
-            raise
         return self._iterate(request.request_id, stream)
 
     async def abort(self, request_ids: list[str]) -> None:
         """Abort in the engine; each open stream then ends with finish_reason "abort"."""
-        if request_ids and self.dead_reason is None:
-            await self._send(Abort(list(request_ids)))
+        self.abort_nowait(request_ids)
 
     def abort_nowait(self, request_ids: list[str]) -> None:
-        """``abort`` without awaiting, for cleanup that must not await (a cancelled handler).
-
-        Aborting a request that already finished does nothing.
-        """
+        """``abort`` without awaiting, for cleanup that must not await (a generator being
+        closed). Aborting a request that already finished, or a dead engine's, does nothing."""
         if request_ids and self.dead_reason is None:
-            self._post(Abort(list(request_ids)))
+            with contextlib.suppress(EngineDeadError):
+                self._send(Abort(list(request_ids)))
 
     async def ask_all_free(self, timeout_s: float = 5.0) -> str:
         """Ask the engine whether it is empty: "" if no request is left anywhere and every KV
         block is free with ref count 0, else what is left (or that debug queries are off)."""
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
         self._next_query_id += 1
         query_id = self._next_query_id
-        future: asyncio.Future[AllFreeReport] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[AllFreeReport] = self._loop.create_future()
         self._reports[query_id] = future
         try:
-            await self._send(CheckAllFree(query_id))
+            self._send(CheckAllFree(query_id))
             return (await asyncio.wait_for(future, timeout_s)).problem
         finally:
             self._reports.pop(query_id, None)
@@ -195,66 +197,23 @@ class AsyncEngineClient(EngineClientBase):
         finally:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
-            if not finished and self.dead_reason is None:
-                # No await here: this may run while the generator is being closed by the loop.
-                self._post(Abort([request_id]))
+            if not finished:
+                self.abort_nowait([request_id])
 
     # ------------------------------------------------------------------ shutdown
 
     async def shutdown(self, reason: str = "the client was shut down") -> None:
-        """Say Goodbye, stop the tasks and, if we started it, the engine. Idempotent.
+        """Say Goodbye, stop the socket thread and, if we started it, the engine. Idempotent.
 
         Open streams raise ``EngineDeadError(reason)``; the engine aborts their requests.
         """
-        if self._socket.closed:
+        if self.closing:
             return
         self.closing = True
-        if self.dead_reason is None:
-            with contextlib.suppress(zmq.ZMQError):
-                await self._send(Goodbye())
+        with contextlib.suppress(EngineDeadError):
+            self._send(Goodbye())
         self._mark_dead(reason)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._socket.close()
-        # term() waits out the socket's linger (the Goodbye): off the loop's thread.
-        await asyncio.to_thread(self._context.term)
+        # Joining the thread waits out the socket's linger (the Goodbye): off the loop.
+        await asyncio.to_thread(self._stop_io)
         if self._engine is not None:
             await asyncio.to_thread(self._engine.stop)
-
-    # ------------------------------------------------------------------ background tasks
-
-    async def _receive_frames(self) -> None:
-        try:
-            while self.dead_reason is None:
-                if not self._handle_frame(await self._socket.recv()):
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a bug here must reach the streams, not leave them hanging
-            logger.exception("engine output dispatch failed")
-            self._mark_dead(f"the client's output task failed: {exc!r}")
-
-    async def _keep_alive(self, heartbeat_interval_s: float) -> None:
-        next_heartbeat = time.monotonic()
-        while self.dead_reason is None:
-            if time.monotonic() >= next_heartbeat:
-                await self._socket.send(HEARTBEAT_FRAME)
-                next_heartbeat = time.monotonic() + heartbeat_interval_s
-            if not self._check_liveness():
-                return
-            await asyncio.sleep(LIVENESS_INTERVAL_S)
-
-    # ------------------------------------------------------------------ sending
-
-    async def _send(self, message: EngineCoreClientMessage) -> None:
-        await self._socket.send(CLIENT_TO_ENGINE.encode(message))
-
-    def _post(self, message: EngineCoreClientMessage) -> None:
-        """Send without awaiting; for code that may not await (a generator being closed)."""
-        if self._socket.closed:
-            return
-        with contextlib.suppress(zmq.ZMQError):
-            sent = self._socket.send(CLIENT_TO_ENGINE.encode(message))
-            # Consume a late failure (socket closed meanwhile) so it is not reported as lost.
-            sent.add_done_callback(lambda f: f.cancelled() or f.exception())

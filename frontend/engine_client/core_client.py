@@ -1,27 +1,54 @@
-"""The base of both ZMQ engine clients: start or attach, then turn the engine's frames into
-outputs, reports and a death notice, the same way for both.
+"""The base of both ZMQ engine clients: start or attach, one socket thread, and the meaning of
+every frame from the engine, written once.
 
 Runs in the frontend process. The blocking ``MPEngineClient`` (``sync_client``) and the asyncio
-``AsyncEngineClient`` (``async_client``) differ only in how they wait and deliver; the handshake,
-the liveness check and the meaning of every frame are written once, here and in ``session``.
+``AsyncEngineClient`` (``async_client``) differ only in where a message is acted on (the socket
+thread itself, or the event loop) and how callers wait; the handshake is ``session``'s.
+
+One thread owns the DEALER socket (ZMQ sockets are single-threaded): it forwards the frames
+callers encode (through an inproc pipe, which never blocks them), decodes what the engine sends,
+heartbeats, and checks that the engine process still exists. Heartbeats come from this thread,
+not from the caller's event loop, so a busy loop cannot starve them; an async client lets them go
+out only while its loop still answers (``responsive``), so the engine drops a frontend only when
+it is really stuck, never for a long request.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
+import threading
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import zmq
 
 from frontend.engine_client.engine_process import EngineProcess
 from frontend.engine_client.session import (
+    HEARTBEAT_FRAME,
+    LIVENESS_INTERVAL_S,
     EngineDeadError,
     EngineLiveness,
     decode_ready_config,
 )
 from protocol import EngineConfig, EngineCoreOutputs, SchedulerStats
-from protocol.codec import ENGINE_TO_CLIENT
-from protocol.messages import AllFreeReport, EngineDead, EngineOutputsFrame, Ready
+from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
+from protocol.messages import (
+    AllFreeReport,
+    EngineCoreClientMessage,
+    EngineDead,
+    EngineOutputsFrame,
+    Ready,
+)
 
 logger = logging.getLogger(__name__)
+
+_STOP_FRAME = b""  # never a real message: every encoded message has at least one byte
+_pipe_names = itertools.count()
+
+EngineMessage = EngineOutputsFrame | AllFreeReport | EngineDead
 
 
 def launch_engine(
@@ -81,13 +108,8 @@ class EngineClientBase(ABC):
     def _on_dead(self, error: EngineDeadError) -> None:
         """The engine is gone (or dropped us): fail whatever waits on it."""
 
-    def _handle_frame(self, frame: bytes) -> bool:
-        """Act on one frame from the engine; False once the engine said it is dead."""
-        try:
-            message = ENGINE_TO_CLIENT.decode(frame)
-        except Exception as exc:
-            logger.warning("dropped an undecodable frame from the engine: %s", exc)
-            return True
+    def _handle_message(self, message: EngineMessage) -> None:
+        """Act on one message from the engine (where the subclass delivers it)."""
         if isinstance(message, EngineOutputsFrame):
             if message.outputs.scheduler_stats is not None:
                 self.stats = message.outputs.scheduler_stats
@@ -96,16 +118,55 @@ class EngineClientBase(ABC):
             self._on_report(message)
         elif isinstance(message, EngineDead):
             self._mark_dead(message.reason, session_lost=message.client_dropped)
-            return False
-        return True
 
-    def _check_liveness(self) -> bool:
-        """False (and the client marked dead) once the engine process is gone."""
-        reason = self._liveness.death_reason()
-        if reason is not None:
-            self._mark_dead(reason)
-            return False
-        return True
+    # ------------------------------------------------------------------ the socket thread
+
+    def _start_io(
+        self,
+        context: zmq.Context,
+        dealer: zmq.Socket,
+        heartbeat_interval_s: float,
+        deliver: Callable[[EngineMessage], None],
+        on_death: Callable[[str], None],
+        responsive: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """Hand ``dealer`` (handshake done) to a socket thread; from now on send with ``_send``.
+
+        ``deliver`` and ``on_death`` are called on the socket thread: they act there or pass
+        the news on to where the client's state lives.
+        """
+        self._context = context
+        self._io = SocketThread(
+            context, dealer, self._liveness, heartbeat_interval_s, deliver, on_death, responsive
+        )
+        self._sender = context.socket(zmq.PUSH)
+        self._sender.setsockopt(zmq.SNDHWM, 0)
+        self._sender.connect(self._io.pipe_address)
+        self._send_lock = threading.Lock()
+        self._io.start()
+
+    def _send(self, message: EngineCoreClientMessage) -> None:
+        """Queue a message for the engine; never blocks. ``EngineDeadError`` once it is gone."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        try:
+            with self._send_lock:
+                self._sender.send(CLIENT_TO_ENGINE.encode(message), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            # The socket thread has stopped (its end of the pipe is gone): so has the engine.
+            raise EngineDeadError(self.dead_reason or "the client stopped") from None
+
+    def _stop_io(self, timeout_s: float = 5.0) -> None:
+        """Stop the socket thread (after what was queued went out) and release the sockets."""
+        if self._io.is_alive():
+            with self._send_lock, contextlib.suppress(zmq.ZMQError):
+                self._sender.send(_STOP_FRAME, zmq.NOBLOCK)
+        self._io.join(timeout_s)
+        with self._send_lock:
+            self._sender.close(linger=0)
+        if not self._io.is_alive():
+            # Waits out the DEALER's linger: a Goodbye queued just before still leaves.
+            self._context.term()
 
     def _mark_dead(self, reason: str, *, session_lost: bool = False) -> None:
         if self.dead_reason is not None:
@@ -119,3 +180,85 @@ class EngineClientBase(ABC):
         else:
             logger.error("engine dead: %s", reason)
         self._on_dead(EngineDeadError(reason))
+
+
+class SocketThread(threading.Thread):
+    """Owns a client's DEALER: forwards the caller's frames, decodes the engine's, heartbeats,
+    and watches the engine process."""
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        dealer: zmq.Socket,
+        liveness: EngineLiveness,
+        heartbeat_interval_s: float,
+        deliver: Callable[[EngineMessage], None],
+        on_death: Callable[[str], None],
+        responsive: Callable[[], bool],
+    ) -> None:
+        super().__init__(name="engine-client-io", daemon=True)
+        self._dealer = dealer
+        self.pipe_address = f"inproc://engine-client-{next(_pipe_names)}"
+        self._pipe = context.socket(zmq.PULL)
+        self._pipe.setsockopt(zmq.RCVHWM, 0)
+        self._pipe.bind(self.pipe_address)
+        self._liveness = liveness
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._deliver = deliver
+        self._on_death = on_death
+        self._responsive = responsive
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._pipe, zmq.POLLIN)
+        next_heartbeat = time.monotonic() + self._heartbeat_interval_s
+        try:
+            while True:
+                events = dict(poller.poll(int(LIVENESS_INTERVAL_S * 1000)))
+                if self._pipe in events and not self._forward():
+                    return
+                if self._dealer in events and not self._receive():
+                    return
+                if time.monotonic() >= next_heartbeat:
+                    next_heartbeat = time.monotonic() + self._heartbeat_interval_s
+                    if self._responsive():
+                        self._dealer.send(HEARTBEAT_FRAME)
+                reason = self._liveness.death_reason()
+                if reason is not None:
+                    self._on_death(reason)
+                    return
+        except Exception as exc:  # a bug here must surface to the callers, not hang them
+            logger.exception("engine client socket thread failed")
+            self._on_death(f"the client's socket thread failed: {exc!r}")
+        finally:
+            self._dealer.close()
+            self._pipe.close(linger=0)
+
+    def _forward(self) -> bool:
+        """Send the caller's frames on; False at the stop frame."""
+        while True:
+            try:
+                frame = self._pipe.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            if frame == _STOP_FRAME:
+                return False
+            self._dealer.send(frame)
+
+    def _receive(self) -> bool:
+        """Decode and deliver the engine's frames; False once the engine said it is dead."""
+        while True:
+            try:
+                frame = self._dealer.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            try:
+                message = ENGINE_TO_CLIENT.decode(frame)
+            except Exception as exc:
+                logger.warning("dropped an undecodable frame from the engine: %s", exc)
+                continue
+            if isinstance(message, (EngineOutputsFrame, AllFreeReport, EngineDead)):
+                self._deliver(message)
+            if isinstance(message, EngineDead):
+                return False

@@ -5,19 +5,16 @@ step, has_unfinished_requests, check_all_free, shutdown), so ``LLM`` does not ca
 engine lives. Given a config it starts its own engine process; given an address it attaches to
 a running one (beside any number of other clients).
 
-One background thread owns the DEALER socket (ZMQ sockets are single-threaded): it forwards the
-frames the caller encoded (through an inproc pipe), sends heartbeats, queues decoded outputs for
-the caller, and checks that the engine process is alive. Every caller wait is bounded by that
-check: a dead engine surfaces as ``EngineDeadError`` within about a second, never a hang.
+The client's socket thread (``core_client.SocketThread``) queues the engine's outputs for the
+caller. Every caller wait is bounded by its liveness check: a dead engine surfaces as
+``EngineDeadError`` within about a second, never a hang.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import queue
-import threading
 import time
 import weakref
 from typing import Union
@@ -27,22 +24,14 @@ import zmq
 from frontend.engine_client.core_client import EngineClientBase, launch_engine
 from frontend.engine_client.session import (
     DEFAULT_READY_TIMEOUT_S,
-    HEARTBEAT_FRAME,
     HEARTBEAT_INTERVAL_S,
-    LIVENESS_INTERVAL_S,
     EngineDeadError,
     connect,
 )
 from protocol import Abort, EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from protocol.codec import CLIENT_TO_ENGINE
 from protocol.messages import AddRequests, AllFreeReport, CheckAllFree, Goodbye
 
-logger = logging.getLogger(__name__)
-
-_STOP_FRAME = b""  # never a real message: every encoded message has at least one byte
-_pipe_names = itertools.count()
 _query_ids = itertools.count()
-_PIPE_SEND_TIMEOUT_MS = 2000
 # How long step() waits for outputs before handing control back to the caller's loop.
 STEP_TIMEOUT_S = 1.0
 # How long check_all_free waits for the final outputs of aborted requests.
@@ -73,25 +62,19 @@ class MPEngineClient(EngineClientBase):
         if engine is not None:
             # Even a client never shut down must not leave its engine running past our exit.
             self._finalizer = weakref.finalize(self, engine.stop)
-        self._context = zmq.Context()
+        context = zmq.Context()
         try:
-            dealer, ready = connect(self._context, address, liveness, ready_timeout_s, client_name)
+            dealer, ready = connect(context, address, liveness, ready_timeout_s, client_name)
         except BaseException:
-            self._context.term()
+            context.term()
             if engine is not None:
                 engine.stop()
             raise
         super().__init__(address, ready, engine, client_name)
         self.outputs: queue.SimpleQueue[_QueueItem] = queue.SimpleQueue()
         self._reports: queue.SimpleQueue[AllFreeReport] = queue.SimpleQueue()
-        self._io = _SocketThread(self, dealer, heartbeat_interval_s)
-        self._sender = self._context.socket(zmq.PUSH)
-        # Bounded: once the socket thread has stopped (engine dead) nobody reads the pipe.
-        self._sender.setsockopt(zmq.SNDTIMEO, _PIPE_SEND_TIMEOUT_MS)
-        self._sender.setsockopt(zmq.SNDHWM, 0)
-        self._sender.connect(self._io.pipe_address)
-        self._send_lock = threading.Lock()
-        self._io.start()
+        # The socket thread acts on each message itself: the caller reads the queues.
+        self._start_io(context, dealer, heartbeat_interval_s, self._handle_message, self._mark_dead)
         self._unfinished: set[str] = set()
         # Unfinished requests we aborted: their final outputs are on the way.
         self._aborted: set[str] = set()
@@ -116,14 +99,14 @@ class MPEngineClient(EngineClientBase):
     def add_requests(self, requests: list[EngineCoreRequest]) -> list[EngineCoreOutput]:
         """Send several requests in one message: the engine adds them all before its next step."""
         if requests:
-            self._send(CLIENT_TO_ENGINE.encode(AddRequests(list(requests))))
+            self._send(AddRequests(list(requests)))
             self._unfinished.update(r.request_id for r in requests)
         return []
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort in the engine; each request still ends with one final output. A no-op once dead."""
         if request_ids and self.dead_reason is None:
-            self._send(CLIENT_TO_ENGINE.encode(Abort(list(request_ids))))
+            self._send(Abort(list(request_ids)))
             self._aborted.update(r for r in request_ids if r in self._unfinished)
 
     def get_outputs(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:
@@ -177,7 +160,7 @@ class MPEngineClient(EngineClientBase):
     def ask_all_free(self, timeout_s: float = CHECK_TIMEOUT_S) -> str:
         """One ``CheckAllFree`` round trip: "" if the engine is empty, else what is left."""
         query_id = next(_query_ids)
-        self._send(CLIENT_TO_ENGINE.encode(CheckAllFree(query_id)))
+        self._send(CheckAllFree(query_id))
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -194,16 +177,9 @@ class MPEngineClient(EngineClientBase):
         if self.closing:
             return
         self.closing = True
-        if self.dead_reason is None:
-            with contextlib.suppress(EngineDeadError):
-                self._send(CLIENT_TO_ENGINE.encode(Goodbye()))
-        if self._io.is_alive():
-            with self._send_lock, contextlib.suppress(zmq.Again):
-                self._sender.send(_STOP_FRAME)
-        self._io.join(5.0)
-        self._sender.close(linger=0)
-        if not self._io.is_alive():
-            self._context.term()
+        with contextlib.suppress(EngineDeadError):
+            self._send(Goodbye())
+        self._stop_io()
         self._mark_dead("the client was shut down")
         if self._engine is not None:
             self._finalizer()
@@ -213,74 +189,3 @@ class MPEngineClient(EngineClientBase):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-    def _send(self, frame: bytes) -> None:
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
-        try:
-            with self._send_lock:
-                self._sender.send(frame)
-        except zmq.Again:
-            raise EngineDeadError(self.dead_reason or "the client stopped") from None
-
-
-class _SocketThread(threading.Thread):
-    """Owns the DEALER: forwards caller frames, receives frames, heartbeats, watches the engine."""
-
-    def __init__(
-        self, client: MPEngineClient, dealer: zmq.Socket, heartbeat_interval_s: float
-    ) -> None:
-        super().__init__(name="engine-client-io", daemon=True)
-        self._client = client
-        self._dealer = dealer
-        self.pipe_address = f"inproc://engine-client-{next(_pipe_names)}"
-        self._pipe = client._context.socket(zmq.PULL)
-        self._pipe.setsockopt(zmq.RCVHWM, 0)
-        self._pipe.bind(self.pipe_address)
-        self._heartbeat_interval_s = heartbeat_interval_s
-
-    def run(self) -> None:
-        client = self._client
-        poller = zmq.Poller()
-        poller.register(self._dealer, zmq.POLLIN)
-        poller.register(self._pipe, zmq.POLLIN)
-        next_heartbeat = time.monotonic() + self._heartbeat_interval_s
-        try:
-            while True:
-                events = dict(poller.poll(int(LIVENESS_INTERVAL_S * 1000)))
-                if self._pipe in events and not self._forward():
-                    return
-                if self._dealer in events and not self._receive():
-                    return
-                if time.monotonic() >= next_heartbeat:
-                    self._dealer.send(HEARTBEAT_FRAME)
-                    next_heartbeat = time.monotonic() + self._heartbeat_interval_s
-                if not client._check_liveness():
-                    return
-        except Exception as exc:  # a bug here must surface to the caller, not hang it
-            logger.exception("engine client socket thread failed")
-            client._mark_dead(f"the client's socket thread failed: {exc!r}")
-        finally:
-            self._dealer.close()
-            self._pipe.close(linger=0)
-
-    def _forward(self) -> bool:
-        """Send the caller's frames on; False at the stop frame."""
-        while True:
-            try:
-                frame = self._pipe.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            if frame == _STOP_FRAME:
-                return False
-            self._dealer.send(frame)
-
-    def _receive(self) -> bool:
-        """Hand the engine's frames to the client; False once the engine said it is dead."""
-        while True:
-            try:
-                frame = self._dealer.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            if not self._client._handle_frame(frame):
-                return False

@@ -34,7 +34,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http-fuzz")]
 
 API_KEY = "sk-fuzz"
 FUZZ_SECONDS = float(os.environ.get("CONVEYOR_FUZZ_SECONDS", "4"))
-MIN_REQUESTS = 1000
+# Alone on an idle 2-core machine 5 s of fuzzing sends about 4,000 requests; beside the rest of
+# the suite (the other xdist worker starting servers) under 1,000. This only checks that the
+# fuzzer ran at all, not how fast the server is (a benchmark's job).
+MIN_REQUESTS = 400
 NUM_THREADS = 8
 MAX_RSS_GROWTH = 16 << 20
 SEED_BODIES = [
