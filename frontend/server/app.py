@@ -35,9 +35,14 @@ from frontend.server.completions import create_completion
 from frontend.server.errors import RETRY_AFTER_UNAVAILABLE_S, ApiError, error_response
 from frontend.server.gate import GateMiddleware
 from frontend.server.metrics import ServerMetrics
-from frontend.server.request_models import ChatCompletionRequest, CompletionRequest, decode_body
+from frontend.server.request_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_body,
+    decode_large_body,
+)
 from frontend.server.response_models import ModelCard, ModelList, encode_json
-from frontend.server.serving import ClientDisconnected, ServingState
+from frontend.server.serving import MAX_CHOICES_PER_REQUEST, ClientDisconnected, ServingState
 from frontend.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -94,7 +99,9 @@ async def read_request(request: Request, body_type: type[T]) -> T:
     raw = await read_body(request, state.max_request_body_bytes)
     if len(raw) < LOOP_DECODE_LIMIT_BYTES:
         return decode_body(raw, body_type)
-    return await state.run_cpu(decode_body, raw, body_type)
+    max_prompts = state.inputs.max_choices or MAX_CHOICES_PER_REQUEST
+    context = state.inputs.max_model_len  # every message and prompt token takes one of these
+    return await state.run_cpu(decode_large_body, raw, body_type, max_prompts, context, context)
 
 
 async def completions(request: Request) -> Response:

@@ -25,6 +25,7 @@ from frontend.engine_client import (
     EngineDeadError,
     EngineStartError,
     MPEngineClient,
+    async_client,
 )
 from frontend.engine_client.engine_process import EngineProcess
 from protocol import EngineCoreRequest, SamplingParams
@@ -274,3 +275,40 @@ def test_an_engine_that_cannot_load_its_model_is_reported(tiny_model_dir, tmp_pa
     config = EngineArgs(model=str(broken), kv_cache_memory=SMALL_KV).create_engine_config()
     with pytest.raises(EngineStartError, match="exited with code 1 before it was ready"):
         MPEngineClient(config, ready_timeout_s=60.0)
+
+
+@pytest.mark.slow
+def test_a_busy_event_loop_does_not_starve_the_heartbeats_and_a_stuck_one_is_dropped(
+    tiny_model_dir: Path,
+):
+    """Heartbeats come from the client's socket thread: a loop blocked for twice the engine's
+    heartbeat timeout keeps its session; one that answers nothing for longer than the stall
+    limit stops heartbeating and is dropped (``session_lost``), as a stuck frontend must be."""
+    config = EngineArgs(model=str(tiny_model_dir), kv_cache_memory=SMALL_KV).create_engine_config()
+    engine = EngineProcess(config, executor_backend="inprocess", heartbeat_timeout_s=2.0).start()
+    children: list[int] = []
+
+    async def scenario() -> None:
+        client = await AsyncEngineClient.start(address=engine.address, heartbeat_interval_s=0.5)
+        try:
+            time.sleep(4.0)  # the loop does nothing else: twice the engine's patience
+            await asyncio.sleep(0.5)
+            assert not client.session_lost and client.dead_reason is None
+            stream = await client.add_request(greedy("after-busy", PROMPTS[0]))
+            assert len([t async for out in stream for t in out.new_token_ids]) == NUM_TOKENS
+            stuck_for = async_client.LOOP_STALL_LIMIT_S + 3.0
+            time.sleep(stuck_for)  # past the stall limit, and then past the engine's patience
+            await asyncio.sleep(0.5)
+            assert client.session_lost, "a stuck loop kept its session"
+        finally:
+            await client.shutdown()
+
+    try:
+        engine.wait_ready(60.0)
+        children += descendants(engine.pid)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(async_client, "LOOP_STALL_LIMIT_S", 6.0)
+            run_async(scenario())
+    finally:
+        engine.stop(5.0)
+        kill_all(children)

@@ -1,0 +1,162 @@
+"""Row 18: one request that is legal in size but heavy to process must not stall its frontend.
+
+One ``conveyor serve`` with one frontend and a 3 s heartbeat timeout per module (so a frontend
+whose heartbeats starve would be dropped within the test). While four greedy streams run on that
+frontend, each heavy request is sent and timed, and ``/health`` is polled every 20 ms: the heavy
+requests get their 400 within a second, ``/health`` answers within 100 ms (95 % of polls; every
+one within 500 ms: the engine's worker keeps both cores of a 2-core machine busy meanwhile, and a
+poll now and then waits its turn for a core, 120-135 ms in some runs), the four streams end with
+exactly the text they have alone, and the frontend is neither dropped nor restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.frontend.http_helpers import (
+    MODEL_NAME,
+    ServedHttp,
+    frontend_pids,
+    get,
+    post_json,
+    post_raw,
+    read_to_end,
+    send_completion,
+    start_served_http,
+    stream_text,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http-heavy")]
+
+STREAM_TOKENS = 600
+NUM_STREAMS = 4
+HEALTH_BUDGET_S = 0.1  # for 95 % of the polls
+HEALTH_LIMIT_S = 0.5  # for every poll
+REFUSAL_BUDGET_S = 1.0
+STREAM = {"model": MODEL_NAME, "prompt": "def main():", "max_tokens": STREAM_TOKENS,
+          "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedHttp]:
+    log = tmp_path_factory.mktemp("heavy") / "serve.log"
+    extra = ["--frontends", "1", "--heartbeat-timeout-s", "3"]
+    served = start_served_http(tiny_model_dir, log, extra)
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(served: ServedHttp) -> str:
+    """Choice 0's text for ``STREAM`` when nothing else runs."""
+    status, _, body = post_json(served.base_url, "/v1/completions", {**STREAM, "stream": False})
+    assert status == 200, body
+    return body["choices"][0]["text"]
+
+
+class HealthPoller:
+    """GET /health every 20 ms from a thread; keeps the slowest answer and any failure."""
+
+    def __init__(self, base_url: str) -> None:
+        self._base_url = base_url
+        self._stop = threading.Event()
+        self.latencies_s: list[float] = []
+        self.failures: list[str] = []
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> HealthPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10.0)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.02):
+            start = time.perf_counter()
+            try:
+                status, _ = get(self._base_url, "/health")
+            except OSError as exc:
+                self.failures.append(repr(exc))
+                continue
+            self.latencies_s.append(time.perf_counter() - start)
+            if status != 200:
+                self.failures.append(f"status {status}")
+
+
+def _while_streams_run(served: ServedHttp, reference: str, heavy: Callable[[], None]) -> None:
+    """Start the streams, run ``heavy`` under the health poller, then check the streams."""
+    pids_before = frontend_pids(served.process.pid)
+    socks = [send_completion(served.base_url, STREAM) for _ in range(NUM_STREAMS)]
+    try:
+        time.sleep(0.3)  # the streams are generating
+        with HealthPoller(served.base_url) as health:
+            heavy()
+            results = [stream_text(read_to_end(sock)) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+    assert results == [(reference, "length")] * NUM_STREAMS
+    assert not health.failures, health.failures[:5]
+    latencies = sorted(health.latencies_s)
+    p95, slowest = latencies[int(0.95 * (len(latencies) - 1))], latencies[-1]
+    summary = (
+        f"{len(latencies)} polls of /health: p95 {p95 * 1e3:.0f} ms, max {slowest * 1e3:.0f} ms"
+    )
+    assert len(latencies) > 10 and p95 < HEALTH_BUDGET_S and slowest < HEALTH_LIMIT_S, summary
+    assert frontend_pids(served.process.pid) == pids_before, "the frontend was restarted"
+    log = served.log.read_text()
+    assert "silent for over" not in log and "exited with code" not in log
+
+
+def _refused_in_time(served: ServedHttp, path: str, body: bytes, param: str) -> None:
+    start = time.perf_counter()
+    status, _, raw = post_raw(served.base_url, path, body)
+    elapsed = time.perf_counter() - start
+    assert status == 400, raw[:300]
+    error = json.loads(raw)["error"]
+    assert error["param"] == param, error
+    assert elapsed < REFUSAL_BUDGET_S, f"{path} {param}: refused after {elapsed:.2f} s"
+
+
+def test_huge_prompts_and_chats_are_refused_at_once_and_other_streams_go_on(served, reference):
+    text = json.dumps({"model": MODEL_NAME, "prompt": "x = 1 " * 1_250_000}).encode()
+    strings = json.dumps({"model": MODEL_NAME, "prompt": ["a"] * 600_000}).encode()
+    messages = [{"role": "user", "content": "a"}] * 240_000
+    chat = json.dumps({"model": MODEL_NAME, "messages": messages}, separators=(",", ":"))
+    assert len(text) > 7_500_000 and len(chat) < 8 << 20
+
+    def heavy() -> None:
+        _refused_in_time(served, "/v1/completions", text, "prompt")
+        _refused_in_time(served, "/v1/completions", strings, "prompt")
+        _refused_in_time(served, "/v1/chat/completions", chat.encode(), "messages")
+
+    _while_streams_run(served, reference, heavy)
+
+
+def test_a_prompt_that_tokenizes_for_seconds_stalls_nothing_else(served, reference):
+    """Prompts each short enough to pass the character bound, together megabytes of text to
+    tokenize: the tokenizer runs off the event loop, so the streams and /health do not wait for
+    it, and the heartbeats go on (the engine would drop a silent frontend after 3 s)."""
+    prompts = ["def f(x):\n    return x + 1\n" * 20_000] * 12  # 6.7 MB, each 560 k characters
+    body = json.dumps({"model": MODEL_NAME, "prompt": prompts, "max_tokens": 4}).encode()
+    took: list[float] = []
+
+    def heavy() -> None:
+        start = time.perf_counter()
+        status, _, raw = post_raw(served.base_url, "/v1/completions", body)
+        took.append(time.perf_counter() - start)
+        # Tokenized, each prompt is far longer than the context: refused, but only by counting.
+        assert status == 400 and b"max_model_len" in raw, raw[:300]
+
+    _while_streams_run(served, reference, heavy)
+    assert took[0] > 0.5, f"tokenizing 6.7 MB took only {took[0]:.2f} s: not a heavy request"
