@@ -23,6 +23,7 @@ from engine_core.core_process import DEFAULT_HEARTBEAT_TIMEOUT_S, main
 from engine_core.executor import Executor, InProcessExecutor
 from engine_core.multiproc_executor import MultiprocExecutor
 from protocol import EngineConfig
+from runtime.dirs import remove_runtime_dir
 from runtime.logs import configure_logging
 
 EXECUTOR_BACKENDS = ("mp", "inprocess")
@@ -67,6 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="allow a tcp address other hosts can reach (the socket has no authentication)",
     )
+    parser.add_argument(
+        "--runtime-dir",
+        type=Path,
+        default=None,
+        help="the folder we were started in (config, socket): removed when we exit, even when "
+        "the process that made it is gone",
+    )
     parser.add_argument("--log-level", default=None, help="default: $CONVEYOR_LOG_LEVEL or INFO")
     return parser.parse_args(argv)
 
@@ -75,14 +83,19 @@ def run(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging("engine_core", args.log_level)
     config = msgspec.msgpack.decode(args.config_file.read_bytes(), type=EngineConfig)
-    return main(
-        config,
-        args.address,
-        lambda config: make_executor(config, args.executor_backend),
-        args.heartbeat_timeout_s,
-        args.parent_pid,
-        args.allow_remote_clients,
-    )
+    try:
+        return main(
+            config,
+            args.address,
+            lambda config: make_executor(config, args.executor_backend),
+            args.heartbeat_timeout_s,
+            args.parent_pid,
+            args.allow_remote_clients,
+        )
+    finally:
+        if args.runtime_dir is not None:
+            # Whoever made it may be gone (a SIGKILLed supervisor): the engine outlives it.
+            remove_runtime_dir(args.runtime_dir)
 
 
 if __name__ == "__main__":

@@ -48,8 +48,8 @@ from frontend.engine_args import (
 )
 from frontend.engine_client import EngineProcess, EngineStartError
 from frontend.engine_client.session import DEFAULT_READY_TIMEOUT_S, HEARTBEAT_INTERVAL_S
+from frontend.server.main import API_KEY_ENV, add_api_key_args, resolve_api_key
 from protocol import ConfigError
-from runtime.dirs import make_runtime_dir, remove_runtime_dir
 from runtime.exit_codes import ExitCode
 from runtime.logs import LOG_LEVEL_ENV, configure_logging
 from runtime.processes import ChildProcess
@@ -57,7 +57,6 @@ from runtime.signals import ShutdownRequested, ignore_shutdown_signals, install_
 
 logger = logging.getLogger("serve")
 
-API_KEY_ENV = "CONVEYOR_API_KEY"
 DEMO_MAX_TOKENS = 48
 
 
@@ -127,9 +126,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--frontends", type=int, default=1, help="HTTP frontend processes (0: none)")
     group.add_argument("--host", default="127.0.0.1", help="interface the frontends listen on")
     group.add_argument("--port", type=int, default=8000, help="the port every frontend shares")
-    group.add_argument(
-        "--api-key", default=None, help=f"require this bearer key on /v1/* (or ${API_KEY_ENV})"
-    )
+    add_api_key_args(group)
     group.add_argument(
         "--max-queued-requests",
         type=int,
@@ -193,7 +190,9 @@ def serve(args: argparse.Namespace) -> int:
     )
     # Registered before it starts: a signal at any point below still stops it.
     children: dict[str, ChildProcess] = {"engine_core": engine}
-    runtime_dir = make_runtime_dir()
+    # The frontends' ready files go beside the engine's socket: the engine removes the folder
+    # when it exits, so nothing is left even when this process is SIGKILLed.
+    runtime_dir = engine.runtime_dir
     try:
         engine.start()
         served = engine.wait_ready(args.ready_timeout_s)
@@ -217,15 +216,14 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         ignore_shutdown_signals()  # stopping the children must not itself be interrupted
         stop_all(children, args.stop_timeout_s, args.drain_timeout_s)
-        remove_runtime_dir(runtime_dir)
 
 
 def start_frontends(
     args: argparse.Namespace, address: str, runtime_dir: Path, children: dict[str, ChildProcess]
 ) -> None:
     """Start every frontend, then wait for each: they load their tokenizers in parallel."""
-    api_key = args.api_key or os.environ.get(API_KEY_ENV)
-    env = {API_KEY_ENV: api_key} if api_key else {}
+    # By the environment, which, unlike a command line, other users cannot read.
+    env = {API_KEY_ENV: args.resolved_api_key} if args.resolved_api_key else {}
     frontends = []
     for index in range(args.frontends):
         frontend = FrontendProcess(index, address, frontend_options(args), runtime_dir, env)
@@ -258,9 +256,8 @@ def show_completion(args: argparse.Namespace, prompt: str) -> None:
     url = f"{base_url(args.host, args.port)}/v1/completions"
     body = demo_body(args, prompt)
     headers = {"Content-Type": "application/json"}
-    api_key = args.api_key or os.environ.get(API_KEY_ENV)
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+    if args.resolved_api_key:
+        headers["Authorization"] = f"Bearer {args.resolved_api_key}"
     request = urllib.request.Request(url, json.dumps(body).encode(), headers)
     try:
         with urllib.request.urlopen(request, timeout=60.0) as response:
@@ -285,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         configure_logging("serve", args.log_level)
+        args.resolved_api_key = resolve_api_key(args)
         if args.log_level:
             # Every child reads the level from the environment it inherits.
             os.environ[LOG_LEVEL_ENV] = args.log_level

@@ -2,8 +2,9 @@
 
 Runs in the process that owns the engine: an ``LLM`` caller, an engine client given a config, or
 the supervisor. The engine gets a private runtime folder (0700) holding its config file and its
-ipc:// socket, is told our pid so it dies with us, and runs in its own session so a Ctrl-C in the
-terminal reaches only us: we decide how the engine stops.
+ipc:// socket (the engine removes it when it exits, so it goes even if we are killed), is told
+our pid so it dies with us, and runs in its own session so a Ctrl-C in the terminal reaches only
+us: we decide how the engine stops.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class EngineProcess(ChildProcess):
         config_file = self.runtime_dir / "engine-config.msgpack"
         config_file.write_bytes(msgspec.msgpack.encode(config))
         args = ["--config-file", str(config_file), "--address", self.address]
+        args += ["--runtime-dir", str(self.runtime_dir)]
         args += ["--parent-pid", str(os.getpid())]
         if executor_backend is not None:
             args += ["--executor-backend", executor_backend]

@@ -34,16 +34,48 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def add_api_key_args(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"require 'Authorization: Bearer KEY' on /v1/*, KEY read from FILE (or ${API_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="the same, KEY given here: visible to every local user in ps; prefer the file",
+    )
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key-file, then --api-key (with a warning: it shows in ps), then $CONVEYOR_API_KEY."""
+    if args.api_key_file is not None:
+        try:
+            key = args.api_key_file.read_text().strip()
+        except OSError as exc:
+            raise SystemExit(f"--api-key-file: cannot read {args.api_key_file}: {exc}") from None
+        if not key:
+            raise SystemExit(f"--api-key-file: {args.api_key_file} is empty")
+        return key
+    if args.api_key:
+        logging.getLogger("frontend").warning(
+            "--api-key on the command line can be read by every local user (ps); use "
+            "--api-key-file FILE or $%s",
+            API_KEY_ENV,
+        )
+        return args.api_key
+    return os.environ.get(API_KEY_ENV) or None
+
+
 def add_frontend_process_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of one frontend process (``conveyor frontend``, ``python -m frontend``)."""
     parser.add_argument("--engine", required=True, help="the engine's address (ipc:// or tcp://)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV) or None,
-        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})",
-    )
+    add_api_key_args(parser)
     parser.add_argument(
         "--max-queued-requests",
         type=_positive_int,
@@ -81,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         engine_address=args.engine,
         served_model_name=args.served_model_name,
-        api_key=args.api_key,
+        api_key=resolve_api_key(args),
         max_queued_requests=args.max_queued_requests,
         max_request_body_bytes=args.max_request_body_bytes,
         engine_ready_timeout_s=args.engine_ready_timeout_s,

@@ -22,6 +22,7 @@ import pytest
 from entrypoints.supervisor import RestartBudget
 from frontend.engine_client import MPEngineClient
 from protocol import EngineCoreRequest, SamplingParams
+from runtime.dirs import runtime_base
 from tests.commands import CONVEYOR
 from tests.frontend.http_helpers import free_port
 from tests.process_tree import descendants, kill_all, wait_until_gone
@@ -108,14 +109,33 @@ def test_sigterm_stops_everything_and_exits_zero(serve):
 
 
 @pytest.mark.slow
-def test_a_sigkilled_supervisor_leaves_no_orphans(serve):
-    """Row 9: the engine, its worker and an HTTP frontend all notice and exit."""
+def test_a_sigkilled_supervisor_leaves_no_orphans_and_no_runtime_folder(serve):
+    """Rows 9 and 20: the engine, its worker and an HTTP frontend all notice and exit, and the
+    runtime folders (the engine's socket and config, the frontends' ready files, the workers'
+    sockets) go with them."""
     served = serve(frontends=1)
     children = descendants(served.process.pid)
     assert len(children) >= 3
+    folders = _runtime_folders_of({served.process.pid, *children})
+    assert Path(served.address.removeprefix("ipc://")).parent in folders
+    assert len(folders) >= 2, "the engine's folder and its workers'"
     served.process.kill()
     served.process.wait(5.0)
     assert wait_until_gone(children, 10.0) == [], "children outlived the supervisor"
+    assert [f for f in folders if f.exists()] == [], "runtime folders were left behind"
+
+
+def _runtime_folders_of(pids: set[int]) -> list[Path]:
+    """The conveyor runtime folders whose owner file names one of ``pids``."""
+    found = []
+    for folder in runtime_base().glob("conveyor-*"):
+        try:
+            owner = int((folder / "owner").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        if owner in pids:
+            found.append(folder)
+    return found
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Bad input, the API key, the in-flight cap and the body limit, against a real server.
 
-One ``conveyor serve`` per module with one frontend, ``--api-key``, ``--max-queued-requests 2``
+One ``conveyor serve`` per module with one frontend, ``--api-key-file``, ``--max-queued-requests 2``
 and a 64 KiB body limit. Every refusal must come back as an OpenAI error body of bounded size,
 never a 5xx, and leave the engine serving exactly as before. The last test stops the supervisor
 with SIGTERM, so it must stay last.
@@ -51,8 +51,10 @@ LONG_STREAM = {"prompt": "x = 1", "max_tokens": 3000, "ignore_eos": True, "strea
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedHttp]:
-    log = tmp_path_factory.mktemp("limits") / "serve.log"
-    extra = ["--api-key", API_KEY, "--max-queued-requests", str(MAX_IN_FLIGHT)]
+    folder = tmp_path_factory.mktemp("limits")
+    log, key_file = folder / "serve.log", folder / "api-key"
+    key_file.write_text(API_KEY + "\n")
+    extra = ["--api-key-file", str(key_file), "--max-queued-requests", str(MAX_IN_FLIGHT)]
     extra += ["--max-request-body-bytes", str(BODY_LIMIT)]
     served = start_served_http(tiny_model_dir, log, extra)
     try:
@@ -177,6 +179,18 @@ def test_api_key_guards_every_v1_route_and_leaves_health_and_metrics_open(served
         assert _call(served.base_url, method, path, AUTH)[0] == allowed_status, path
     for path in ("/health", "/metrics"):
         assert get(served.base_url, path)[0] == 200
+
+
+def test_the_api_key_is_on_no_command_line_and_in_no_log(served):
+    """Row 21, given the way the docs give it (a file): no process of the server shows the key
+    in /proc/PID/cmdline (readable by every local user), and no log line holds it."""
+    for pid in [served.process.pid, *descendants(served.process.pid)]:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        assert API_KEY.encode() not in cmdline, f"pid {pid}: {cmdline!r}"
+    assert API_KEY not in served.log.read_text()
 
 
 def _open_stream(base_url: str) -> socket.socket:

@@ -9,12 +9,14 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
-from runtime.dirs import make_runtime_dir, remove_runtime_dir
+from runtime.dirs import make_runtime_dir, remove_runtime_dir, runtime_base
 from runtime.exit_codes import ExitCode
 from runtime.logs import LOG_LEVEL_ENV, log_level
 from runtime.processes import ChildProcess, describe_exit, pid_is_alive, terminate
@@ -112,9 +114,28 @@ def test_runtime_dirs_are_private_and_removed():
     path = make_runtime_dir()
     try:
         assert stat.S_IMODE(path.stat().st_mode) == 0o700
+        assert (path / "owner").read_text().split()[0] == str(os.getpid())
     finally:
         remove_runtime_dir(path)
     assert not path.exists()
+
+
+def test_a_folder_whose_owner_is_gone_is_swept_when_the_next_one_is_made():
+    """Row 20's last resort: a whole process group SIGKILLed leaves its folders; the next
+    conveyor process to make one removes them (and never a live owner's, or a stranger's)."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    stale, live, foreign = (Path(tempfile.mkdtemp(prefix="conveyor-", dir=runtime_base()))
+                            for _ in range(3))  # fmt: skip
+    (stale / "owner").write_text(dead.stdout.strip())
+    (live / "owner").write_text(str(os.getpid()))
+    # ``foreign`` has no owner file: made by something else, or being made right now.
+    fresh = make_runtime_dir()
+    try:
+        assert not stale.exists() and live.exists() and foreign.exists()
+    finally:
+        for path in (stale, live, foreign, fresh):
+            remove_runtime_dir(path)
 
 
 def test_log_lines_name_the_process_and_levels_come_from_the_environment(monkeypatch):
