@@ -48,7 +48,12 @@ from frontend.engine_args import (
 )
 from frontend.engine_client import EngineProcess, EngineStartError
 from frontend.engine_client.session import DEFAULT_READY_TIMEOUT_S, HEARTBEAT_INTERVAL_S
-from frontend.server.main import API_KEY_ENV, add_api_key_args, resolve_api_key
+from frontend.server.main import (
+    API_KEY_ENV,
+    add_api_key_args,
+    add_connection_args,
+    resolve_api_key,
+)
 from protocol import ConfigError
 from runtime.exit_codes import ExitCode
 from runtime.logs import LOG_LEVEL_ENV, configure_logging
@@ -139,6 +144,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         help=f"the model's name in the API (default: --model, or {DEFAULT_SERVED_MODEL_NAME})",
     )
     group.add_argument("--max-request-body-bytes", type=int, default=None)
+    add_connection_args(group)
     group.add_argument("--frontend-ready-timeout-s", type=float, default=60.0)
     group.add_argument(
         "--drain-timeout-s",
@@ -172,6 +178,9 @@ def frontend_options(args: argparse.Namespace) -> list[str]:
         options += ["--max-queued-requests", str(args.max_queued_requests)]
     if args.max_request_body_bytes is not None:
         options += ["--max-request-body-bytes", str(args.max_request_body_bytes)]
+    options += ["--request-read-timeout-s", str(args.request_read_timeout_s)]
+    options += ["--keep-alive-timeout-s", str(args.keep_alive_timeout_s)]
+    options += ["--max-header-bytes", str(args.max_header_bytes)]
     return options
 
 

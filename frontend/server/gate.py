@@ -1,11 +1,12 @@
 """The gate in front of every route: API key, overload and engine-health refusals, status counts.
 
 Runs in an HTTP frontend process. A pure ASGI middleware, so it sees a streamed response to its
-very end: a generation request counts as in flight until its last byte is sent (or its client
-leaves). Refusals go out before any body is read: 401 on /v1/* without the key (constant-time
-compare; /health and /metrics stay open), 503 + Retry-After while the engine is dead or this
-frontend drains, 429 + Retry-After when ``max_queued_requests`` generation requests are already
-in flight here.
+very end: a generation request counts as in flight from the moment its body has arrived until its
+last byte is sent (or its client leaves), so slow uploads hold no place. Refusals go out before
+any body is read: 401 on /v1/* without the key (constant-time compare; /health and /metrics stay
+open), 503 + Retry-After while the engine is dead or this frontend drains, 429 + Retry-After when
+``max_queued_requests`` generation requests are already in flight here (checked again when the
+body has arrived, so the count never passes the cap).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from frontend.server.errors import (
 from frontend.server.serving import ServingState
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def _body_complete(message: Message) -> bool:
+    return message["type"] == "http.request" and not message.get("more_body", False)
 
 
 class GateMiddleware:
@@ -59,10 +64,23 @@ class GateMiddleware:
             await error_response(refusal)(scope, receive, send_counted)
             return
         generation = scope["path"] in GENERATION_PATHS
-        if generation:
-            metrics.num_in_flight += 1
+        counted = False
+
+        async def receive_counted() -> Message:
+            # A request counts as in flight from the moment its whole body is here: a client
+            # that uploads slowly holds no place meanwhile (its connection has a deadline).
+            nonlocal counted
+            message = await receive()
+            if generation and not counted and _body_complete(message):
+                full = self._full(state)
+                if full is not None:
+                    raise full
+                metrics.num_in_flight += 1
+                counted = True
+            return message
+
         try:
-            await self.app(scope, receive, send_counted)
+            await self.app(scope, receive_counted, send_counted)
         except Exception:
             # The 500 for an unexpected error is sent by Starlette's outermost middleware,
             # around this gate: count it here, or failures would be what /metrics never shows.
@@ -70,7 +88,7 @@ class GateMiddleware:
                 metrics.observe_response(500)
             raise
         finally:
-            if generation:
+            if counted:
                 metrics.num_in_flight -= 1
 
     def _refusal(self, scope: Scope, state: ServingState) -> ApiError | None:
@@ -85,6 +103,9 @@ class GateMiddleware:
         if state.draining:
             message = "this server is shutting down"
             return ApiError(503, message, retry_after_s=RETRY_AFTER_OVERLOADED_S)
+        return self._full(state)
+
+    def _full(self, state: ServingState) -> ApiError | None:
         limit = self._max_queued_requests
         if limit is not None and state.metrics.num_in_flight >= limit:
             message = f"too many requests in flight (the limit is {limit}); retry later"

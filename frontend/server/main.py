@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 from frontend.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
+from frontend.server.connection import ConnectionLimits
 from frontend.server.runner import bind_shared_socket, run_server
 from runtime.exit_codes import ExitCode
 from runtime.logs import configure_logging
@@ -70,6 +71,39 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
     return os.environ.get(API_KEY_ENV) or None
 
 
+def add_connection_args(parser: argparse._ActionsContainer) -> None:
+    """Deadlines and caps for slow or hostile clients (``frontend.server.connection``)."""
+    limits = ConnectionLimits()
+    parser.add_argument(
+        "--request-read-timeout-s",
+        type=float,
+        default=limits.read_timeout_s,
+        help="a request's headers must arrive within this of its first byte, its body within "
+        f"this plus {limits.read_s_per_mib:g} s per MiB; else 408",
+    )
+    parser.add_argument(
+        "--keep-alive-timeout-s",
+        type=float,
+        default=limits.idle_timeout_s,
+        help="close a connection that sends nothing for this long",
+    )
+    parser.add_argument(
+        "--max-header-bytes",
+        type=_positive_int,
+        default=limits.max_header_bytes,
+        help="431 for request headers larger than this",
+    )
+
+
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(
+        idle_timeout_s=args.keep_alive_timeout_s,
+        read_timeout_s=args.request_read_timeout_s,
+        max_body_bytes=args.max_request_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+    )
+
+
 def add_frontend_process_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of one frontend process (``conveyor frontend``, ``python -m frontend``)."""
     parser.add_argument("--engine", required=True, help="the engine's address (ipc:// or tcp://)")
@@ -89,6 +123,7 @@ def add_frontend_process_args(parser: argparse.ArgumentParser) -> argparse.Argum
         "--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES
     )
     parser.add_argument("--drain-timeout-s", type=float, default=5.0)
+    add_connection_args(parser)
     parser.add_argument(
         "--engine-ready-timeout-s", type=float, default=30.0, help="give up attaching after this"
     )
@@ -123,4 +158,6 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         logging.getLogger("frontend").error("cannot listen on %s:%d: %s", args.host, args.port, exc)
         return ExitCode.BAD_CONFIG
-    return run_server(settings, sock, args.drain_timeout_s, args.ready_file)
+    return run_server(
+        settings, sock, args.drain_timeout_s, args.ready_file, connection_limits(args)
+    )

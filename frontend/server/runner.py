@@ -18,6 +18,7 @@ from typing import Any
 import uvicorn
 
 from frontend.server.app import ServerSettings, build_app
+from frontend.server.connection import ConnectionLimits, guarded_protocol
 from frontend.server.serving import ServingState
 from runtime.exit_codes import ExitCode
 
@@ -114,11 +115,14 @@ def run_server(
     sock: socket.socket,
     drain_timeout_s: float,
     ready_file: Path | None = None,
+    limits: ConnectionLimits | None = None,
 ) -> int:
     """Serve on ``sock`` until SIGTERM/SIGINT (then drain for up to ``drain_timeout_s``)."""
+    limits = limits or ConnectionLimits(max_body_bytes=settings.max_request_body_bytes)
     config = uvicorn.Config(
         build_app(settings),
-        http="httptools",
+        http=guarded_protocol(limits),
+        timeout_keep_alive=int(max(1, limits.idle_timeout_s)),
         lifespan="on",
         log_config=None,
         access_log=False,
