@@ -34,7 +34,7 @@ from tests.frontend.http_helpers import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http-heavy")]
 
-STREAM_TOKENS = 600
+STREAM_TOKENS = 300
 NUM_STREAMS = 4
 HEALTH_BUDGET_S = 0.1  # for 95 % of the polls
 HEALTH_LIMIT_S = 0.5  # for every poll
