@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 from frontend.engine_client.async_client import AsyncEngineClient
 from frontend.input_processor import Choice
@@ -22,12 +23,17 @@ from frontend.server.metrics import ServerMetrics
 from protocol import EngineCoreOutput
 
 _Item = ChoiceDelta | BaseException | None
+RunCpu = Callable[..., Awaitable[Any]]
 
 
 async def stream_choices(
-    client: AsyncEngineClient, choices: Sequence[Choice], metrics: ServerMetrics
+    client: AsyncEngineClient,
+    choices: Sequence[Choice],
+    metrics: ServerMetrics,
+    run_cpu: RunCpu,
 ) -> AsyncIterator[ChoiceDelta]:
     """Deltas of every choice as they come; raises ``EngineDeadError`` if the engine dies.
+    Large decodes run in ``run_cpu``, off the event loop.
 
     Iterate it inside ``contextlib.aclosing``, so leaving early aborts what still runs.
     """
@@ -37,7 +43,7 @@ async def stream_choices(
         for choice in choices:
             streams.append(await client.add_request(choice.request))
         sources = [
-            _choice_deltas(stream, processor, choice.state, metrics)
+            _choice_deltas(stream, processor, choice.state, metrics, run_cpu)
             for stream, choice in zip(streams, choices)
         ]
         # The common case (one choice) needs no task and no queue.
@@ -89,6 +95,7 @@ async def _choice_deltas(
     processor: OutputProcessor,
     choice: ChoiceState,
     metrics: ServerMetrics,
+    run_cpu: RunCpu,
 ) -> AsyncIterator[ChoiceDelta]:
     """One choice's deltas until it finishes; leaving early closes (and aborts) its stream."""
     ending = "abort"  # unless the choice finishes, or fails below
@@ -96,7 +103,7 @@ async def _choice_deltas(
         async with contextlib.aclosing(stream):  # type: ignore[type-var]
             async for output in stream:
                 previous = choice.last_token_time
-                delta = processor.process_output(output)
+                delta = await processor.process_output_off_loop(output, run_cpu)
                 if delta is None:
                     continue
                 if output.new_token_ids and choice.last_token_time is not None:

@@ -4,8 +4,9 @@ errors as 400s, usage, streaming responses and the disconnect watch.
 Runs in an HTTP frontend process, on its event loop. Prompts go through the same
 ``InputProcessor`` and ``OutputProcessor`` as ``LLM.generate``; only HTTP's own rules live here.
 The loop itself only moves bytes: work that grows with the input (decoding a large body,
-tokenizing, the chat template) runs on ``ServingState.cpu_pool`` (``run_cpu``), so one huge
-request cannot stall the other streams of its frontend, its /health, or its heartbeats.
+tokenizing, the chat template, decoding a long output's text) runs on ``ServingState.cpu_pool``
+(``run_cpu``), so one huge request cannot stall the other streams of its frontend, its /health,
+or its heartbeats.
 """
 
 from __future__ import annotations
@@ -193,7 +194,8 @@ class GenerationRun(ABC):
         return usage(self.prompts, self.states)
 
     def deltas(self) -> AsyncIterator[ChoiceDelta]:
-        return stream_choices(self.state.client, self.choices, self.state.metrics)
+        state = self.state
+        return stream_choices(state.client, self.choices, state.metrics, state.run_cpu)
 
     async def collect(self) -> msgspec.Struct:
         async with contextlib.aclosing(self.deltas()) as deltas:

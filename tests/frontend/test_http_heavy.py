@@ -26,7 +26,6 @@ from tests.frontend.http_helpers import (
     get,
     post_json,
     post_raw,
-    read_to_end,
     send_completion,
     start_served_http,
     stream_text,
@@ -39,6 +38,8 @@ NUM_STREAMS = 4
 HEALTH_BUDGET_S = 0.1  # for 95 % of the polls
 HEALTH_LIMIT_S = 0.5  # for every poll
 REFUSAL_BUDGET_S = 1.0
+# The longest a running stream may wait for its next token while another request is prepared.
+MAX_STREAM_GAP_S = 0.5
 STREAM = {"model": MODEL_NAME, "prompt": "def main():", "max_tokens": STREAM_TOKENS,
           "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
 
@@ -93,18 +94,61 @@ class HealthPoller:
                 self.failures.append(f"status {status}")
 
 
-def _while_streams_run(served: ServedHttp, reference: str, heavy: Callable[[], None]) -> None:
-    """Start the streams, run ``heavy`` under the health poller, then check the streams."""
+class TimedStream:
+    """One stream read on its own thread, with the arrival time of every chunk."""
+
+    def __init__(self, base_url: str) -> None:
+        self.sock = send_completion(base_url, STREAM)
+        self.raw = b""
+        self.arrivals: list[float] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while b"data: [DONE]" not in self.raw:
+            try:
+                data = self.sock.recv(65536)
+            except OSError:
+                break
+            if not data:
+                break
+            self.arrivals.append(time.perf_counter())
+            self.raw += data
+
+    def result(self) -> tuple[str, str | None]:
+        self._thread.join(60.0)
+        return stream_text(self.raw)
+
+    def longest_gap_s(self, start: float, end: float) -> float:
+        """The longest wait for a chunk within [start, end] (0 if the stream was not running)."""
+        times = [start, *(t for t in self.arrivals if start < t < end)]
+        if self.arrivals and self.arrivals[-1] > end:
+            times.append(end)
+        else:
+            return 0.0  # it ended inside the window: the time after its end is no wait
+        return max(b - a for a, b in zip(times, times[1:]))
+
+
+def _while_streams_run(
+    served: ServedHttp, reference: str, heavy: Callable[[], None]
+) -> list[tuple[float, float]]:
+    """Start the streams, run ``heavy`` under the health poller, then check the streams.
+
+    Returns each stream's longest wait for a chunk while ``heavy`` ran and, for comparison, its
+    longest wait in as long a time before it.
+    """
     pids_before = frontend_pids(served.process.pid)
-    socks = [send_completion(served.base_url, STREAM) for _ in range(NUM_STREAMS)]
+    streams = [TimedStream(served.base_url) for _ in range(NUM_STREAMS)]
     try:
         time.sleep(0.3)  # the streams are generating
         with HealthPoller(served.base_url) as health:
+            start = time.perf_counter()
             heavy()
-            results = [stream_text(read_to_end(sock)) for sock in socks]
+            end = time.perf_counter()
+            results = [stream.result() for stream in streams]
     finally:
-        for sock in socks:
-            sock.close()
+        for stream in streams:
+            stream.sock.close()
     assert results == [(reference, "length")] * NUM_STREAMS
     assert not health.failures, health.failures[:5]
     latencies = sorted(health.latencies_s)
@@ -116,6 +160,10 @@ def _while_streams_run(served: ServedHttp, reference: str, heavy: Callable[[], N
     assert frontend_pids(served.process.pid) == pids_before, "the frontend was restarted"
     log = served.log.read_text()
     assert "silent for over" not in log and "exited with code" not in log
+    return [
+        (s.longest_gap_s(start, end), s.longest_gap_s(start - (end - start), start))
+        for s in streams
+    ]
 
 
 def _refused_in_time(served: ServedHttp, path: str, body: bytes, param: str) -> None:
@@ -160,3 +208,34 @@ def test_a_prompt_that_tokenizes_for_seconds_stalls_nothing_else(served, referen
 
     _while_streams_run(served, reference, heavy)
     assert took[0] > 0.5, f"tokenizing 6.7 MB took only {took[0]:.2f} s: not a heavy request"
+
+
+def test_an_accepted_request_that_tokenizes_for_seconds_leaves_other_streams_running(
+    served, reference
+):
+    """256 prompts each just inside the context (together about a million tokens, over a
+    second of tokenizing) are served, while the four streams keep getting tokens: none waits
+    longer than ``MAX_STREAM_GAP_S`` for its next one (a tokenizer on the event loop would hold
+    every stream for the whole of it). The prompts are equal, so the engine computes one and
+    finds the rest in its prefix cache: what is heavy here is the frontend's part."""
+    prompt = "def f(x):\n    return x + 1\n" * 330
+    body = {"model": MODEL_NAME, "prompt": [prompt] * 256, "max_tokens": 1, "temperature": 0}
+    raw = json.dumps(body).encode()
+    took: list[float] = []
+    answers: list[dict] = []
+
+    def heavy() -> None:
+        start = time.perf_counter()
+        status, _, response = post_raw(served.base_url, "/v1/completions", raw)
+        took.append(time.perf_counter() - start)
+        assert status == 200, response[:300]
+        answers.append(json.loads(response))
+
+    gaps = _while_streams_run(served, reference, heavy)
+    (answer,) = answers
+    assert len(answer["choices"]) == 256
+    assert len({choice["text"] for choice in answer["choices"]}) == 1, "equal greedy prompts"
+    num_prompt_tokens = answer["usage"]["prompt_tokens"]
+    assert num_prompt_tokens > 900_000 and took[0] > 1.0, (num_prompt_tokens, took[0])
+    during = max(gap for gap, _ in gaps)
+    assert during < MAX_STREAM_GAP_S, f"{took[0]:.1f} s request; longest waits {gaps}"

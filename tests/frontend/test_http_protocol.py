@@ -6,7 +6,9 @@ Runs in the test process, in milliseconds (the tokenizer is the tiny model's).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.output_processor import ChoiceState
+from frontend.output_processor import MAX_DECODE_TOKENS_ON_LOOP, ChoiceState, OutputProcessor
 from frontend.server.errors import MAX_MESSAGE_CHARS, ApiError
 from frontend.server.metrics import ServerMetrics
 from frontend.server.request_models import (
@@ -155,6 +157,44 @@ def test_without_a_stop_the_deltas_add_up_to_the_whole_decode(tokenizer):
     tracker, deltas = _run_tracker(tokenizer, text, [])
     whole = tokenizer.decode(tracker.token_ids, skip_special_tokens=True)
     assert "".join(deltas) == whole and tracker.finish_reason == "length"
+
+
+def test_a_long_choice_is_decoded_off_the_event_loop_with_the_same_text(tokenizer):
+    """Row 18: the whole-text decode of a long choice's last output runs in ``run_cpu`` (a
+    thread), short ones stay on the loop; both give what ``process_output`` gives."""
+    token_ids = list(tokenizer("def f(x):\n    return x + 1\n" * 200).input_ids)
+    assert len(token_ids) > MAX_DECODE_TOKENS_ON_LOOP
+    loop_thread = threading.get_ident()
+    decoded_in: list[int] = []
+
+    async def run_cpu(function: Any, *args: Any) -> Any:
+        def call() -> Any:
+            decoded_in.append(threading.get_ident())
+            return function(*args)
+
+        return await asyncio.to_thread(call)
+
+    async def fold_all(length: int) -> tuple[str, list[str]]:
+        params = SamplingParams(max_tokens=length)
+        whole = OutputProcessor([ChoiceState(0, "a", tokenizer, [5], params, 0.0, stream=False)])
+        streamed = ChoiceState(0, "b", tokenizer, [5], params, 0.0, stream=True)
+        deltas = []
+        for i, token_id in enumerate(token_ids[:length]):
+            reason = "length" if i == length - 1 else None
+            delta = await whole.process_output_off_loop(
+                EngineCoreOutput("a", [token_id], reason), run_cpu
+            )
+            assert delta is not None
+            deltas.append(delta.text)
+            streamed.update(EngineCoreOutput("b", [token_id], reason))
+        assert whole.num_unfinished == 0
+        return "".join(deltas), [streamed.text]
+
+    text, (streamed_text,) = asyncio.run(fold_all(20))
+    assert text == streamed_text and decoded_in == [], "a short choice is decoded on the loop"
+    text, (streamed_text,) = asyncio.run(fold_all(len(token_ids)))
+    assert text == streamed_text == tokenizer.decode(token_ids, skip_special_tokens=True)
+    assert len(decoded_in) == 1 and decoded_in[0] != loop_thread
 
 
 def _samples(text: str) -> dict[str, float]:
