@@ -32,6 +32,7 @@ from protocol import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from protocol.sampling_params import find_vocab_problem
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,9 @@ class EngineCore:
             return "the prompt is empty"
         if min(prompt) < 0 or max(prompt) >= vocab_size:
             return f"prompt token ids must be in [0, {vocab_size})"
+        vocab_problem = find_vocab_problem(request.sampling_params, vocab_size)
+        if vocab_problem is not None:
+            return vocab_problem
         if len(prompt) >= max_model_len:
             return (
                 f"the prompt has {len(prompt)} tokens; it must be shorter than "

@@ -41,7 +41,6 @@ from entrypoints.supervisor import (
     watch,
 )
 from frontend.engine_args import (
-    DEFAULT_MODEL_DIR,
     DEFAULT_SERVED_MODEL_NAME,
     EngineArgs,
     add_engine_args,
@@ -245,18 +244,10 @@ def start_frontends(
 
 
 def demo_body(args: argparse.Namespace, prompt: str) -> dict[str, object]:
-    """A greedy completion request, with the repetition penalty the model's own generation
-    config recommends (the embedded model's: greedy decoding of a small model loops)."""
+    """A greedy completion request; the server adds the model's own defaults for the rest (the
+    embedded model's repetition penalty: greedy decoding of a small model loops)."""
     body: dict[str, object] = {"model": args.served_model_name, "prompt": prompt}
     body.update(max_tokens=DEMO_MAX_TOKENS, temperature=0)
-    model_dir = Path(args.model) if args.model else DEFAULT_MODEL_DIR
-    try:
-        penalty = json.loads((model_dir / "generation_config.json").read_text())
-        penalty = penalty.get("repetition_penalty")
-    except (OSError, ValueError, AttributeError):
-        penalty = None
-    if isinstance(penalty, (int, float)) and penalty != 1:
-        body["repetition_penalty"] = penalty
     return body
 
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from protocol import (
     CacheConfig,
@@ -23,7 +26,9 @@ from protocol import (
     check_engine_config,
     load_model_config,
 )
-from protocol.config import POLICIES
+from protocol.config import POLICIES, ConfigError, read_sampling_defaults
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TOKEN_BUDGET = 2048
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
@@ -59,11 +64,28 @@ class EngineArgs:
     trace_steps: str | None = None
     enable_debug_queries: bool = False
     step_timeout_s: float = 600.0
+    # Sampling defaults: "auto" (the model's generation_config.json), "vllm" (none) or a folder.
+    generation_config: str = "auto"
+    # A Jinja chat template file replacing the tokenizer's own.
+    chat_template: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model directory and build the checked, frozen config tree."""
         model = str(DEFAULT_MODEL_DIR) if self.model is None else self.model
         model_config = load_model_config(model, self.dtype, self.max_model_len, self.seed)
+        model_config = msgspec.structs.replace(
+            model_config,
+            sampling_defaults=read_sampling_defaults(self.generation_config, model_config.model),
+            chat_template=self._read_chat_template(),
+        )
+        if model_config.sampling_defaults:
+            logger.info(
+                "sampling defaults from %s: %s (a request's own values win)",
+                "the model's generation_config.json"
+                if self.generation_config == "auto"
+                else self.generation_config,
+                model_config.sampling_defaults,
+            )
         config = EngineConfig(
             model=model_config,
             cache=CacheConfig(
@@ -92,6 +114,14 @@ class EngineArgs:
         )
         check_engine_config(config)
         return config
+
+    def _read_chat_template(self) -> str | None:
+        if self.chat_template is None:
+            return None
+        try:
+            return Path(self.chat_template).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--chat-template {self.chat_template}: {exc}") from None
 
     def _token_budget(self, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:
@@ -180,6 +210,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=d.step_timeout_s,
         help="a step running longer means the engine is hung: it reports itself dead and exits "
         "non-zero (0 = never)",
+    )
+    group.add_argument(
+        "--generation-config",
+        default=d.generation_config,
+        metavar="auto|vllm|DIR",
+        help="sampling defaults for what a request leaves out (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens): auto = the model's generation_config.json, "
+        "vllm = none, DIR = that folder's generation_config.json",
+    )
+    group.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        default=d.chat_template,
+        help="a Jinja chat template replacing the model's own",
     )
     return parser
 

@@ -29,6 +29,13 @@ import msgspec
 
 from frontend.output_processor import ChoiceState
 from protocol import CacheConfig, EngineConfig, EngineCoreRequest, SamplingParams
+from protocol.sampling_params import find_vocab_problem
+
+# Arguments of ``apply_chat_template`` itself: a request's template variables may not replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "chat_template", "tokenize", "add_generation_prompt", "return_dict",
+     "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs", "tools", "documents"}
+)  # fmt: skip
 
 
 class PromptError(ValueError):
@@ -66,20 +73,28 @@ class InputProcessor:
         self.max_choices = max_choices
         self.max_model_len = context_limit(config)
         self._eos_token_ids = list(config.model.eos_token_ids)
+        # What a request leaves out, the model's generation_config.json decides (if it says).
+        self.sampling_defaults: dict[str, Any] = dict(config.model.sampling_defaults)
+        self.chat_template = config.model.chat_template
         # No text of more characters than this can fit the context. A token's string in the
         # vocabulary is at least as long as the text it decodes to (one character per byte for
         # byte-level BPE, "▁" for a space in SentencePiece); the factor covers normalizers
         # that compose several characters into one.
         self.max_prompt_chars = self.max_model_len * max_token_chars(tokenizer) * 4
 
-    def check_sizes(self, prompts: Sequence[str | Sequence[int]], n: int) -> None:
+    def check_sizes(
+        self, prompts: Sequence[str | Sequence[int]], n: int, truncating: bool = False
+    ) -> None:
         """The cheap checks, before any tokenizing: the number of choices, and each prompt's
-        length against the most the context could hold."""
+        length against the most the context could hold (unless the prompts are to be
+        truncated: then only the body's size bounds them)."""
         if self.max_choices is not None and len(prompts) * n > self.max_choices:
             raise PromptError(
                 f"{len(prompts)} prompts x n={n} exceeds {self.max_choices} choices per request",
                 "n",
             )
+        if truncating:
+            return
         for i, prompt in enumerate(prompts):
             where = "" if len(prompts) == 1 else f"prompt {i}: "
             if isinstance(prompt, str):
@@ -110,16 +125,39 @@ class InputProcessor:
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text).input_ids)
 
-    def render_chat(self, conversation: list[dict[str, Any]]) -> list[int]:
-        """A conversation as prompt token ids, through the model's chat template."""
+    def default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's defaults (``--generation-config``)."""
+        return SamplingParams(**self.sampling_defaults)
+
+    def render_chat(
+        self,
+        conversation: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """A conversation as prompt token ids, through the chat template (``--chat-template``,
+        else the tokenizer's own); ``template_kwargs`` become variables of the template (for
+        example ``enable_thinking``)."""
         if not conversation:
             raise PromptError("messages must not be empty", "messages")
         tokenizer = self.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
+        template = self.chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
             raise PromptError("this model has no chat template; use /v1/completions")
+        template_kwargs = dict(template_kwargs or {})
+        reserved = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise PromptError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs"
+            )
         try:
             text = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False
+                conversation,
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **template_kwargs,
             )
         except Exception as exc:  # a template may raise anything on input it does not expect
             raise PromptError(
@@ -127,6 +165,18 @@ class InputProcessor:
             ) from None
         # The template wrote the special tokens itself.
         return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+    def truncate(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """The last ``truncate_prompt_tokens`` tokens of the prompt (vLLM's left truncation)."""
+        if truncate_prompt_tokens is None:
+            return token_ids
+        if not 1 <= truncate_prompt_tokens <= self.max_model_len:
+            raise PromptError(
+                f"truncate_prompt_tokens must be between 1 and this model's context of "
+                f"{self.max_model_len} tokens, got {truncate_prompt_tokens}",
+                "truncate_prompt_tokens",
+            )
+        return token_ids[-truncate_prompt_tokens:]
 
     def to_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -184,6 +234,11 @@ class InputProcessor:
                 "choices per request",
                 "n",
             )
+        vocab_size = self.config.model.vocab_size
+        for prompt_params in per_prompt:
+            problem = find_vocab_problem(prompt_params, vocab_size)
+            if problem is not None:
+                raise PromptError(problem, problem.split(" ", 1)[0])
         wall_time = time.time()  # the engine's arrival time is wall-clock
         choices, index = [], 0
         for token_ids, prompt_params in zip(prompts, per_prompt):

@@ -72,6 +72,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` with the model's own defaults (``generation_config``)."""
+        return self.input_processor.default_sampling_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -122,7 +126,8 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            # The model author's defaults (generation_config.json), as vLLM's LLM uses them.
+            sampling_params = self.input_processor.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -33,6 +33,11 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # "auto" = float32 on CPU, bfloat16 on CUDA; otherwise a torch dtype name.
     dtype: str = "auto"
     seed: int = 0
+    # Sampling defaults for the fields a request leaves out, as SamplingParams names them, from
+    # the model's generation_config.json (see ``read_sampling_defaults``); empty: ours.
+    sampling_defaults: dict[str, int | float] = {}
+    # A chat template that replaces the tokenizer's own (``--chat-template FILE``).
+    chat_template: str | None = None
 
 
 class CacheConfig(msgspec.Struct, frozen=True):
@@ -132,6 +137,47 @@ def load_model_config(
         dtype=dtype,
         seed=seed,
     )
+
+
+# generation_config.json keys a server takes as sampling defaults, and their SamplingParams names.
+GENERATION_CONFIG_SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def read_sampling_defaults(
+    source: str, model_dir: str | os.PathLike[str]
+) -> dict[str, int | float]:
+    """The sampling defaults ``--generation-config`` names, as SamplingParams fields.
+
+    ``auto``: the model directory's generation_config.json; ``vllm``: none (the server's own
+    defaults: temperature 1, no filters); anything else: a directory holding a
+    generation_config.json. Only the keys the file sets are taken, as vLLM does, so a file that
+    sets only ``eos_token_id`` changes no sampling default.
+    """
+    if source == "vllm":
+        return {}
+    folder = Path(model_dir) if source == "auto" else Path(source)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if source == "auto":
+            return {}
+        raise ConfigError(f"--generation-config {source}: no generation_config.json there")
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} is not readable JSON: {exc}") from None
+    defaults: dict[str, int | float] = {}
+    for key, name in GENERATION_CONFIG_SAMPLING_KEYS.items():
+        value = values.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            defaults[name] = int(value) if name in ("top_k", "max_tokens") else float(value)
+    return defaults
 
 
 def check_engine_config(config: EngineConfig) -> None:

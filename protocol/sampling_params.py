@@ -19,6 +19,11 @@ MAX_LOGPROBS = 20
 # caps that keep one request's per-token stop checks (and its wire size) small.
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
+# Per-token biases and allow-lists travel with the request and build a row of the sampler's mask
+# per step: bounded as OpenAI bounds logit_bias (300 entries of -100..100).
+MAX_LOGIT_BIAS = 300
+MAX_LOGIT_BIAS_VALUE = 100.0
+MAX_ALLOWED_TOKEN_IDS = 1 << 17
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
@@ -46,6 +51,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
     repetition_penalty: float = 1.0
     # Keep the stop string in the returned text (the frontend applies it).
     include_stop_str_in_output: bool = False
+    # Token id -> a value added to its logit before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] = {}
+    # Only these tokens may be sampled (vLLM's allowed_token_ids); None allows all.
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.stop_token_ids, frozenset):
@@ -59,12 +68,20 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
         return self.temperature == 0.0
 
 
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+
+
 def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def find_sampling_problem(p: SamplingParams) -> str | None:
     """Return a human-readable reason the parameters are invalid, or None if they are fine."""
+    for name in _INT_FIELDS:
+        value = getattr(p, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            # The wire carries these as integers: a float would make the frame undecodable.
+            return f"{name} must be an integer, got {value!r}"
     if not 1 <= p.n <= MAX_N:
         return f"n must be between 1 and {MAX_N}, got {p.n}"
     if not _finite(p.temperature) or p.temperature < 0:
@@ -102,4 +119,31 @@ def find_sampling_problem(p: SamplingParams) -> str | None:
         return f"repetition_penalty must be > 0, got {p.repetition_penalty}"
     if p.seed is not None and not -(2**63) <= p.seed < 2**63:
         return "seed must fit in a signed 64-bit integer"
+    if len(p.logit_bias) > MAX_LOGIT_BIAS:
+        return f"logit_bias must hold at most {MAX_LOGIT_BIAS} tokens, got {len(p.logit_bias)}"
+    for token_id, bias in p.logit_bias.items():
+        if not isinstance(token_id, int) or token_id < 0:
+            return f"logit_bias keys must be non-negative token ids, got {token_id!r}"
+        if not _finite(bias) or abs(bias) > MAX_LOGIT_BIAS_VALUE:
+            return f"logit_bias values must be in [-100, 100], got {bias}"
+    if p.allowed_token_ids is not None:
+        if not p.allowed_token_ids:
+            return "allowed_token_ids must not be empty"
+        if len(p.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+            return f"allowed_token_ids must hold at most {MAX_ALLOWED_TOKEN_IDS} ids"
+        if any(not isinstance(t, int) or t < 0 for t in p.allowed_token_ids):
+            return "allowed_token_ids must be non-negative token ids"
+    return None
+
+
+def find_vocab_problem(p: SamplingParams, vocab_size: int) -> str | None:
+    """A token id of ``p`` outside the model's vocabulary, or None: the checks that need the
+    model, made by the frontend and again by the engine."""
+    for name, ids in (
+        ("stop_token_ids", p.stop_token_ids),
+        ("logit_bias", p.logit_bias),
+        ("allowed_token_ids", p.allowed_token_ids or ()),
+    ):
+        if any(t >= vocab_size for t in ids):
+            return f"{name} must be token ids in [0, {vocab_size})"
     return None

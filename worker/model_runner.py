@@ -122,8 +122,18 @@ class ModelRunner:
             outputs = [batch.output_token_ids(row).tolist() for row in rows]
         else:
             prompts = outputs = [[] for _ in rows]
+        num_output_tokens = None
+        if any(p.min_tokens for p in params):
+            num_output_tokens = (batch.num_tokens[rows] - batch.num_prompt_tokens[rows]).tolist()
         return make_sampling_metadata(
-            params, generators, prompts, outputs, self.vocab_size, self.device
+            params,
+            generators,
+            prompts,
+            outputs,
+            self.vocab_size,
+            self.device,
+            num_output_tokens,
+            self.config.model.eos_token_ids,
         )
 
 

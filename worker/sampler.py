@@ -5,10 +5,12 @@ operations, matching what OpenAI and vLLM users expect:
 
 1. logprobs, when asked, from the RAW logits (before penalties, temperature and filters), so they
    compare with ``log_softmax`` of the model's output;
-2. penalties: repetition (HF semantics, prompt and output tokens), presence and frequency (OpenAI
+2. token constraints: only ``allowed_token_ids``, ``logit_bias`` added, stop and EOS tokens
+   masked until ``min_tokens`` are out (vLLM's order: before the penalties);
+3. penalties: repetition (HF semantics, prompt and output tokens), presence and frequency (OpenAI
    semantics, output tokens only);
-3. greedy rows take the argmax of the penalised logits;
-4. random rows: temperature, min-p, top-k, top-p, then an exponential race
+4. greedy rows take the argmax of the adjusted logits;
+5. random rows: temperature, min-p, top-k, top-p, then an exponential race
    ``argmax(probs / Exp(1))``, which samples exactly from ``probs`` and lets each seeded row draw its
    noise from its own generator, so a seeded request gets the same tokens in any batch, at any row.
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from protocol.messages import Logprobs
-from worker.sampling_metadata import SamplingMetadata
+from worker.sampling_metadata import SamplingMetadata, TokenConstraints
 
 
 @dataclass
@@ -43,11 +45,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of ``logits`` ([R, V] float32); ``logits`` is not modified."""
         logits = logits.float()
-        if metadata.no_penalties and metadata.all_greedy and metadata.max_num_logprobs is None:
+        if metadata.no_adjustments and metadata.all_greedy and metadata.max_num_logprobs is None:
             return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1))
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if metadata.token_constraints is not None:
+            logits = apply_token_constraints(logits, metadata.token_constraints)
         logits = apply_penalties(logits, metadata)
         sampled = sample(logits, metadata)
         if raw_logprobs is None:
@@ -95,6 +99,21 @@ def race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.T
     for row, generator in generators.items():
         noise[row].uniform_(generator=generator)
     return probs.div_(noise.log_().neg_()).argmax(dim=-1)
+
+
+def apply_token_constraints(logits: torch.Tensor, constraints: TokenConstraints) -> torch.Tensor:
+    """Return the logits (a new tensor) with allow-lists, biases and bans applied."""
+    logits = logits.clone()
+    for row, allowed in constraints.allowed.items():
+        kept = logits[row, allowed]
+        logits[row] = float("-inf")
+        logits[row, allowed] = kept
+    if constraints.bias is not None:
+        rows, token_ids, values = constraints.bias
+        logits.index_put_((rows, token_ids), values.to(logits.dtype), accumulate=True)
+    if constraints.banned is not None:
+        logits.index_put_(constraints.banned, torch.tensor(float("-inf"), device=logits.device))
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -9,7 +9,8 @@ kernels to run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +19,21 @@ from protocol.sampling_params import SamplingParams
 # Below this a temperature only amplifies float noise (logits / 1e-6 overflow into ties or NaN), and
 # the distribution is already a point mass on the argmax: treat the row as greedy.
 MIN_TEMPERATURE = 1e-5
+
+
+@dataclass
+class TokenConstraints:
+    """Per-row changes to the logits, as sparse (row, token) lists: a dense [R, V] tensor per
+    step would cost more than the rows it changes.
+
+    ``bias``: logit_bias entries, added. ``banned``: tokens a row may not sample now (its stop
+    and EOS tokens until ``min_tokens`` are out). ``allowed``: row -> the only tokens it may
+    sample (allowed_token_ids).
+    """
+
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    allowed: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -53,10 +69,17 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]
     # Largest top_k over rows (0 when top_k is None): sizes torch.topk without a device sync.
     max_top_k: int = 0
+    # What rows may not sample or are pushed towards; None when no row has any.
+    token_constraints: TokenConstraints | None = None
 
     @property
     def num_rows(self) -> int:
         return self.temperature.shape[0]
+
+    @property
+    def no_adjustments(self) -> bool:
+        """Nothing changes the logits before sampling: no penalty, bias or mask."""
+        return self.no_penalties and self.token_constraints is None
 
     @property
     def no_penalties(self) -> bool:
@@ -74,8 +97,13 @@ def make_sampling_metadata(
     output_token_ids: list[list[int]],
     vocab_size: int,
     device: torch.device,
+    num_output_tokens: list[int] | None = None,
+    eos_token_ids: Collection[int] = (),
 ) -> SamplingMetadata:
     """Build the step's metadata, one row per entry of ``params`` (batch order).
+
+    ``num_output_tokens`` (per row, before this step's token) decides which rows still hide
+    their stop and EOS tokens (``min_tokens``); None means every row is past its minimum.
 
     ``generators`` maps row -> that request's own generator (seeded requests only). It must live on
     ``device`` and be kept for the request's whole life, preemptions included: a seeded request
@@ -109,6 +137,51 @@ def make_sampling_metadata(
         ),
         output_token_ids=output_token_ids,
         max_top_k=max(top_ks) if use_top_k else 0,
+        token_constraints=make_token_constraints(params, num_output_tokens, eos_token_ids, device),
+    )
+
+
+def make_token_constraints(
+    params: list[SamplingParams],
+    num_output_tokens: list[int] | None,
+    eos_token_ids: Collection[int],
+    device: torch.device,
+) -> TokenConstraints | None:
+    """The step's logit biases and masks, or None when no row has any (the common case)."""
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_values: list[float] = []
+    banned_rows: list[int] = []
+    banned_ids: list[int] = []
+    allowed: dict[int, torch.Tensor] = {}
+    for row, p in enumerate(params):
+        if p.logit_bias:
+            bias_rows += [row] * len(p.logit_bias)
+            bias_ids += p.logit_bias.keys()
+            bias_values += p.logit_bias.values()
+        if p.allowed_token_ids is not None:
+            allowed[row] = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=device)
+        if num_output_tokens is not None and num_output_tokens[row] < p.min_tokens:
+            # vLLM's min_tokens: no stop token (EOS too, unless ignored) before the minimum.
+            stop_ids = set(p.stop_token_ids)
+            if not p.ignore_eos:
+                stop_ids.update(eos_token_ids)
+            banned_rows += [row] * len(stop_ids)
+            banned_ids += stop_ids
+    if not (bias_rows or banned_rows or allowed):
+        return None
+
+    def ids(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return TokenConstraints(
+        bias=(
+            (ids(bias_rows), ids(bias_ids), torch.tensor(bias_values, device=device))
+            if bias_rows
+            else None
+        ),
+        banned=(ids(banned_rows), ids(banned_ids)) if banned_rows else None,
+        allowed=allowed,
     )
 
 

@@ -7,7 +7,7 @@ of them (sharing one port through SO_REUSEPORT) add tokenizing and streaming CPU
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 while
 the engine is dead, has dropped this frontend or this frontend drains), GET /metrics (Prometheus
-text).
+text), POST /tokenize, POST /detokenize, GET /version (vLLM's shapes).
 """
 
 from __future__ import annotations
@@ -43,6 +43,13 @@ from frontend.server.request_models import (
 )
 from frontend.server.response_models import ModelCard, ModelList, encode_json
 from frontend.server.serving import MAX_CHOICES_PER_REQUEST, ClientDisconnected, ServingState
+from frontend.server.tokenize import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    package_version,
+    tokenize,
+)
 from frontend.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -112,6 +119,22 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     body = await read_request(request, ChatCompletionRequest)
     return await create_chat_completion(_serving(request), body, request.receive)
+
+
+async def tokenize_route(request: Request) -> Response:
+    body = await read_request(request, TokenizeRequest)
+    response = await tokenize(_serving(request), body)
+    return Response(encode_json(response), media_type="application/json")
+
+
+async def detokenize_route(request: Request) -> Response:
+    body = await read_request(request, DetokenizeRequest)
+    response = await detokenize(_serving(request), body)
+    return Response(encode_json(response), media_type="application/json")
+
+
+async def version_route(request: Request) -> Response:
+    return JSONResponse({"version": package_version()})
 
 
 async def models(request: Request) -> Response:
@@ -196,6 +219,9 @@ def build_app(settings: ServerSettings) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/tokenize", tokenize_route, methods=["POST"]),
+        Route("/detokenize", detokenize_route, methods=["POST"]),
+        Route("/version", version_route, methods=["GET"]),
     ]
     app: Starlette
 

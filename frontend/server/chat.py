@@ -19,6 +19,7 @@ from frontend.output_processor import ChoiceDelta, LogprobRow
 from frontend.server.logprobs import chat_logprobs
 from frontend.server.request_models import (
     ChatCompletionRequest,
+    ChatMessage,
     chat_max_tokens,
     chat_num_logprobs,
     message_text,
@@ -47,6 +48,9 @@ from frontend.server.serving import (
 from protocol import SamplingParams
 
 ROLE = "assistant"
+# A short chat (a message or two of a few words) is prepared on the event loop; see
+# ``LOOP_PREPARE_LIMIT``.
+TEMPLATE_CHARS_PER_MESSAGE = 128
 
 
 async def create_chat_completion(
@@ -55,27 +59,34 @@ async def create_chat_completion(
     arrival_time = time.monotonic()
     check_model(state, body.model)
     num_logprobs = chat_num_logprobs(body)
-    max_tokens = chat_max_tokens(body)
-    conversation = _conversation(state, body)
-    params = to_sampling_params(body, max_tokens, num_logprobs, state.config.model.vocab_size)
-    prompt, response_id, choices = await state.run_cpu(
-        _prepare, state, body, conversation, max_tokens, params, arrival_time
+    defaults = state.inputs.sampling_defaults
+    max_tokens = chat_max_tokens(body, defaults)
+    truncating = body.truncate_prompt_tokens is not None
+    conversation, size = conversation_of(state, body.messages, truncating)
+    vocab_size = state.config.model.vocab_size
+    params = to_sampling_params(body, max_tokens, num_logprobs, vocab_size, defaults)
+    prompt, response_id, choices = await state.run_cpu_unless_small(
+        size, _prepare, state, body, conversation, max_tokens, params, arrival_time
     )
     run = _ChatRun(state, body, [prompt], response_id, choices, num_logprobs)
     return await run.respond(receive)
 
 
-def _conversation(state: ServingState, body: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The messages as the chat template takes them, after the checks that cost a ``len``."""
+def conversation_of(
+    state: ServingState, messages: list[ChatMessage], truncating: bool = False
+) -> tuple[list[dict[str, str]], int]:
+    """The messages as the chat template takes them, after the checks that cost a ``len``
+    (only the body's size bounds a chat that will be truncated), and the size of preparing them
+    (see ``LOOP_PREPARE_LIMIT``)."""
     with as_bad_request():
-        state.inputs.check_conversation_size(len(body.messages), 0)
-    conversation = [
-        {"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)
-    ]
-    with as_bad_request():
-        num_chars = sum(len(m["content"]) for m in conversation)
-        state.inputs.check_conversation_size(len(conversation), num_chars)
-    return conversation
+        state.inputs.check_conversation_size(len(messages), 0)
+    conversation = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(messages)]
+    num_chars = sum(len(m["content"]) for m in conversation)
+    if not truncating:
+        with as_bad_request():
+            state.inputs.check_conversation_size(len(conversation), num_chars)
+    # The template costs about as much per message as tokenizing this many characters.
+    return conversation, num_chars + TEMPLATE_CHARS_PER_MESSAGE * len(conversation)
 
 
 def _prepare(
@@ -86,9 +97,14 @@ def _prepare(
     params: SamplingParams,
     arrival_time: float,
 ) -> tuple[list[int], str, list[Choice]]:
-    """The chat template, tokenizing, checks and fan-out: on the CPU pool."""
+    """The chat template, tokenizing, checks and fan-out: on the CPU pool unless small."""
     with as_bad_request():
-        prompt = state.inputs.render_chat(conversation)
+        prompt = state.inputs.render_chat(
+            conversation,
+            add_generation_prompt=body.add_generation_prompt,
+            template_kwargs=body.chat_template_kwargs,
+        )
+        prompt = state.inputs.truncate(prompt, body.truncate_prompt_tokens)
     check_prompts(state, [prompt], max_tokens)
     response_id, choices = make_choices(
         state, [prompt], params, body.priority, arrival_time, bool(body.stream)

@@ -17,6 +17,7 @@ from frontend.server.logprobs import completion_logprobs
 from frontend.server.request_models import (
     CompletionRequest,
     check_completion_request,
+    completion_max_tokens,
     prompt_list,
     to_sampling_params,
 )
@@ -46,9 +47,15 @@ async def create_completion(
     check_model(state, body.model)
     check_completion_request(body)
     prompts = prompt_list(body.prompt)
-    check_sizes(state, prompts, body.n)
-    params = to_sampling_params(body, body.max_tokens, body.logprobs, state.config.model.vocab_size)
-    prepared = await state.run_cpu(_prepare, state, body, prompts, params, arrival_time)
+    check_sizes(state, prompts, body.n, truncating=body.truncate_prompt_tokens is not None)
+    defaults = state.inputs.sampling_defaults
+    max_tokens = completion_max_tokens(body, defaults)
+    vocab_size = state.config.model.vocab_size
+    params = to_sampling_params(body, max_tokens, body.logprobs, vocab_size, defaults)
+    size = sum(map(len, prompts))
+    prepared = await state.run_cpu_unless_small(
+        size, _prepare, state, body, prompts, params, max_tokens, arrival_time
+    )
     return await _CompletionRun(state, body, *prepared).respond(receive)
 
 
@@ -57,16 +64,25 @@ def _prepare(
     body: CompletionRequest,
     prompts: list[str | list[int]],
     params: SamplingParams,
+    max_tokens: int | None,
     arrival_time: float,
-) -> tuple[list[list[int]], str, list[Choice]]:
-    """Tokenize, check and fan out: work that grows with the input, so on the CPU pool."""
+) -> tuple[list[list[int]], str, list[Choice], list[str]]:
+    """Tokenize, truncate, check and fan out: work that grows with the input, so on the CPU pool
+    unless the input is small. Also the prompts' text, when ``echo`` wants it back."""
+    inputs = state.inputs
     with as_bad_request():
-        token_ids = [p if isinstance(p, list) else state.inputs.tokenize(p) for p in prompts]
-    check_prompts(state, token_ids, body.max_tokens)
+        token_ids = [p if isinstance(p, list) else inputs.tokenize(p) for p in prompts]
+        token_ids = [inputs.truncate(ids, body.truncate_prompt_tokens) for ids in token_ids]
+    check_prompts(state, token_ids, max_tokens)
     response_id, choices = make_choices(
         state, token_ids, params, body.priority, arrival_time, bool(body.stream)
     )
-    return token_ids, f"cmpl-{response_id}", choices
+    echoed = []
+    if body.echo:
+        for prompt, ids in zip(prompts, token_ids):
+            whole = isinstance(prompt, str) and body.truncate_prompt_tokens is None
+            echoed.append(prompt if whole else state.tokenizer.decode(ids))
+    return token_ids, f"cmpl-{response_id}", choices, echoed
 
 
 class _CompletionRun(GenerationRun):
@@ -79,20 +95,32 @@ class _CompletionRun(GenerationRun):
         prompts: list[list[int]],
         response_id: str,
         choices: list[Choice],
+        echoed: list[str],
     ) -> None:
         super().__init__(state, body, prompts, response_id, choices)
         self._text_offsets = [0] * len(choices)
+        # ``echo``: each choice's text starts with its prompt's (in a stream, its first chunk).
+        self._echoed = echoed
+        self._num_samples = len(choices) // len(prompts)
+        self._echo_pending = set(range(len(choices))) if echoed else set()
+
+    def _echo(self, index: int) -> str:
+        if index not in self._echo_pending:
+            return ""
+        self._echo_pending.discard(index)
+        return self._echoed[index // self._num_samples]
 
     def response(self) -> CompletionResponse:
         choices = []
         for choice in self.states:
-            choices.append(self._choice(choice.index, choice.text, choice.logprobs))
+            text = self._echo(choice.index) + choice.text
+            choices.append(self._choice(choice.index, text, choice.logprobs))
             choices[-1].finish_reason = choice.finish_reason
             choices[-1].stop_reason = choice.stop_reason
         return self._body(choices, self.usage())
 
     def delta_event(self, delta: ChoiceDelta) -> bytes:
-        choice = self._choice(delta.index, delta.text, delta.logprobs)
+        choice = self._choice(delta.index, self._echo(delta.index) + delta.text, delta.logprobs)
         if ended_normally(delta):
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
         return sse_event(self._body([choice]))

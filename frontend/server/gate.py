@@ -3,7 +3,7 @@
 Runs in an HTTP frontend process. A pure ASGI middleware, so it sees a streamed response to its
 very end: a generation request counts as in flight from the moment its body has arrived until its
 last byte is sent (or its client leaves), so slow uploads hold no place. Refusals go out before
-any body is read: 401 on /v1/* without the key (constant-time compare; /health and /metrics stay
+any body is read: 401 without the key (constant-time compare; /health, /metrics and /version stay
 open), 503 + Retry-After while the engine is dead or this frontend drains, 429 + Retry-After when
 ``max_queued_requests`` generation requests are already in flight here (checked again when the
 body has arrived, so the count never passes the cap).
@@ -25,6 +25,8 @@ from frontend.server.errors import (
 from frontend.server.serving import ServingState
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# What needs no API key: probes and the version. Everything else (/tokenize spends CPU) does.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
 def _body_complete(message: Message) -> bool:
@@ -93,7 +95,7 @@ class GateMiddleware:
 
     def _refusal(self, scope: Scope, state: ServingState) -> ApiError | None:
         path: str = scope["path"]
-        if self._api_key is not None and path.startswith("/v1") and not self._authorized(scope):
+        if self._api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
             return ApiError(401, "a valid API key is required (Authorization: Bearer KEY)")
         if path not in GENERATION_PATHS:
             return None

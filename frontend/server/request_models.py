@@ -2,13 +2,17 @@
 
 Runs in an HTTP frontend process. Decoding a body with ``msgspec.json.decode(body, type=...)``
 checks every field's type (no pydantic layer); the conversion then checks values, so each bad
-input becomes an ``ApiError`` (400) naming the field. Unknown fields are ignored, as OpenAI's own
-server and vLLM do; fields we cannot honour (``echo``, ``logit_bias``, ``tools``, ...) are refused
-rather than silently ignored. The response bodies live in ``frontend.server.response_models``.
+input becomes an ``ApiError`` (400) naming the field. A field this server does not know is a 400
+that names it, as OpenAI answers (``forbid_unknown_fields``): a field silently dropped would change
+results without a word. Fields it knows but cannot honour (``tools``, ``suffix``, ...) are refused
+the same way. The one field accepted without effect is ``user`` (OpenAI's end-user id, which
+clients send routinely). docs/api.md lists every field. The response bodies live in
+``frontend.server.response_models``.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Union
 
 import msgspec
@@ -17,6 +21,8 @@ from frontend.server.errors import bad_request
 from protocol import SamplingParams
 from protocol.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
+# OpenAI's default max_tokens for /v1/completions.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Integers must fit the wire (msgpack int64); a bigger JSON number is a 400, not a crash.
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
@@ -25,11 +31,15 @@ Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 PromptField = Union[str, list[Union[str, Int64, list[Int64]]]]
 
 
-class StreamOptions(msgspec.Struct):
+class StrictStruct(msgspec.Struct, forbid_unknown_fields=True):
+    """A request body part: an unknown field is a decode error, so a 400 naming it."""
+
+
+class StreamOptions(StrictStruct):
     include_usage: bool = False
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
+class SamplingFields(StrictStruct, kw_only=True):
     """Fields both endpoints share; ``None`` means "the SamplingParams default".
 
     OpenAI's clients send an explicit ``null`` for a parameter set to None, meaning "the default":
@@ -55,8 +65,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     priority: Int64 = 0
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # Accepted and unused: OpenAI's id of the end user, for its abuse monitoring.
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[Int64] | None = None
+    truncate_prompt_tokens: Int64 | None = None
 
     def __post_init__(self) -> None:
         if self.n is None:
@@ -67,7 +80,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: PromptField
-    max_tokens: Int64 | None = 16
+    # None: the model's max_new_tokens (generation_config.json), else OpenAI's 16.
+    max_tokens: Int64 | None = None
     logprobs: Int64 | None = None
     echo: bool | None = False
     suffix: str | None = None
@@ -79,12 +93,12 @@ class CompletionRequest(SamplingFields, kw_only=True):
             self.echo = False
 
 
-class ContentPart(msgspec.Struct):
+class ContentPart(StrictStruct):
     type: str
     text: str | None = None
 
 
-class ChatMessage(msgspec.Struct):
+class ChatMessage(StrictStruct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -98,6 +112,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: Int64 | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    # Variables for the chat template (e.g. {"enable_thinking": false}), and its switch.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -183,8 +200,15 @@ def decode_large_body(
 
 
 def _raise_invalid(message: str) -> Any:
-    param = message.rsplit("`$.", 1)[1].rstrip("`") if "`$." in message else None
-    raise bad_request(f"invalid request: {message}", param)
+    path = message.rsplit("`$", 1)[1].rstrip("`").lstrip(".") if "`$" in message else ""
+    unknown = re.match(r"Object contains unknown field `([^`]*)`", message)
+    if unknown is not None:
+        field = unknown.group(1)
+        param = f"{path}.{field}" if path else field
+        raise bad_request(
+            f"unknown field {param!r}: this server does not implement it (see docs/api.md)", param
+        )
+    raise bad_request(f"invalid request: {message}", path or None)
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -194,12 +218,15 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
 
 
 def to_sampling_params(
-    body: SamplingFields, max_tokens: int | None, logprobs: int | None, vocab_size: int
+    body: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    vocab_size: int,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The engine's sampling parameters for one sample of ``body`` (n is fanned out later);
-    400 for any field, or combination of fields, that cannot be honoured."""
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
+    400 for any field, or combination of fields, that cannot be honoured. ``defaults`` (the
+    model's generation config) fill the sampling fields the body leaves out."""
     if body.stream_options is not None and not body.stream:
         # OpenAI's rule: the options describe a stream, so without one they are a mistake.
         raise bad_request("stream_options can only be given with stream: true", "stream_options")
@@ -212,11 +239,21 @@ def to_sampling_params(
         )
     if any(not 0 <= t < vocab_size for t in stop_token_ids):
         raise bad_request(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
-    kwargs: dict[str, Any] = {
-        name: getattr(body, name)
-        for name in _OPTIONAL_SAMPLING_FIELDS
-        if getattr(body, name) is not None
-    }
+    kwargs: dict[str, Any] = {}
+    for name in _OPTIONAL_SAMPLING_FIELDS:
+        value = getattr(body, name)
+        if value is None and defaults:
+            value = defaults.get(name)
+        if value is not None:
+            kwargs[name] = value
+    if body.logit_bias:
+        kwargs["logit_bias"] = _logit_bias(body.logit_bias, vocab_size)
+    if body.allowed_token_ids is not None:
+        if any(not 0 <= t < vocab_size for t in body.allowed_token_ids):
+            raise bad_request(
+                f"allowed_token_ids must be in [0, {vocab_size})", "allowed_token_ids"
+            )
+        kwargs["allowed_token_ids"] = list(body.allowed_token_ids)
     try:
         return SamplingParams(
             n=body.n,
@@ -236,10 +273,32 @@ def to_sampling_params(
         raise bad_request(message, param if hasattr(body, param) else None) from None
 
 
+def _logit_bias(logit_bias: dict[str, float], vocab_size: int) -> dict[int, float]:
+    """OpenAI's {"token id": bias} (JSON keys are strings) -> {token id: bias}."""
+    converted = {}
+    for key, bias in logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            message = f"logit_bias keys must be token ids, got {key!r}"
+            raise bad_request(message, "logit_bias") from None
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
+        converted[token_id] = bias
+    return converted
+
+
+def completion_max_tokens(body: CompletionRequest, defaults: dict[str, Any]) -> int | None:
+    """The request's max_tokens, else the model's max_new_tokens, else OpenAI's 16."""
+    if body.max_tokens is not None:
+        return body.max_tokens
+    return int(defaults.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS))
+
+
 def check_completion_request(body: CompletionRequest) -> None:
     """Refuse the completion features this server does not implement."""
-    if body.echo:
-        raise bad_request("echo is not supported", "echo")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo together with logprobs (prompt logprobs) is not supported", "echo")
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -264,9 +323,15 @@ def chat_num_logprobs(body: ChatCompletionRequest) -> int | None:
     return body.top_logprobs or 0
 
 
-def chat_max_tokens(body: ChatCompletionRequest) -> int | None:
-    # The newer name wins, as in OpenAI's API.
-    return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+def chat_max_tokens(body: ChatCompletionRequest, defaults: dict[str, Any]) -> int | None:
+    """The newer name wins, as in OpenAI's API; without either, the model's max_new_tokens, else
+    until the context is full."""
+    if body.max_completion_tokens is not None:
+        return body.max_completion_tokens
+    if body.max_tokens is not None:
+        return body.max_tokens
+    default = defaults.get("max_tokens")
+    return None if default is None else int(default)
 
 
 def message_text(message: ChatMessage, index: int) -> str:

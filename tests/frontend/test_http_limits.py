@@ -120,7 +120,8 @@ CASES = [
     ("stop-token-outside-vocab", "/v1/completions", _completion(stop_token_ids=[9999]), 400,
      "stop_token_ids"),
     ("logprobs-too-many", "/v1/completions", _completion(logprobs=21), 400, "logprobs"),
-    ("echo-unsupported", "/v1/completions", _completion(echo=True), 400, "echo"),
+    ("echo-with-logprobs", "/v1/completions", _completion(echo=True, logprobs=1), 400, "echo"),
+    ("unknown-field", "/v1/completions", _completion(frobnicate=1), 400, "frobnicate"),
     ("unknown-model", "/v1/completions", _completion(model="gpt-9"), 404, "model"),
     ("huge-unknown-model", "/v1/completions", _completion(model="m" * 50_000), 404, "model"),
     ("chat-no-messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
@@ -152,9 +153,12 @@ def test_bad_input_gets_an_openai_error_and_the_engine_keeps_serving(
 
 
 ROUTES = [("GET", "/v1/models", 200), ("POST", "/v1/completions", 200),
-          ("POST", "/v1/chat/completions", 200), ("GET", "/v1/nonexistent", 404)]  # fmt: skip
+          ("POST", "/v1/chat/completions", 200), ("GET", "/v1/nonexistent", 404),
+          ("POST", "/tokenize", 200), ("POST", "/detokenize", 200)]  # fmt: skip
 BODIES = {"/v1/completions": GREEDY, "/v1/chat/completions": {"messages": CHAT_MESSAGES,
-                                                              "max_tokens": 2}}  # fmt: skip
+                                                              "max_tokens": 2},
+          "/tokenize": {"prompt": "x"}, "/detokenize": {"tokens": [1, 2]}}  # fmt: skip
+OPEN = {"/health", "/metrics", "/version"}
 
 
 def _call(base_url: str, method: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
@@ -165,11 +169,10 @@ def _call(base_url: str, method: str, path: str, headers: dict[str, str]) -> tup
     return status, json.dumps(raw).encode()
 
 
-def test_api_key_guards_every_v1_route_and_leaves_health_and_metrics_open(served):
+def test_api_key_guards_every_route_but_the_probes_and_version(served):
     # Every API route the app has is in ROUTES: a new route cannot slip past this test.
     app_routes = {route.path for route in build_app(ServerSettings("ipc://unused")).routes}
-    assert {p for p in app_routes if p.startswith("/v1")} <= {path for _, path, _ in ROUTES}
-    assert app_routes - {path for _, path, _ in ROUTES} == {"/health", "/metrics"}
+    assert app_routes - {path for _, path, _ in ROUTES} == OPEN
     wrong_keys = [{}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": API_KEY},
                   {"Authorization": f"Basic {API_KEY}"}]  # fmt: skip
     for method, path, allowed_status in ROUTES:
@@ -177,7 +180,7 @@ def test_api_key_guards_every_v1_route_and_leaves_health_and_metrics_open(served
             status, raw = _call(served.base_url, method, path, headers)
             _assert_error_body(status, raw, 401)
         assert _call(served.base_url, method, path, AUTH)[0] == allowed_status, path
-    for path in ("/health", "/metrics"):
+    for path in OPEN:
         assert get(served.base_url, path)[0] == 200
 
 

@@ -50,7 +50,7 @@ def _convert_chat(raw: bytes) -> None:
     num_logprobs = chat_num_logprobs(body)
     for i, message in enumerate(body.messages):
         message_text(message, i)
-    to_sampling_params(body, chat_max_tokens(body), num_logprobs, VOCAB_SIZE)
+    to_sampling_params(body, chat_max_tokens(body, {}), num_logprobs, VOCAB_SIZE)
 
 
 json_values = st.recursive(
@@ -62,9 +62,11 @@ json_values = st.recursive(
 )
 COMPLETION_FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
                      "stop_token_ids", "logprobs", "min_tokens", "stream_options", "model", "echo",
-                     "priority", "presence_penalty", "logit_bias", "best_of"]  # fmt: skip
+                     "priority", "presence_penalty", "logit_bias", "best_of", "allowed_token_ids",
+                     "truncate_prompt_tokens", "response_format", "user"]  # fmt: skip
 CHAT_FIELDS = ["messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
-               "temperature", "n", "tools", "response_format", "stop"]  # fmt: skip
+               "temperature", "n", "tools", "response_format", "stop", "chat_template_kwargs",
+               "add_generation_prompt", "tool_choice", "logit_bias"]  # fmt: skip
 
 
 @settings(max_examples=300, deadline=None)
@@ -103,9 +105,14 @@ def test_invalid_utf8_inside_a_string_is_a_400_not_a_crash():
 
 
 def test_a_deeply_nested_body_is_a_400_not_a_crash():
-    raw = b'{"prompt": "x", "unknown": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    nested = b"[" * 100_000 + b"]" * 100_000
+    raw = b'{"messages": [], "chat_template_kwargs": {"x": ' + nested + b"}}"
     with pytest.raises(ApiError, match="nested too deeply"):
-        _convert_completion(raw)
+        _convert_chat(raw)
+    # A field nobody knows is refused by its name before its value is even parsed.
+    with pytest.raises(ApiError, match="unknown field 'unknown'") as error:
+        _convert_completion(b'{"prompt": "x", "unknown": ' + nested + b"}")
+    assert (error.value.status, error.value.param) == (400, "unknown")
 
 
 def test_the_sampling_error_names_its_field():
@@ -328,7 +335,10 @@ def test_null_means_the_default_for_what_openai_clients_send_as_null():
 
 @pytest.mark.parametrize("body_type", [CompletionRequest, ChatCompletionRequest])
 def test_stream_options_need_stream_true(body_type):
-    fields = {"prompt": "x", "messages": [{"role": "user", "content": "hi"}]}
+    if body_type is CompletionRequest:
+        fields: dict[str, Any] = {"prompt": "x"}
+    else:
+        fields = {"messages": [{"role": "user", "content": "hi"}]}
     options = {"stream_options": {"include_usage": True}}
     for stream in ({}, {"stream": False}, {"stream": None}):
         body = decode_body(json.dumps({**fields, **options, **stream}).encode(), body_type)

@@ -1,0 +1,106 @@
+"""POST /tokenize, POST /detokenize, GET /version: vLLM's utility endpoints, same shapes.
+
+Runs in an HTTP frontend process. ``/tokenize`` takes a ``prompt`` (a completion's text) or
+``messages`` (a chat, through the same chat template and template variables as
+``/v1/chat/completions``), so a client can count what a request will cost before sending it;
+``/detokenize`` turns token ids back into text. Both go through the serving pipeline's
+``InputProcessor`` and, when their input is large, run off the event loop.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import msgspec
+
+from frontend.server.chat import conversation_of
+from frontend.server.errors import bad_request
+from frontend.server.request_models import ChatMessage, Int64, StrictStruct
+from frontend.server.serving import ServingState, as_bad_request, check_model
+
+PACKAGE = "conveyor-llm"
+
+
+class TokenizeRequest(StrictStruct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # None: True for a prompt (as a completion adds them), False for messages (the template
+    # writes its own special tokens).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(StrictStruct, kw_only=True):
+    tokens: list[Int64]
+    model: str | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+def package_version() -> str:
+    try:
+        return version(PACKAGE)
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+async def tokenize(state: ServingState, body: TokenizeRequest) -> TokenizeResponse:
+    check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give either prompt or messages", "prompt")
+    inputs = state.inputs
+    if body.messages is not None:
+        if body.add_special_tokens:
+            raise bad_request(
+                "add_special_tokens applies to a prompt; a chat template writes its own",
+                "add_special_tokens",
+            )
+        conversation, size = conversation_of(state, body.messages)
+        with as_bad_request():
+            token_ids = await state.run_cpu_unless_small(
+                size,
+                inputs.render_chat,
+                conversation,
+                add_generation_prompt=body.add_generation_prompt,
+                template_kwargs=body.chat_template_kwargs,
+            )
+    else:
+        assert body.prompt is not None
+        if body.chat_template_kwargs is not None:
+            raise bad_request("chat_template_kwargs needs messages", "chat_template_kwargs")
+        with as_bad_request():
+            inputs.check_sizes([body.prompt], 1)
+        add_special_tokens = body.add_special_tokens is not False
+        token_ids = await state.run_cpu_unless_small(
+            len(body.prompt), _encode, state.tokenizer, body.prompt, add_special_tokens
+        )
+    token_strs = None
+    if body.return_token_strs:
+        token_strs = state.tokenizer.convert_ids_to_tokens(token_ids)
+    return TokenizeResponse(len(token_ids), inputs.max_model_len, token_ids, token_strs)
+
+
+async def detokenize(state: ServingState, body: DetokenizeRequest) -> DetokenizeResponse:
+    check_model(state, body.model)
+    vocab_size = state.config.model.vocab_size
+    if any(not 0 <= t < vocab_size for t in body.tokens):
+        raise bad_request(f"tokens must be token ids in [0, {vocab_size})", "tokens")
+    text = await state.run_cpu_unless_small(len(body.tokens), state.tokenizer.decode, body.tokens)
+    return DetokenizeResponse(text)
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)

@@ -1,0 +1,262 @@
+"""The strict API surface: every request field implemented or a 400 naming it; the model's own
+sampling defaults; a chat template and its variables; /tokenize, /detokenize and /version.
+
+One ``conveyor serve`` per module on the tiny Qwen3, started with ``--generation-config DIR``
+(a folder whose generation_config.json says temperature 0 and max_new_tokens 7) and
+``--chat-template FILE`` (a template that reads ``enable_thinking``, as Qwen3's does). Greedy
+outputs are compared with ``LLM`` on the same prompts, and templates with ``transformers``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from frontend import LLM
+from frontend.tokenizer import load_tokenizer
+from protocol import SamplingParams
+from tests.frontend.http_helpers import (
+    MODEL_NAME,
+    ServedHttp,
+    get,
+    post_json,
+    post_raw,
+    start_served_http,
+    stream_payloads,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http-api-surface")]
+
+PROMPT = "def main():\n    "
+CHAT = [{"role": "user", "content": "hello there"}]
+DEFAULT_MAX_TOKENS = 7
+TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking "
+    "is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedHttp]:
+    folder = tmp_path_factory.mktemp("surface")
+    defaults = folder / "generation"
+    defaults.mkdir()
+    (defaults / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "max_new_tokens": DEFAULT_MAX_TOKENS})
+    )
+    (folder / "template.jinja").write_text(TEMPLATE)
+    extra = ["--frontends", "1", "--generation-config", str(defaults)]
+    extra += ["--chat-template", str(folder / "template.jinja")]
+    served = start_served_http(tiny_model_dir, folder / "serve.log", extra)
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served: ServedHttp) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_model_dir: Path, tokenizer: Any) -> dict[str, Any]:
+    """``LLM``'s greedy outputs for the prompts below (its own defaults: no generation config)."""
+    ids = list(tokenizer(PROMPT).input_ids)
+    with LLM(str(tiny_model_dir), engine="inprocess", kv_cache_memory=16 << 20) as llm:
+        params = SamplingParams(temperature=0, max_tokens=DEFAULT_MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate([ids, ids[-3:]], params, use_tqdm=False)
+    return {"whole": outputs[0].outputs[0], "last3": outputs[1].outputs[0]}
+
+
+def _refused(served: ServedHttp, path: str, body: dict[str, Any], param: str) -> str:
+    status, _, answer = post_json(served.base_url, path, body)
+    assert status == 400, (path, body, answer)
+    assert answer["error"]["param"] == param, answer
+    return answer["error"]["message"]
+
+
+def test_a_field_the_server_does_not_know_is_a_400_naming_it(served):
+    completion = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2}
+    chat = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 2}
+    cases = [
+        ("/v1/completions", {**completion, "frobnicate": 1}, "frobnicate"),
+        ("/v1/completions", {**completion, "response_format": {"type": "json_object"}},
+         "response_format"),
+        ("/v1/completions", {**completion, "structured_outputs": {"regex": "a+"}},
+         "structured_outputs"),
+        ("/v1/chat/completions", {**chat, "tool_choice": "auto"}, "tool_choice"),
+        ("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions",
+         {**chat, "response_format": {"type": "json_schema", "json_schema": {}}},
+         "response_format"),
+        ("/v1/chat/completions",
+         {**chat, "messages": [{"role": "assistant", "content": "", "tool_calls": []}]},
+         "messages[0].tool_calls"),
+        ("/v1/chat/completions",
+         {**chat, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+         "stream_options.continuous_usage_stats"),
+        ("/v1/completions", {**completion, "echo": True, "logprobs": 1}, "echo"),
+    ]  # fmt: skip
+    for path, body, param in cases:
+        message = _refused(served, path, body, param)
+        assert param.split(".")[-1].split("[")[0] in message
+    # The one field clients send routinely that has no effect here is accepted.
+    status, _, _ = post_json(served.base_url, "/v1/completions", {**completion, "user": "u-1"})
+    assert status == 200
+
+
+def test_the_generation_config_fills_what_a_request_leaves_out(client, greedy):
+    """temperature 0 and max_new_tokens 7 from the folder; the request's own values win."""
+    expected = greedy["whole"]
+    plain = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, extra_body={"ignore_eos": True}
+    )
+    assert plain.usage.completion_tokens == DEFAULT_MAX_TOKENS
+    assert plain.choices[0].text == expected.text, "the default temperature is the file's 0"
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, extra_body={"ignore_eos": True}
+    )
+    assert chat.usage.completion_tokens == DEFAULT_MAX_TOKENS
+    short = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3)
+    assert short.usage.completion_tokens == 3
+    sampled = {
+        client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, temperature=1.5, seed=seed,
+            extra_body={"ignore_eos": True},
+        ).choices[0].text
+        for seed in range(4)
+    }  # fmt: skip
+    assert sampled - {expected.text}, "an explicit temperature samples"
+
+
+def test_logit_bias_and_allowed_token_ids_reach_the_sampler(client, served):
+    favourite = 123
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 5, "logprobs": 0,
+            "logit_bias": {str(favourite): 100}, "ignore_eos": True}  # fmt: skip
+    status, _, answer = post_json(served.base_url, "/v1/completions", body)
+    assert status == 200, answer
+    tokens = answer["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 5 and len(set(tokens)) == 1
+    # Sampled, but only one token is allowed: the same token as the bias pushed, 8 times.
+    allowed = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0,
+               "seed": 3, "allowed_token_ids": [favourite], "ignore_eos": True, "logprobs": 0}  # fmt: skip
+    status, _, only = post_json(served.base_url, "/v1/completions", allowed)
+    assert status == 200 and only["choices"][0]["logprobs"]["tokens"] == [tokens[0]] * 8
+    for bad, param in (
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 500}}, "logit_bias"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias"),
+        ({"allowed_token_ids": [999999]}, "allowed_token_ids"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ):
+        _refused(served, "/v1/completions", {"prompt": PROMPT, **bad}, param)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, greedy, served):
+    expected = greedy["last3"]
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT * 400, max_tokens=DEFAULT_MAX_TOKENS, temperature=0,
+        extra_body={"truncate_prompt_tokens": 3, "ignore_eos": True},
+    )  # fmt: skip
+    assert response.usage.prompt_tokens == 3
+    short = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=DEFAULT_MAX_TOKENS, temperature=0,
+        extra_body={"truncate_prompt_tokens": 3, "ignore_eos": True},
+    )  # fmt: skip
+    assert short.choices[0].text == expected.text
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=2, extra_body={"truncate_prompt_tokens": 4}
+    )
+    assert chat.usage.prompt_tokens == 4
+    _refused(served, "/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": 0},
+             "truncate_prompt_tokens")  # fmt: skip
+
+
+def test_echo_puts_the_prompt_before_the_completion(client, greedy):
+    whole = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, echo=True, extra_body={"ignore_eos": True}
+    )
+    assert whole.choices[0].text == PROMPT + greedy["whole"].text
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt=[PROMPT, "x"], n=2, echo=True, stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    texts = ["", "", "", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts[:2] == [PROMPT + greedy["whole"].text] * 2
+    assert all(t.startswith("x") for t in texts[2:])
+
+
+def test_chat_template_file_and_its_variables(client, served, tokenizer):
+    def rendered(**kwargs: Any) -> list[int]:
+        text = tokenizer.apply_chat_template(
+            CHAT, chat_template=TEMPLATE, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+    status, _, default = post_json(served.base_url, "/tokenize", {"messages": CHAT})
+    assert status == 200 and default["tokens"] == rendered()
+    body = {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}}
+    _, _, off = post_json(served.base_url, "/tokenize", body)
+    assert off["tokens"] == rendered(enable_thinking=False) != default["tokens"]
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    assert chat.usage.prompt_tokens == off["count"]
+    no_prompt = {"messages": CHAT, "add_generation_prompt": False}
+    _, _, bare = post_json(served.base_url, "/tokenize", no_prompt)
+    assert bare["tokens"] == default["tokens"][: bare["count"]] and bare["count"] < default["count"]
+    _refused(served, "/v1/chat/completions",
+             {"messages": CHAT, "chat_template_kwargs": {"tokenize": True}},
+             "chat_template_kwargs")  # fmt: skip
+
+
+def test_tokenize_detokenize_and_version(served, tokenizer):
+    status, _, answer = post_json(served.base_url, "/tokenize", {"prompt": PROMPT})
+    expected = list(tokenizer(PROMPT).input_ids)
+    assert status == 200 and answer["tokens"] == expected and answer["count"] == len(expected)
+    assert answer["max_model_len"] > 0 and answer["token_strs"] is None
+    _, _, strs = post_json(
+        served.base_url, "/tokenize", {"prompt": PROMPT, "return_token_strs": True}
+    )
+    assert strs["token_strs"] == tokenizer.convert_ids_to_tokens(expected)
+    status, _, text = post_json(served.base_url, "/detokenize", {"tokens": expected})
+    assert status == 200 and text["prompt"] == tokenizer.decode(expected)
+    _refused(served, "/detokenize", {"tokens": [10**9]}, "tokens")
+    _refused(served, "/tokenize", {"prompt": "a", "messages": CHAT}, "prompt")
+    _refused(served, "/tokenize", {"prompt": "a", "frobnicate": 1}, "frobnicate")
+    status, version = get(served.base_url, "/version")
+    assert status == 200 and json.loads(version)["version"] not in ("", "unknown")
+
+
+def test_streamed_min_tokens_holds_the_stop_token(served):
+    """min_tokens with a stop token pushed to the top, through HTTP and streamed."""
+    stop = 99
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 10, "min_tokens": 4,
+            "stop_token_ids": [stop], "logit_bias": {str(stop): 100}, "stream": True,
+            "include_stop_str_in_output": True, "logprobs": 0}  # fmt: skip
+    status, _, raw = post_raw(served.base_url, "/v1/completions", json.dumps(body).encode())
+    assert status == 200
+    payloads = stream_payloads(raw)
+    finish = [c["finish_reason"] for p in payloads for c in p["choices"] if c["finish_reason"]]
+    tokens = [t for p in payloads for c in p["choices"] if c["logprobs"]
+              for t in c["logprobs"]["tokens"]]  # fmt: skip
+    assert finish == ["stop"] and len(tokens) == 5, tokens
