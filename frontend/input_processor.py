@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 
 from frontend.output_processor import ChoiceState
+from frontend.structured_outputs import GrammarChecker, StructuredOutputError
 from protocol import CacheConfig, EngineConfig, EngineCoreRequest, SamplingParams
 from protocol.sampling_params import find_vocab_problem
 
@@ -76,6 +77,7 @@ class InputProcessor:
         # What a request leaves out, the model's generation_config.json decides (if it says).
         self.sampling_defaults: dict[str, Any] = dict(config.model.sampling_defaults)
         self.chat_template = config.model.chat_template
+        self.grammars = GrammarChecker(tokenizer, config.model.vocab_size, self._eos_token_ids)
         # No text of more characters than this can fit the context. A token's string in the
         # vocabulary is at least as long as the text it decodes to (one character per byte for
         # byte-level BPE, "▁" for a space in SentencePiece); the factor covers normalizers
@@ -166,6 +168,16 @@ class InputProcessor:
         # The template wrote the special tokens itself.
         return list(tokenizer(text, add_special_tokens=False).input_ids)
 
+    def resolve_structured_outputs(
+        self, params: SamplingParams, param: str = "structured_outputs"
+    ) -> SamplingParams:
+        """``params`` with its structured-output constraint as a checked grammar (see
+        ``frontend/structured_outputs.py``); a ``PromptError`` naming ``param`` if unusable."""
+        try:
+            return self.grammars.resolve(params)
+        except StructuredOutputError as exc:
+            raise PromptError(str(exc), param) from None
+
     def truncate(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
         """The last ``truncate_prompt_tokens`` tokens of the prompt (vLLM's left truncation)."""
         if truncate_prompt_tokens is None:
@@ -222,9 +234,11 @@ class InputProcessor:
         *,
         priority: int = 0,
         stream: bool = False,
+        structured_param: str = "structured_outputs",
     ) -> list[Choice]:
         """One engine request per choice, for checked prompts; ``params`` is one for all
-        prompts or one per prompt. Every choice has the same n, so indices are dense."""
+        prompts or one per prompt. Every choice has the same n, so indices are dense.
+        ``structured_param`` names the field a bad structured-output constraint came from."""
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
         if len(per_prompt) != len(prompts):
             raise PromptError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
@@ -239,6 +253,7 @@ class InputProcessor:
             problem = find_vocab_problem(prompt_params, vocab_size)
             if problem is not None:
                 raise PromptError(problem, problem.split(" ", 1)[0])
+        per_prompt = [self.resolve_structured_outputs(p, structured_param) for p in per_prompt]
         wall_time = time.time()  # the engine's arrival time is wall-clock
         choices, index = [], 0
         for token_ids, prompt_params in zip(prompts, per_prompt):

@@ -30,7 +30,7 @@ from protocol.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
-from protocol.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "FAILED_FINISH_REASONS",
@@ -51,6 +51,7 @@ __all__ = [
     "ObservabilityConfig",
     "ParallelConfig",
     "SamplingParams",
+    "StructuredOutputsParams",
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",

@@ -8,6 +8,7 @@ object is made (the offline API, the HTTP layer) and again if a malformed one ar
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import msgspec
 
@@ -24,6 +25,28 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300
 MAX_LOGIT_BIAS_VALUE = 100.0
 MAX_ALLOWED_TOKEN_IDS = 1 << 17
+# A grammar's text travels with every choice of its request.
+MAX_GRAMMAR_CHARS = 1 << 20
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
+    """vLLM's structured outputs: exactly one of these constrains what may be generated.
+
+    ``json``: a JSON schema (a dict, or its JSON text); ``regex``; ``choice``: the output is one
+    of these strings; ``grammar``: a Lark or GBNF grammar; ``json_object``: any JSON object. The
+    frontend turns it into ``SamplingParams.grammar`` (an llguidance grammar) and checks it.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def kinds(self) -> list[str]:
+        """The constraints given (a valid one has exactly one)."""
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name)]
+        return given + (["json_object"] if self.json_object else [])
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
@@ -55,6 +78,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
     logit_bias: dict[int, float] = {}
     # Only these tokens may be sampled (vLLM's allowed_token_ids); None allows all.
     allowed_token_ids: list[int] | None = None
+    # What the caller asks for (the offline API's way in); the frontend resolves it into
+    # ``grammar``, which is what travels to the workers.
+    structured_outputs: StructuredOutputsParams | None = None
+    # An llguidance grammar (its JSON form) every sampled token must follow.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.stop_token_ids, frozenset):
@@ -126,6 +154,12 @@ def find_sampling_problem(p: SamplingParams) -> str | None:
             return f"logit_bias keys must be non-negative token ids, got {token_id!r}"
         if not _finite(bias) or abs(bias) > MAX_LOGIT_BIAS_VALUE:
             return f"logit_bias values must be in [-100, 100], got {bias}"
+    if p.structured_outputs is not None and len(p.structured_outputs.kinds()) != 1:
+        return (
+            "structured_outputs must set exactly one of json, regex, choice, grammar, json_object"
+        )
+    if p.grammar is not None and len(p.grammar) > MAX_GRAMMAR_CHARS:
+        return f"a grammar may hold at most {MAX_GRAMMAR_CHARS} characters"
     if p.allowed_token_ids is not None:
         if not p.allowed_token_ids:
             return "allowed_token_ids must not be empty"

@@ -32,6 +32,8 @@ class RequestState:
     num_prompt_tokens: int
     # A torch.Generator for seeded requests (made by the runner), else None.
     generator: Any = None
+    # The grammar matcher of a structured-output request (made when it first samples).
+    matcher: Any = None
 
 
 class InputBatch:

@@ -18,6 +18,7 @@ from worker.memory_profile import profile_num_blocks
 from worker.sampler import Sampler, logprobs_to_wire
 from worker.sampling_metadata import make_sampling_metadata
 from worker.step_inputs import prepare_step_inputs
+from worker.structured_output import GrammarRuntime
 
 
 class ModelRunner:
@@ -41,6 +42,8 @@ class ModelRunner:
             make_generator=self._make_generator,
         )
         self.num_blocks: int | None = None
+        # Structured outputs: its tokenizer loads on a thread now, not on the first such step.
+        self._grammars = self._make_grammar_runtime()
 
     def _make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
@@ -98,10 +101,15 @@ class ModelRunner:
         if len(sampling_rows) == 0:
             return ModelRunnerOutput(step_id=scheduler_output.step_id)
         logits = self.model.compute_logits(hidden)
-        params = [batch.row_states[row].sampling_params for row in sampling_rows.tolist()]
-        output = self.sampler(logits, self._sampling_metadata(sampling_rows.tolist(), params))
+        row_list = sampling_rows.tolist()
+        params = [batch.row_states[row].sampling_params for row in row_list]
+        output = self.sampler(logits, self._sampling_metadata(row_list, params))
         sampled = output.sampled_token_ids.cpu().numpy()
         batch.append_sampled(sampling_rows, sampled)
+        for row, token_id in zip(row_list, sampled.tolist()):
+            matcher = batch.row_states[row].matcher
+            if matcher is not None:
+                GrammarRuntime.accept(matcher, token_id)
         return ModelRunnerOutput(
             step_id=scheduler_output.step_id,
             req_ids=[batch.req_ids[row] for row in sampling_rows.tolist()],
@@ -125,6 +133,7 @@ class ModelRunner:
         num_output_tokens = None
         if any(p.min_tokens for p in params):
             num_output_tokens = (batch.num_tokens[rows] - batch.num_prompt_tokens[rows]).tolist()
+        bitmask, ended = self._grammar_masks(rows, params)
         return make_sampling_metadata(
             params,
             generators,
@@ -134,7 +143,30 @@ class ModelRunner:
             self.device,
             num_output_tokens,
             self.config.model.eos_token_ids,
+            bitmask,
+            ended,
         )
+
+    def _grammar_masks(
+        self, rows: list[int], params: list[SamplingParams]
+    ) -> tuple[torch.Tensor | None, set[int]]:
+        """The step's grammar bitmask (None without structured rows) and the rows whose
+        grammar is complete."""
+        if not any(p.grammar for p in params):
+            return None, set()
+        matchers = []
+        for i, (row, p) in enumerate(zip(rows, params)):
+            if p.grammar:
+                state = self.batch.row_states[row]
+                if state.matcher is None:
+                    state.matcher = self._grammars.new_matcher(p.grammar)
+                matchers.append((i, state.matcher))
+        ended = {i for i, matcher in matchers if matcher.is_stopped()}
+        return self._grammars.bitmask(matchers, len(rows)), ended
+
+    def _make_grammar_runtime(self) -> GrammarRuntime:
+        model = self.config.model
+        return GrammarRuntime(model.model, self.vocab_size, model.eos_token_ids)
 
 
 def _has_penalty(params: SamplingParams) -> bool:

@@ -6,7 +6,8 @@ operations, matching what OpenAI and vLLM users expect:
 1. logprobs, when asked, from the RAW logits (before penalties, temperature and filters), so they
    compare with ``log_softmax`` of the model's output;
 2. token constraints: only ``allowed_token_ids``, ``logit_bias`` added, stop and EOS tokens
-   masked until ``min_tokens`` are out (vLLM's order: before the penalties);
+   masked until ``min_tokens`` are out, then what each row's grammar allows (structured
+   outputs) (vLLM's order: before the penalties);
 3. penalties: repetition (HF semantics, prompt and output tokens), presence and frequency (OpenAI
    semantics, output tokens only);
 4. greedy rows take the argmax of the adjusted logits;
@@ -25,6 +26,7 @@ import torch
 
 from protocol.messages import Logprobs
 from worker.sampling_metadata import SamplingMetadata, TokenConstraints
+from worker.structured_output import apply_bitmask
 
 
 @dataclass
@@ -113,6 +115,8 @@ def apply_token_constraints(logits: torch.Tensor, constraints: TokenConstraints)
         logits.index_put_((rows, token_ids), values.to(logits.dtype), accumulate=True)
     if constraints.banned is not None:
         logits.index_put_(constraints.banned, torch.tensor(float("-inf"), device=logits.device))
+    if constraints.grammar_bitmask is not None:
+        apply_bitmask(logits, constraints.grammar_bitmask)
     return logits
 
 

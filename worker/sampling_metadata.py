@@ -28,12 +28,14 @@ class TokenConstraints:
 
     ``bias``: logit_bias entries, added. ``banned``: tokens a row may not sample now (its stop
     and EOS tokens until ``min_tokens`` are out). ``allowed``: row -> the only tokens it may
-    sample (allowed_token_ids).
+    sample (allowed_token_ids). ``grammar_bitmask``: what each row's grammar allows next.
     """
 
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     allowed: dict[int, torch.Tensor] = field(default_factory=dict)
+    # [R, ceil(V / 32)] int32 from the rows' grammar matchers (structured outputs), applied last.
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -99,11 +101,15 @@ def make_sampling_metadata(
     device: torch.device,
     num_output_tokens: list[int] | None = None,
     eos_token_ids: Collection[int] = (),
+    grammar_bitmask: torch.Tensor | None = None,
+    grammar_ended_rows: Collection[int] = (),
 ) -> SamplingMetadata:
     """Build the step's metadata, one row per entry of ``params`` (batch order).
 
     ``num_output_tokens`` (per row, before this step's token) decides which rows still hide
-    their stop and EOS tokens (``min_tokens``); None means every row is past its minimum.
+    their stop and EOS tokens (``min_tokens``); None means every row is past its minimum. A row
+    in ``grammar_ended_rows`` has a complete structured output: EOS is all its grammar allows,
+    so ``min_tokens`` gives way there.
 
     ``generators`` maps row -> that request's own generator (seeded requests only). It must live on
     ``device`` and be kept for the request's whole life, preemptions included: a seeded request
@@ -137,7 +143,9 @@ def make_sampling_metadata(
         ),
         output_token_ids=output_token_ids,
         max_top_k=max(top_ks) if use_top_k else 0,
-        token_constraints=make_token_constraints(params, num_output_tokens, eos_token_ids, device),
+        token_constraints=make_token_constraints(
+            params, num_output_tokens, eos_token_ids, device, grammar_bitmask, grammar_ended_rows
+        ),
     )
 
 
@@ -146,6 +154,8 @@ def make_token_constraints(
     num_output_tokens: list[int] | None,
     eos_token_ids: Collection[int],
     device: torch.device,
+    grammar_bitmask: torch.Tensor | None = None,
+    grammar_ended_rows: Collection[int] = (),
 ) -> TokenConstraints | None:
     """The step's logit biases and masks, or None when no row has any (the common case)."""
     bias_rows: list[int] = []
@@ -161,14 +171,15 @@ def make_token_constraints(
             bias_values += p.logit_bias.values()
         if p.allowed_token_ids is not None:
             allowed[row] = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=device)
-        if num_output_tokens is not None and num_output_tokens[row] < p.min_tokens:
+        min_tokens_due = num_output_tokens is not None and num_output_tokens[row] < p.min_tokens
+        if min_tokens_due and row not in grammar_ended_rows:
             # vLLM's min_tokens: no stop token (EOS too, unless ignored) before the minimum.
             stop_ids = set(p.stop_token_ids)
             if not p.ignore_eos:
                 stop_ids.update(eos_token_ids)
             banned_rows += [row] * len(stop_ids)
             banned_ids += stop_ids
-    if not (bias_rows or banned_rows or allowed):
+    if not (bias_rows or banned_rows or allowed) and grammar_bitmask is None:
         return None
 
     def ids(values: list[int]) -> torch.Tensor:
@@ -182,6 +193,7 @@ def make_token_constraints(
         ),
         banned=(ids(banned_rows), ids(banned_ids)) if banned_rows else None,
         allowed=allowed,
+        grammar_bitmask=grammar_bitmask,
     )
 
 

@@ -23,6 +23,7 @@ from frontend.server.request_models import (
     chat_max_tokens,
     chat_num_logprobs,
     message_text,
+    structured_param,
     to_sampling_params,
 )
 from frontend.server.response_models import (
@@ -44,6 +45,7 @@ from frontend.server.serving import (
     check_prompts,
     ended_normally,
     make_choices,
+    prepare_size,
 )
 from protocol import SamplingParams
 
@@ -66,7 +68,14 @@ async def create_chat_completion(
     vocab_size = state.config.model.vocab_size
     params = to_sampling_params(body, max_tokens, num_logprobs, vocab_size, defaults)
     prompt, response_id, choices = await state.run_cpu_unless_small(
-        size, _prepare, state, body, conversation, max_tokens, params, arrival_time
+        prepare_size(size, params),
+        _prepare,
+        state,
+        body,
+        conversation,
+        max_tokens,
+        params,
+        arrival_time,
     )
     run = _ChatRun(state, body, [prompt], response_id, choices, num_logprobs)
     return await run.respond(receive)
@@ -107,8 +116,9 @@ def _prepare(
         prompt = state.inputs.truncate(prompt, body.truncate_prompt_tokens)
     check_prompts(state, [prompt], max_tokens)
     response_id, choices = make_choices(
-        state, [prompt], params, body.priority, arrival_time, bool(body.stream)
-    )
+        state, [prompt], params, body.priority, arrival_time, bool(body.stream),
+        structured_param(body),
+    )  # fmt: skip
     return prompt, f"chatcmpl-{response_id}", choices
 
 

@@ -19,6 +19,7 @@ from frontend.server.request_models import (
     check_completion_request,
     completion_max_tokens,
     prompt_list,
+    structured_param,
     to_sampling_params,
 )
 from frontend.server.response_models import (
@@ -36,6 +37,7 @@ from frontend.server.serving import (
     check_sizes,
     ended_normally,
     make_choices,
+    prepare_size,
 )
 from protocol import SamplingParams
 
@@ -52,7 +54,7 @@ async def create_completion(
     max_tokens = completion_max_tokens(body, defaults)
     vocab_size = state.config.model.vocab_size
     params = to_sampling_params(body, max_tokens, body.logprobs, vocab_size, defaults)
-    size = sum(map(len, prompts))
+    size = prepare_size(sum(map(len, prompts)), params)
     prepared = await state.run_cpu_unless_small(
         size, _prepare, state, body, prompts, params, max_tokens, arrival_time
     )
@@ -75,8 +77,9 @@ def _prepare(
         token_ids = [inputs.truncate(ids, body.truncate_prompt_tokens) for ids in token_ids]
     check_prompts(state, token_ids, max_tokens)
     response_id, choices = make_choices(
-        state, token_ids, params, body.priority, arrival_time, bool(body.stream)
-    )
+        state, token_ids, params, body.priority, arrival_time, bool(body.stream),
+        structured_param(body),
+    )  # fmt: skip
     echoed = []
     if body.echo:
         for prompt, ids in zip(prompts, token_ids):

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Union
 import msgspec
 
 from frontend.server.errors import bad_request
-from protocol import SamplingParams
+from protocol import SamplingParams, StructuredOutputsParams
 from protocol.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 # OpenAI's default max_tokens for /v1/completions.
@@ -37,6 +37,30 @@ class StrictStruct(msgspec.Struct, forbid_unknown_fields=True):
 
 class StreamOptions(StrictStruct):
     include_usage: bool = False
+
+
+class StructuredOutputsField(StrictStruct, kw_only=True):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(StrictStruct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictStruct, kw_only=True):
+    """OpenAI's ``response_format``: text, json_object, or json_schema with its schema."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(StrictStruct, kw_only=True):
@@ -70,6 +94,7 @@ class SamplingFields(StrictStruct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[Int64] | None = None
     truncate_prompt_tokens: Int64 | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     def __post_init__(self) -> None:
         if self.n is None:
@@ -111,7 +136,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: Int64 | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     # Variables for the chat template (e.g. {"enable_thinking": false}), and its switch.
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -248,6 +273,9 @@ def to_sampling_params(
             kwargs[name] = value
     if body.logit_bias:
         kwargs["logit_bias"] = _logit_bias(body.logit_bias, vocab_size)
+    structured = structured_outputs_of(body)
+    if structured is not None:
+        kwargs["structured_outputs"] = structured
     if body.allowed_token_ids is not None:
         if any(not 0 <= t < vocab_size for t in body.allowed_token_ids):
             raise bad_request(
@@ -271,6 +299,62 @@ def to_sampling_params(
         message = str(exc)
         param = message.split(" ", 1)[0]
         raise bad_request(message, param if hasattr(body, param) else None) from None
+
+
+def structured_outputs_of(body: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's structured-output constraint: ``structured_outputs`` (both endpoints) or
+    chat's ``response_format``; not yet checked (the pipeline compiles and checks it)."""
+    field = body.structured_outputs
+    response_format = getattr(body, "response_format", None)
+    from_format = None
+    if response_format is not None and response_format.type != "text":
+        from_format = _from_response_format(response_format)
+    if field is not None and from_format is not None:
+        raise bad_request(
+            "give structured_outputs or response_format, not both", "structured_outputs"
+        )
+    if from_format is not None:
+        return from_format
+    if field is None:
+        return None
+    spec = StructuredOutputsParams(
+        json=field.json,
+        regex=field.regex,
+        choice=field.choice,
+        grammar=field.grammar,
+        json_object=bool(field.json_object),
+    )
+    if len(spec.kinds()) != 1:
+        raise bad_request(
+            "structured_outputs must set exactly one of json, regex, choice, grammar, json_object",
+            "structured_outputs",
+        )
+    return spec
+
+
+def _from_response_format(response_format: ResponseFormat) -> StructuredOutputsParams:
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if response_format.type == "json_schema":
+        spec = response_format.json_schema
+        if spec is None or spec.schema is None:
+            raise bad_request(
+                "response_format json_schema needs json_schema.schema", "response_format"
+            )
+        return StructuredOutputsParams(json=spec.schema)
+    raise bad_request(
+        f"response_format type must be text, json_object or json_schema, got "
+        f"{response_format.type!r}",
+        "response_format",
+    )
+
+
+def structured_param(body: SamplingFields) -> str:
+    """The field a structured-output error is reported against."""
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None and response_format.type != "text":
+        return "response_format"
+    return "structured_outputs"
 
 
 def _logit_bias(logit_bias: dict[str, float], vocab_size: int) -> dict[int, float]:
@@ -311,8 +395,6 @@ def chat_num_logprobs(body: ChatCompletionRequest) -> int | None:
     """Chat's ``logprobs: bool`` + ``top_logprobs: int`` -> the engine's top-k count (or None)."""
     if body.tools:
         raise bad_request("tools are not supported", "tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format type 'text' is supported", "response_format")
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")

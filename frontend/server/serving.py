@@ -141,15 +141,29 @@ def make_choices(
     priority: int,
     arrival_time: float,
     stream: bool,
+    structured_param: str = "structured_outputs",
 ) -> tuple[str, list[Choice]]:
     """A fresh id for the response and one engine request per choice (index = prompt index * n
-    + sample)."""
+    + sample); a structured-output constraint is checked here, its errors reported against
+    ``structured_param``."""
     base_id = uuid.uuid4().hex
     with as_bad_request():
         choices = state.inputs.make_choices(
-            prompts, params, base_id, arrival_time, priority=priority, stream=stream
+            prompts,
+            params,
+            base_id,
+            arrival_time,
+            priority=priority,
+            stream=stream,
+            structured_param=structured_param,
         )
     return base_id, choices
+
+
+def prepare_size(size: int, params: SamplingParams) -> int:
+    """The size that decides where a request is prepared (``run_cpu_unless_small``): a
+    structured-output constraint is compiled and checked then, which is never small."""
+    return size if params.structured_outputs is None else LOOP_PREPARE_LIMIT + size + 1
 
 
 def usage(prompts: Sequence[list[int]], choices: Sequence[ChoiceState]) -> UsageInfo:

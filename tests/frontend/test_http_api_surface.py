@@ -1,5 +1,6 @@
 """The strict API surface: every request field implemented or a 400 naming it; the model's own
-sampling defaults; a chat template and its variables; /tokenize, /detokenize and /version.
+sampling defaults; a chat template and its variables; /tokenize, /detokenize and /version;
+structured outputs through the official ``openai`` client.
 
 One ``conveyor serve`` per module on the tiny Qwen3, started with ``--generation-config DIR``
 (a folder whose generation_config.json says temperature 0 and max_new_tokens 7) and
@@ -10,12 +11,16 @@ outputs are compared with ``LLM`` on the same prompts, and templates with ``tran
 from __future__ import annotations
 
 import json
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 
 from frontend import LLM
 from frontend.tokenizer import load_tokenizer
@@ -95,13 +100,13 @@ def test_a_field_the_server_does_not_know_is_a_400_naming_it(served):
         ("/v1/completions", {**completion, "frobnicate": 1}, "frobnicate"),
         ("/v1/completions", {**completion, "response_format": {"type": "json_object"}},
          "response_format"),
-        ("/v1/completions", {**completion, "structured_outputs": {"regex": "a+"}},
-         "structured_outputs"),
+        ("/v1/completions", {**completion, "structured_outputs": {"regexp": "a+"}},
+         "structured_outputs.regexp"),
         ("/v1/chat/completions", {**chat, "tool_choice": "auto"}, "tool_choice"),
         ("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}, "tools"),
         ("/v1/chat/completions",
-         {**chat, "response_format": {"type": "json_schema", "json_schema": {}}},
-         "response_format"),
+         {**chat, "response_format": {"type": "json_schema", "json_schema": {"schma": {}}}},
+         "response_format.json_schema.schma"),
         ("/v1/chat/completions",
          {**chat, "messages": [{"role": "assistant", "content": "", "tool_calls": []}]},
          "messages[0].tool_calls"),
@@ -260,3 +265,86 @@ def test_streamed_min_tokens_holds_the_stop_token(served):
     tokens = [t for p in payloads for c in p["choices"] if c["logprobs"]
               for t in c["logprobs"]["tokens"]]  # fmt: skip
     assert finish == ["stop"] and len(tokens) == 5, tokens
+
+
+class Owner(BaseModel):
+    name: str = Field(max_length=8)
+    admin: bool
+
+
+class Ticket(BaseModel):
+    """Nested object, array of enums, optional fields, a pattern, a union."""
+
+    id: str = Field(pattern=r"^[A-Z]{2}[0-9]{2}$")
+    owner: Owner
+    colour: Literal["red", "green", "blue"]
+    tags: list[Literal["a", "b"]] = Field(max_length=3)
+    priority: int | None = Field(default=None, ge=0, le=9)
+    model_config = ConfigDict(extra="forbid")
+
+
+def test_parse_with_a_pydantic_model_whole_and_streamed_greedy_and_sampled(client):
+    """``chat.completions.parse`` and a streamed ``response_format``: every choice is valid."""
+    schema = Ticket.model_json_schema()
+    for kwargs in ({"temperature": 0}, {"temperature": 1.0, "seed": 4, "n": 3}):
+        completion = client.chat.completions.parse(
+            model=MODEL_NAME, messages=CHAT, response_format=Ticket, max_tokens=256, **kwargs
+        )
+        assert len(completion.choices) == kwargs.get("n", 1)
+        for choice in completion.choices:
+            assert choice.finish_reason == "stop"
+            assert isinstance(choice.message.parsed, Ticket)
+            jsonschema.validate(json.loads(choice.message.content), schema)
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=256, temperature=1.0, seed=9, n=3,
+        stream=True,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "ticket", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    texts = ["", "", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    for text in texts:
+        Ticket.model_validate_json(text)
+    json_object = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=24, temperature=0,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    assert json_object.choices[0].message.content.startswith("{")
+
+
+def test_structured_outputs_on_completions_and_invalid_constraints(served):
+    for constraint, check in (
+        ({"regex": "[a-c]{2}-[0-9]"}, lambda t: re.fullmatch("[a-c]{2}-[0-9]", t)),
+        ({"choice": ["left", "right"]}, lambda t: t in ("left", "right")),
+        ({"json": {"type": "object", "properties": {"k": {"enum": [1, 2]}},
+                   "required": ["k"], "additionalProperties": False}},
+         lambda t: json.loads(t)["k"] in (1, 2)),
+        ({"grammar": 'start: "ok" | "fine"'}, lambda t: t in ("ok", "fine")),
+    ):  # fmt: skip
+        body = {"prompt": PROMPT, "max_tokens": 64, "temperature": 1.0, "seed": 1, "n": 2,
+                "structured_outputs": constraint}  # fmt: skip
+        status, _, answer = post_json(served.base_url, "/v1/completions", body)
+        assert status == 200, answer
+        for choice in answer["choices"]:
+            assert check(choice["text"]) and choice["finish_reason"] == "stop", choice
+    chat = {"messages": CHAT, "max_tokens": 8}
+    for path, body, param, problem in (
+        ("/v1/completions", {"prompt": PROMPT, "structured_outputs": {"regex": "a(b"}},
+         "structured_outputs", "unclosed group"),
+        ("/v1/completions", {"prompt": PROMPT, "structured_outputs": {"regex": "a", "choice": ["a"]}},
+         "structured_outputs", "exactly one"),
+        ("/v1/chat/completions",
+         {**chat, "response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+         "response_format", "nope"),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "yaml"}},
+         "response_format", "yaml"),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"},
+                                  "structured_outputs": {"regex": "a"}},
+         "structured_outputs", "not both"),
+    ):  # fmt: skip
+        start = time.perf_counter()
+        assert problem in _refused(served, path, body, param)
+        assert time.perf_counter() - start < 1.0

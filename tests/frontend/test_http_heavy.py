@@ -247,6 +247,11 @@ def test_an_accepted_request_that_tokenizes_for_seconds_leaves_other_streams_run
     assert len(texts["text"]) == 256
     num_prompt_tokens = answers["text"]["usage"]["prompt_tokens"]
     assert num_prompt_tokens == 256 * len(token_ids) > 900_000
-    assert took["text"] > took["control"] + 0.5, f"tokenizing took no time: {took}"
+    # The text request holds seconds of tokenizing (timed here, alone), which the control
+    # does not: the waits below compare the same engine work with and without it.
+    tokenizer = load_tokenizer(tiny_model_dir)
+    start = time.perf_counter()
+    tokenizer([prompt] * 256)
+    assert time.perf_counter() - start > 0.5, "not a heavy request to tokenize"
     bound = max(MAX_STREAM_GAP_S, 2 * max(gaps["control"]))
     assert max(gaps["text"]) < bound, f"requests took {took}; longest waits {gaps}"

@@ -1,0 +1,87 @@
+"""Tool-call parsers on scripted outputs: whole, and streamed in every split of the text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from frontend.tool_calls import (
+    HermesParser,
+    Llama3JsonParser,
+    ToolCallStream,
+    forced_calls,
+    forced_schema,
+)
+
+WEATHER = {"city": "Paris", "unit": "C"}
+HERMES = (
+    "Let me check.\n<tool_call>\n"
+    + json.dumps({"name": "get_weather", "arguments": WEATHER})
+    + "\n</tool_call>\n<tool_call>\n"
+    + json.dumps({"name": "get_time", "arguments": {"zone": "CET"}})
+    + "\n</tool_call>"
+)
+LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}; ' + (
+    '{"name": "get_time", "parameters": {"zone": "CET"}}'
+)
+
+
+def _names_and_arguments(calls):
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+EXPECTED = [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content"),
+    [(HermesParser(), HERMES, "Let me check.\n"), (Llama3JsonParser(), LLAMA, None)],
+)
+def test_calls_are_read_whole_and_streamed_in_any_split(parser, text, content):
+    got_content, calls = parser.parse(text)
+    assert got_content == content and _names_and_arguments(calls) == EXPECTED
+    assert len({c.id for c in calls}) == 2
+    for size in (1, 3, 7, 50):
+        stream = ToolCallStream(parser, False)
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        streamed_content, streamed_calls = "", []
+        for i, piece in enumerate(pieces):
+            out, new_calls = stream.feed(piece, done=i == len(pieces) - 1)
+            streamed_content += out
+            streamed_calls += new_calls
+        assert streamed_content == (content or "")
+        assert "<tool" not in streamed_content and "{" not in streamed_content
+        assert _names_and_arguments(streamed_calls) == EXPECTED
+
+
+@pytest.mark.parametrize("parser", [HermesParser(), Llama3JsonParser()])
+def test_text_that_is_no_call_stays_content(parser):
+    for text in ("Just words, no calls.", "<tool_call>{not json}</tool_call>", "{broken"):
+        content, calls = parser.parse(text)
+        assert (content, calls) == (text, [])
+        stream = ToolCallStream(parser, False)
+        assert stream.feed(text, done=True) == (text, [])
+    # A growing text that only might start a call is held back, then released.
+    stream = ToolCallStream(HermesParser(), False)
+    assert stream.feed("a <tool", done=False) == ("a ", [])
+    assert stream.feed("box", done=True) == ("<toolbox", [])
+
+
+def test_forced_schemas_and_their_outputs():
+    tools = [
+        {"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "b"}},
+    ]
+    one = forced_schema(tools, None, parallel=False)
+    assert one["maxItems"] == 1 and one["minItems"] == 1
+    assert "maxItems" not in forced_schema(tools, None, parallel=True)
+    assert forced_schema(tools, "a", parallel=True) == {"type": "object"}
+    with pytest.raises(ValueError, match="'c'"):
+        forced_schema(tools, "c", parallel=True)
+    calls = forced_calls(
+        '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]', None
+    )
+    assert _names_and_arguments(calls) == [("a", {"x": 1}), ("b", {})]
+    assert _names_and_arguments(forced_calls('{"x": 2}', "a")) == [("a", {"x": 2})]
+    assert forced_calls('[{"name": "a", "par', None) == []  # cut at max_tokens
