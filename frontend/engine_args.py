@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from frontend.tool_calls import PARSERS
 from protocol import (
     CacheConfig,
     EngineConfig,
@@ -68,6 +69,8 @@ class EngineArgs:
     generation_config: str = "auto"
     # A Jinja chat template file replacing the tokenizer's own.
     chat_template: str | None = None
+    # "hermes" or "llama3_json": the format of the model's tool calls (tool_choice "auto").
+    tool_call_parser: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model directory and build the checked, frozen config tree."""
@@ -77,6 +80,7 @@ class EngineArgs:
             model_config,
             sampling_defaults=read_sampling_defaults(self.generation_config, model_config.model),
             chat_template=self._read_chat_template(),
+            tool_call_parser=self.tool_call_parser,
         )
         if model_config.sampling_defaults:
             logger.info(
@@ -113,6 +117,11 @@ class EngineArgs:
             device=self.device,
         )
         check_engine_config(config)
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ConfigError(
+                f"tool_call_parser must be one of {', '.join(sorted(PARSERS))}, "
+                f"got {self.tool_call_parser!r}"
+            )
         return config
 
     def _read_chat_template(self) -> str | None:
@@ -224,6 +233,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="FILE",
         default=d.chat_template,
         help="a Jinja chat template replacing the model's own",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default=d.tool_call_parser,
+        help="the format the model writes tool calls in, for tool_choice auto "
+        "(hermes: Hermes, Qwen 2.5/3; llama3_json: Llama 3.x)",
     )
     return parser
 

@@ -77,6 +77,7 @@ class InputProcessor:
         # What a request leaves out, the model's generation_config.json decides (if it says).
         self.sampling_defaults: dict[str, Any] = dict(config.model.sampling_defaults)
         self.chat_template = config.model.chat_template
+        self.tool_call_parser = config.model.tool_call_parser
         self.grammars = GrammarChecker(tokenizer, config.model.vocab_size, self._eos_token_ids)
         # No text of more characters than this can fit the context. A token's string in the
         # vocabulary is at least as long as the text it decodes to (one character per byte for
@@ -137,10 +138,11 @@ class InputProcessor:
         *,
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """A conversation as prompt token ids, through the chat template (``--chat-template``,
         else the tokenizer's own); ``template_kwargs`` become variables of the template (for
-        example ``enable_thinking``)."""
+        example ``enable_thinking``); ``tools``: function definitions the template writes in."""
         if not conversation:
             raise PromptError("messages must not be empty", "messages")
         tokenizer = self.tokenizer
@@ -159,6 +161,7 @@ class InputProcessor:
                 chat_template=template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
+                tools=tools,
                 **template_kwargs,
             )
         except Exception as exc:  # a template may raise anything on input it does not expect

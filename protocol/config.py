@@ -38,6 +38,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
     sampling_defaults: dict[str, int | float] = {}
     # A chat template that replaces the tokenizer's own (``--chat-template FILE``).
     chat_template: str | None = None
+    # How the frontends read tool calls out of the text (``--tool-call-parser``); None: no
+    # ``tool_choice: "auto"``.
+    tool_call_parser: str | None = None
 
 
 class CacheConfig(msgspec.Struct, frozen=True):

@@ -10,12 +10,15 @@ anything gets an error event, not the start of a message.
 from __future__ import annotations
 
 import time
+from typing import Any
 
+import msgspec
 from starlette.responses import Response
 from starlette.types import Receive
 
 from frontend.input_processor import Choice
 from frontend.output_processor import ChoiceDelta, LogprobRow
+from frontend.server.chat_tools import ChatTools, call_deltas, calls_out, chat_tools, message_dict
 from frontend.server.logprobs import chat_logprobs
 from frontend.server.request_models import (
     ChatCompletionRequest,
@@ -64,9 +67,12 @@ async def create_chat_completion(
     defaults = state.inputs.sampling_defaults
     max_tokens = chat_max_tokens(body, defaults)
     truncating = body.truncate_prompt_tokens is not None
+    tools = chat_tools(body, state.inputs.tool_call_parser)
     conversation, size = conversation_of(state, body.messages, truncating)
     vocab_size = state.config.model.vocab_size
     params = to_sampling_params(body, max_tokens, num_logprobs, vocab_size, defaults)
+    if tools.schema is not None:
+        params = msgspec.structs.replace(params, structured_outputs=tools.structured_outputs())
     prompt, response_id, choices = await state.run_cpu_unless_small(
         prepare_size(size, params),
         _prepare,
@@ -76,20 +82,21 @@ async def create_chat_completion(
         max_tokens,
         params,
         arrival_time,
+        tools,
     )
-    run = _ChatRun(state, body, [prompt], response_id, choices, num_logprobs)
+    run = _ChatRun(state, body, [prompt], response_id, choices, num_logprobs, tools)
     return await run.respond(receive)
 
 
 def conversation_of(
     state: ServingState, messages: list[ChatMessage], truncating: bool = False
-) -> tuple[list[dict[str, str]], int]:
+) -> tuple[list[dict[str, Any]], int]:
     """The messages as the chat template takes them, after the checks that cost a ``len``
     (only the body's size bounds a chat that will be truncated), and the size of preparing them
     (see ``LOOP_PREPARE_LIMIT``)."""
     with as_bad_request():
         state.inputs.check_conversation_size(len(messages), 0)
-    conversation = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(messages)]
+    conversation = [message_dict(m, message_text(m, i)) for i, m in enumerate(messages)]
     num_chars = sum(len(m["content"]) for m in conversation)
     if not truncating:
         with as_bad_request():
@@ -101,10 +108,11 @@ def conversation_of(
 def _prepare(
     state: ServingState,
     body: ChatCompletionRequest,
-    conversation: list[dict[str, str]],
+    conversation: list[dict[str, Any]],
     max_tokens: int | None,
     params: SamplingParams,
     arrival_time: float,
+    tools: ChatTools,
 ) -> tuple[list[int], str, list[Choice]]:
     """The chat template, tokenizing, checks and fan-out: on the CPU pool unless small."""
     with as_bad_request():
@@ -112,12 +120,13 @@ def _prepare(
             conversation,
             add_generation_prompt=body.add_generation_prompt,
             template_kwargs=body.chat_template_kwargs,
+            tools=tools.tools,
         )
         prompt = state.inputs.truncate(prompt, body.truncate_prompt_tokens)
     check_prompts(state, [prompt], max_tokens)
     response_id, choices = make_choices(
         state, [prompt], params, body.priority, arrival_time, bool(body.stream),
-        structured_param(body),
+        "tools" if tools.schema is not None else structured_param(body),
     )  # fmt: skip
     return prompt, f"chatcmpl-{response_id}", choices
 
@@ -133,22 +142,27 @@ class _ChatRun(GenerationRun):
         response_id: str,
         choices: list[Choice],
         num_logprobs: int | None,
+        tools: ChatTools,
     ) -> None:
         super().__init__(state, body, prompts, response_id, choices)
         self.num_logprobs = num_logprobs
         self._started: set[int] = set()  # choices whose role went out
+        self._tools = tools
+        self._tool_streams = (
+            {c.state.index: tools.stream() for c in choices} if tools.active else {}
+        )
 
     def response(self) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                c.index,
-                ChatMessageOut(ROLE, c.text),
-                self._logprobs(c.logprobs),
-                c.finish_reason,
-                c.stop_reason,
-            )
-            for c in self.states
-        ]
+        choices = []
+        for c in self.states:
+            message, finish_reason = ChatMessageOut(ROLE, c.text), c.finish_reason
+            if self._tools.active:
+                content, calls = self._tools.split(c.text)
+                if calls:
+                    message = ChatMessageOut(ROLE, content, calls_out(calls))
+                    finish_reason = "tool_calls"
+            logprobs = self._logprobs(c.logprobs)
+            choices.append(ChatChoice(c.index, message, logprobs, finish_reason, c.stop_reason))
         return ChatCompletionResponse(
             self.response_id, self.created, self.state.model_name, choices, self.usage()
         )
@@ -157,9 +171,19 @@ class _ChatRun(GenerationRun):
         first = delta.index not in self._started
         self._started.add(delta.index)
         message = ChatDelta(ROLE if first else None, delta.text)
+        finish_reason = delta.finish_reason
+        stream = self._tool_streams.get(delta.index)
+        if stream is not None:
+            num_sent = stream.num_calls
+            content, calls = stream.feed(delta.text, done=delta.finish_reason is not None)
+            message.content = content
+            if calls:
+                message.tool_calls = call_deltas(calls, num_sent)
+            if stream.num_calls and ended_normally(delta):
+                finish_reason = "tool_calls"
         choice = ChatStreamChoice(delta.index, message, self._logprobs(delta.logprobs))
         if ended_normally(delta):
-            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+            choice.finish_reason, choice.stop_reason = finish_reason, delta.stop_reason
         return self._chunk([choice])
 
     def usage_event(self) -> bytes:

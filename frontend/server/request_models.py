@@ -123,10 +123,46 @@ class ContentPart(StrictStruct):
     text: str | None = None
 
 
+class FunctionCallIn(StrictStruct):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(StrictStruct):
+    """An assistant's earlier tool call, in the history."""
+
+    id: str
+    function: FunctionCallIn
+    type: str = "function"
+
+
 class ChatMessage(StrictStruct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(StrictStruct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(StrictStruct):
+    function: FunctionDef
+    type: str = "function"
+
+
+class NamedFunction(StrictStruct):
+    name: str
+
+
+class NamedToolChoice(StrictStruct):
+    function: NamedFunction
+    type: str = "function"
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -135,7 +171,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: Int64 | None = None
     logprobs: bool | None = False
     top_logprobs: Int64 | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     # Variables for the chat template (e.g. {"enable_thinking": false}), and its switch.
     chat_template_kwargs: dict[str, Any] | None = None
@@ -393,8 +431,6 @@ def check_completion_request(body: CompletionRequest) -> None:
 
 def chat_num_logprobs(body: ChatCompletionRequest) -> int | None:
     """Chat's ``logprobs: bool`` + ``top_logprobs: int`` -> the engine's top-k count (or None)."""
-    if body.tools:
-        raise bad_request("tools are not supported", "tools")
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")

@@ -66,9 +66,22 @@ class ChatChoiceLogprobs(msgspec.Struct):
     content: list[ChatLogprobEntry] | None = None
 
 
-class ChatMessageOut(msgspec.Struct):
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
+class ChatMessageOut(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str | None = None
+    # Always written, null when the message is only tool calls (as OpenAI writes it).
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -88,10 +101,23 @@ class ChatCompletionResponse(msgspec.Struct):
     object: str = "chat.completion"
 
 
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     # The first chunk of a choice carries the role, later ones only content.
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct):

@@ -15,8 +15,9 @@ from typing import Any
 import msgspec
 
 from frontend.server.chat import conversation_of
+from frontend.server.chat_tools import tool_dict
 from frontend.server.errors import bad_request
-from frontend.server.request_models import ChatMessage, Int64, StrictStruct
+from frontend.server.request_models import ChatMessage, Int64, StrictStruct, ToolDef
 from frontend.server.serving import ServingState, as_bad_request, check_model
 
 PACKAGE = "conveyor-llm"
@@ -31,6 +32,8 @@ class TokenizeRequest(StrictStruct, kw_only=True):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Function definitions the chat template writes into the prompt, as chat passes them.
+    tools: list[ToolDef] | None = None
     return_token_strs: bool = False
 
 
@@ -76,6 +79,7 @@ async def tokenize(state: ServingState, body: TokenizeRequest) -> TokenizeRespon
                 conversation,
                 add_generation_prompt=body.add_generation_prompt,
                 template_kwargs=body.chat_template_kwargs,
+                tools=[tool_dict(tool) for tool in body.tools] if body.tools else None,
             )
     else:
         assert body.prompt is not None

@@ -1,10 +1,11 @@
 """The strict API surface: every request field implemented or a 400 naming it; the model's own
 sampling defaults; a chat template and its variables; /tokenize, /detokenize and /version;
-structured outputs through the official ``openai`` client.
+structured outputs and tool calling through the official ``openai`` client.
 
 One ``conveyor serve`` per module on the tiny Qwen3, started with ``--generation-config DIR``
-(a folder whose generation_config.json says temperature 0 and max_new_tokens 7) and
-``--chat-template FILE`` (a template that reads ``enable_thinking``, as Qwen3's does). Greedy
+(a folder whose generation_config.json says temperature 0 and max_new_tokens 7),
+``--chat-template FILE`` (a template that reads ``enable_thinking`` and writes tools and tool
+calls, as Qwen3's does) and ``--tool-call-parser hermes``. Greedy
 outputs are compared with ``LLM`` on the same prompts, and templates with ``transformers``.
 """
 
@@ -40,12 +41,34 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http-api-surface")]
 PROMPT = "def main():\n    "
 CHAT = [{"role": "user", "content": "hello there"}]
 DEFAULT_MAX_TOKENS = 7
-TEMPLATE = (
-    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + "
-    "message['content'] + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking "
-    "is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
-)
+TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+# Tools
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{{ message.content }}
+{%- for call in message.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +81,7 @@ def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     )
     (folder / "template.jinja").write_text(TEMPLATE)
     extra = ["--frontends", "1", "--generation-config", str(defaults)]
-    extra += ["--chat-template", str(folder / "template.jinja")]
+    extra += ["--chat-template", str(folder / "template.jinja"), "--tool-call-parser", "hermes"]
     served = start_served_http(tiny_model_dir, folder / "serve.log", extra)
     try:
         yield served
@@ -103,13 +126,13 @@ def test_a_field_the_server_does_not_know_is_a_400_naming_it(served):
         ("/v1/completions", {**completion, "structured_outputs": {"regexp": "a+"}},
          "structured_outputs.regexp"),
         ("/v1/chat/completions", {**chat, "tool_choice": "auto"}, "tool_choice"),
-        ("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}, "tools[0]"),
         ("/v1/chat/completions",
          {**chat, "response_format": {"type": "json_schema", "json_schema": {"schma": {}}}},
          "response_format.json_schema.schma"),
         ("/v1/chat/completions",
-         {**chat, "messages": [{"role": "assistant", "content": "", "tool_calls": []}]},
-         "messages[0].tool_calls"),
+         {**chat, "messages": [{"role": "assistant", "content": "", "function_call": {}}]},
+         "messages[0].function_call"),
         ("/v1/chat/completions",
          {**chat, "stream": True, "stream_options": {"continuous_usage_stats": True}},
          "stream_options.continuous_usage_stats"),
@@ -348,3 +371,165 @@ def test_structured_outputs_on_completions_and_invalid_constraints(served):
         start = time.perf_counter()
         assert problem in _refused(served, path, body, param)
         assert time.perf_counter() - start < 1.0
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"enum": ["C", "F"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER_TOOL, TIME_TOOL]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+HISTORY = [
+    {"role": "system", "content": "You can call tools."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather",
+                                  "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"},
+]  # fmt: skip
+
+
+def test_tool_history_renders_exactly_as_transformers_renders_it(served, tokenizer):
+    text = tokenizer.apply_chat_template(
+        HISTORY, tools=TOOLS, chat_template=TEMPLATE, add_generation_prompt=True, tokenize=False
+    )
+    assert "<tool_call>" in text and "18 degrees" in text and "get_time" in text
+    expected = list(tokenizer(text, add_special_tokens=False).input_ids)
+    status, _, answer = post_json(
+        served.base_url, "/tokenize", {"messages": HISTORY, "tools": TOOLS}
+    )
+    assert status == 200 and answer["tokens"] == expected
+    # What the openai client sends for a tool-call message: content null. Rendered as "".
+    with_null = [*HISTORY[:2], {**HISTORY[2], "content": None}, HISTORY[3]]
+    _, _, nulled = post_json(served.base_url, "/tokenize", {"messages": with_null, "tools": TOOLS})
+    assert nulled["tokens"] == expected
+    chat = {"messages": HISTORY, "tools": TOOLS, "tool_choice": "none", "max_tokens": 1}
+    status, _, answer = post_json(served.base_url, "/v1/chat/completions", chat)
+    assert status == 200, answer
+    # tool_choice none: no tool definitions in the prompt (vLLM's default).
+    _, _, bare = post_json(served.base_url, "/tokenize", {"messages": HISTORY})
+    assert answer["usage"]["prompt_tokens"] == bare["count"] < len(expected)
+
+
+def _check_calls(calls: list[Any], names: set[str]) -> None:
+    assert calls, "no tool call"
+    for call in calls:
+        assert call.type == "function" and call.id and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+def _streamed_calls(stream: Any) -> tuple[dict[int, dict[int, dict[str, str]]], dict[int, str]]:
+    """Per choice, per call index: id, name and the joined arguments; per choice its finish."""
+    calls: dict[int, dict[int, dict[str, str]]] = {}
+    finish: dict[int, str] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(choice.index, {}).setdefault(
+                    delta.index, {"id": "", "name": "", "arguments": ""}
+                )
+                call["id"] = delta.id or call["id"]
+                call["name"] += (delta.function.name or "") if delta.function else ""
+                call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    return calls, finish
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "get_weather"}}],
+    ids=["required", "named"],
+)
+def test_required_and_named_tool_choice_always_give_a_valid_call(client, tool_choice):
+    names = {"get_weather"} if isinstance(tool_choice, dict) else set(PARAMETERS)
+    kwargs = dict(model=MODEL_NAME, messages=CHAT, tools=TOOLS, tool_choice=tool_choice,
+                  parallel_tool_calls=False, max_tokens=200)  # fmt: skip
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 2, "n": 3}):
+        response = client.chat.completions.create(**kwargs, **sampling)
+        for choice in response.choices:
+            assert choice.finish_reason == "tool_calls"
+            assert choice.message.content is None
+            _check_calls(choice.message.tool_calls, names)
+            assert len(choice.message.tool_calls) == 1
+    stream = client.chat.completions.create(**kwargs, temperature=1.0, seed=5, n=2, stream=True)
+    calls, finish = _streamed_calls(stream)
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    for per_choice in calls.values():
+        (call,) = per_choice.values()
+        assert call["id"].startswith("call_") and call["name"] in names
+        jsonschema.validate(json.loads(call["arguments"]), PARAMETERS[call["name"]])
+
+
+def test_auto_reads_the_calls_a_model_writes_in_its_format(client):
+    """The hermes parser on what a model forced by a grammar writes: a sentence, then a call."""
+    written = (
+        'Checking.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    )
+    grammar = "start: " + json.dumps(written)
+    kwargs = dict(model=MODEL_NAME, messages=CHAT, tools=TOOLS, max_tokens=100,
+                  extra_body={"structured_outputs": {"grammar": grammar}})  # fmt: skip
+    response = client.chat.completions.create(**kwargs)
+    (choice,) = response.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking.\n"
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_time",
+        {"zone": "CET"},
+    )
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls, finish = _streamed_calls(iter(chunks))
+    assert content == "Checking.\n" and finish == {0: "tool_calls"}
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls[0].values()] == [
+        ("get_time", {"zone": "CET"})
+    ]
+    # No call written: all content, the usual finish.
+    plain = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, tools=TOOLS, max_tokens=5, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].finish_reason == "length" and plain.choices[0].message.content
+
+
+def test_tool_fields_that_do_not_fit_are_refused(served):
+    chat = {"messages": CHAT, "max_tokens": 2}
+    for body, param, problem in (
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"parallel_tool_calls": True}, "parallel_tool_calls", "needs tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice", "nope"),
+        ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools", "distinct"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "tool_choice", "already constrains"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+          "tool_choice": "required"}, "tools", "nope"),
+    ):  # fmt: skip
+        assert problem in _refused(served, "/v1/chat/completions", {**chat, **body}, param)

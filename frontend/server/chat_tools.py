@@ -1,0 +1,147 @@
+"""A chat request's tools: which ``tool_choice`` it has, what the template and the sampler get,
+and how each choice's output becomes content and tool calls.
+
+Runs in an HTTP frontend process. See ``frontend/tool_calls.py`` for the two ways calls come out
+(a parser for ``auto``, a JSON schema for ``required`` and a named function).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from frontend.server.errors import bad_request
+from frontend.server.request_models import ChatCompletionRequest, NamedToolChoice
+from frontend.server.response_models import (
+    FunctionCallOut,
+    FunctionDelta,
+    ToolCallDelta,
+    ToolCallOut,
+)
+from frontend.tool_calls import (
+    PARSERS,
+    ToolCall,
+    ToolCallParser,
+    ToolCallStream,
+    forced_calls,
+    forced_schema,
+)
+from protocol import StructuredOutputsParams
+
+
+@dataclass(frozen=True)
+class ChatTools:
+    """``mode``: "none", "auto", "required" or "named"; ``tools`` go into the template."""
+
+    mode: str
+    tools: list[dict[str, Any]] | None = None
+    named: str | None = None
+    parser: ToolCallParser | None = None
+    # For required / named: the schema that forces the output.
+    schema: dict[str, Any] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        return None if self.schema is None else StructuredOutputsParams(json=self.schema)
+
+    def stream(self) -> ToolCallStream:
+        return ToolCallStream(self.parser, False if self.mode == "auto" else self.named)
+
+    def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole output."""
+        if self.mode == "auto":
+            assert self.parser is not None
+            return self.parser.parse(text)
+        calls = forced_calls(text, self.named)
+        return (None if calls else text), calls
+
+
+def chat_tools(body: ChatCompletionRequest, parser_name: str | None) -> ChatTools:
+    """The request's tool setup, or a 400 naming what does not fit."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        if body.parallel_tool_calls is not None:
+            raise bad_request("parallel_tool_calls needs tools", "parallel_tool_calls")
+        return ChatTools("none")
+    tools = [tool_dict(tool) for tool in body.tools]
+    names = [tool["function"]["name"] for tool in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tools must have distinct function names", "tools")
+    choice = "auto" if choice is None else choice
+    if choice == "none":
+        return ChatTools("none")
+    if isinstance(choice, NamedToolChoice) or choice == "required":
+        if body.structured_outputs is not None or (
+            body.response_format is not None and body.response_format.type != "text"
+        ):
+            raise bad_request(
+                "a required or named tool_choice already constrains the output; drop "
+                "response_format / structured_outputs",
+                "tool_choice",
+            )
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        if named is not None and named not in names:
+            raise bad_request(f"tool_choice names {named!r}, not among the tools", "tool_choice")
+        parallel = body.parallel_tool_calls is not False
+        schema = forced_schema(tools, named, parallel)
+        return ChatTools("named" if named else "required", tools, named, schema=schema)
+    if choice != "auto":
+        raise bad_request(
+            f"tool_choice must be none, auto, required or a named function, got {choice!r}",
+            "tool_choice",
+        )
+    if parser_name is None:
+        raise bad_request(
+            'tool_choice "auto" needs the server started with --tool-call-parser', "tool_choice"
+        )
+    return ChatTools("auto", tools, parser=PARSERS[parser_name]())
+
+
+def tool_dict(tool: Any) -> dict[str, Any]:
+    """A tool definition as the chat template takes it."""
+    return {"type": "function", "function": _function(tool.function)}
+
+
+def _function(function: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": function.name}
+    if function.description is not None:
+        out["description"] = function.description
+    out["parameters"] = function.parameters or {"type": "object", "properties": {}}
+    return out
+
+
+def calls_out(calls: list[ToolCall]) -> list[ToolCallOut]:
+    return [ToolCallOut(c.id, FunctionCallOut(c.name, c.arguments)) for c in calls]
+
+
+def call_deltas(calls: list[ToolCall], first_index: int) -> list[ToolCallDelta]:
+    """OpenAI's stream shape: the call's index, id, type and name, with its arguments."""
+    return [
+        ToolCallDelta(first_index + i, c.id, "function", FunctionDelta(c.name, c.arguments))
+        for i, c in enumerate(calls)
+    ]
+
+
+def message_dict(message: Any, text: str) -> dict[str, Any]:
+    """A history message as the chat template takes it (OpenAI's shape: assistant tool calls
+    and tool results are rendered, not dropped)."""
+    out: dict[str, Any] = {"role": message.role, "content": text}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type,
+                "function": {"name": call.function.name, "arguments": call.function.arguments},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
