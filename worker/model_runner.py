@@ -133,7 +133,7 @@ class ModelRunner:
         num_output_tokens = None
         if any(p.min_tokens for p in params):
             num_output_tokens = (batch.num_tokens[rows] - batch.num_prompt_tokens[rows]).tolist()
-        bitmask, ended = self._grammar_masks(rows, params)
+        bitmask, grammar_rows, ended = self._grammar_masks(rows, params)
         return make_sampling_metadata(
             params,
             generators,
@@ -145,15 +145,16 @@ class ModelRunner:
             self.config.model.eos_token_ids,
             bitmask,
             ended,
+            grammar_rows,
         )
 
     def _grammar_masks(
         self, rows: list[int], params: list[SamplingParams]
-    ) -> tuple[torch.Tensor | None, set[int]]:
-        """The step's grammar bitmask (None without structured rows) and the rows whose
-        grammar is complete."""
+    ) -> tuple[torch.Tensor | None, list[int], set[int]]:
+        """The step's grammar bitmask (None without structured rows), the rows it is for, and
+        the rows whose grammar is complete."""
         if not any(p.grammar for p in params):
-            return None, set()
+            return None, [], set()
         matchers = []
         for i, (row, p) in enumerate(zip(rows, params)):
             if p.grammar:
@@ -162,7 +163,7 @@ class ModelRunner:
                     state.matcher = self._grammars.new_matcher(p.grammar)
                 matchers.append((i, state.matcher))
         ended = {i for i, matcher in matchers if matcher.is_stopped()}
-        return self._grammars.bitmask(matchers, len(rows)), ended
+        return self._grammars.bitmask(matchers), [i for i, _ in matchers], ended
 
     def _make_grammar_runtime(self) -> GrammarRuntime:
         model = self.config.model

@@ -116,7 +116,13 @@ def apply_token_constraints(logits: torch.Tensor, constraints: TokenConstraints)
     if constraints.banned is not None:
         logits.index_put_(constraints.banned, torch.tensor(float("-inf"), device=logits.device))
     if constraints.grammar_bitmask is not None:
-        apply_bitmask(logits, constraints.grammar_bitmask)
+        rows = constraints.grammar_rows
+        if rows is None or len(rows) == logits.shape[0]:
+            apply_bitmask(logits, constraints.grammar_bitmask)
+        else:
+            constrained = logits[rows]
+            apply_bitmask(constrained, constraints.grammar_bitmask)
+            logits[rows] = constrained
     return logits
 
 

@@ -34,8 +34,10 @@ class TokenConstraints:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     allowed: dict[int, torch.Tensor] = field(default_factory=dict)
-    # [R, ceil(V / 32)] int32 from the rows' grammar matchers (structured outputs), applied last.
+    # [G, ceil(V / 32)] int32 from the grammar matchers (structured outputs) of the rows
+    # ``grammar_rows`` ([G] int64), applied last; the other rows pay nothing for it.
     grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -103,6 +105,7 @@ def make_sampling_metadata(
     eos_token_ids: Collection[int] = (),
     grammar_bitmask: torch.Tensor | None = None,
     grammar_ended_rows: Collection[int] = (),
+    grammar_rows: list[int] | None = None,
 ) -> SamplingMetadata:
     """Build the step's metadata, one row per entry of ``params`` (batch order).
 
@@ -144,7 +147,13 @@ def make_sampling_metadata(
         output_token_ids=output_token_ids,
         max_top_k=max(top_ks) if use_top_k else 0,
         token_constraints=make_token_constraints(
-            params, num_output_tokens, eos_token_ids, device, grammar_bitmask, grammar_ended_rows
+            params,
+            num_output_tokens,
+            eos_token_ids,
+            device,
+            grammar_bitmask,
+            grammar_ended_rows,
+            grammar_rows,
         ),
     )
 
@@ -156,6 +165,7 @@ def make_token_constraints(
     device: torch.device,
     grammar_bitmask: torch.Tensor | None = None,
     grammar_ended_rows: Collection[int] = (),
+    grammar_rows: list[int] | None = None,
 ) -> TokenConstraints | None:
     """The step's logit biases and masks, or None when no row has any (the common case)."""
     bias_rows: list[int] = []
@@ -194,6 +204,7 @@ def make_token_constraints(
         banned=(ids(banned_rows), ids(banned_ids)) if banned_rows else None,
         allowed=allowed,
         grammar_bitmask=grammar_bitmask,
+        grammar_rows=None if grammar_rows is None else ids(grammar_rows),
     )
 
 

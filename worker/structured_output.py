@@ -75,20 +75,20 @@ class GrammarRuntime:
             logger.warning("a grammar failed in the worker (EOS only): %s", matcher.get_error())
         return matcher
 
-    def bitmask(self, rows: list[tuple[int, Any]], num_rows: int) -> torch.Tensor:
-        """[num_rows, ceil(V / 32)] int32: each listed row's allowed tokens, every token for
-        the rest (a matcher in error allows only EOS)."""
+    def bitmask(self, rows: list[tuple[int, Any]]) -> torch.Tensor:
+        """[len(rows), ceil(V / 32)] int32: the allowed tokens of each listed row, in order (a
+        matcher in error allows only EOS)."""
         # All bits set: every token allowed. (llguidance.torch has these helpers, but importing
         # it compiles a kernel with torch.compile: seconds of start-up for two lines.)
         words = (self.vocab_size + 31) // 32
-        bitmask = torch.full((num_rows, words), -1, dtype=torch.int32)
-        healthy = [(m, row) for row, m in rows if not m.is_error()]
+        bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+        healthy = [(m, i) for i, (_, m) in enumerate(rows) if not m.is_error()]
         if healthy:
             # Rust threads fill each listed row of the contiguous host buffer, GIL released.
             self._executor.unsafe_compute_mask_ptr(
-                healthy, bitmask.data_ptr(), words * 4, num_rows
+                healthy, bitmask.data_ptr(), words * 4, len(rows)
             )
-        for row, matcher in rows:
+        for row, (_, matcher) in enumerate(rows):
             if matcher.is_error():
                 bitmask[row] = 0
                 for eos in self._eos_token_ids:
