@@ -8,6 +8,7 @@ that ``os.times()`` of the benchmark does not see while they run.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
@@ -117,3 +118,14 @@ class Timing:
             # machine are only comparable when this is near 0.
             "other_load": round(others / self.seconds / num_cpus, 3),
         }
+
+
+def print_report_start(report: dict[str, object], as_json: bool) -> bool:
+    """A benchmark report's start: the whole report as JSON (True: nothing more to print), or
+    its machine and configuration lines before the caller's table."""
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return True
+    print(f"machine: {report['machine']}")
+    print(f"config: {report['config']}")
+    return False

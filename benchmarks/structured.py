@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import machine_info
+from benchmarks.machine import machine_info, print_report_start
 
 SCHEMA = {
     "type": "object",
@@ -124,11 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     report = run(args)
-    if args.json:
-        print(json.dumps(report, indent=2))
+    if print_report_start(report, args.json):
         return 0
-    print(f"machine: {report['machine']}")
-    print(f"config: {report['config']}")
     print(f"{'batch':<8} {'out tok/s':>10} {'vs plain':>9} {'step p50':>10} {'step p99':>10}")
     for name, row in report["results"].items():
         print(

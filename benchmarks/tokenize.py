@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import machine_info
+from benchmarks.machine import machine_info, print_report_start
 
 LONGEST = 1 << 62
 # A process's own tokenizer, loaded once by ``_load_in_process``.
@@ -193,11 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     report = run(args)
-    if args.json:
-        print(json.dumps(report, indent=2))
+    if print_report_start(report, args.json):
         return 0
-    print(f"machine: {report['machine']}")
-    print(f"config: {report['config']}")
     for workload, ways in report["results"].items():
         print(f"\n{workload}")
         print(f"  {'way':<10} {'requests/s':>11} {'vs threads':>11} {'loop stall':>11}")

@@ -21,12 +21,14 @@ import time
 from dataclasses import dataclass
 from typing import Union
 
+import msgspec
 import zmq
 
 from engine_core.client_registry import ClientRegistry
-from protocol import Abort, EngineCoreOutputs, EngineCoreRequest
+from protocol import Abort, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
 from protocol.messages import (
+    AddRequests,
     AllFreeReport,
     CheckAllFree,
     EngineCoreServerMessage,
@@ -43,6 +45,11 @@ logger = logging.getLogger(__name__)
 _POLL_MS = 200
 _MAX_FRAMES_PER_ROUND = 512  # then look at outgoing work, so a flood cannot starve outputs
 _LINGER_MS = 1000  # on close, how long queued frames (an EngineDead) may take to leave
+# The longest request id an unreadable request is answered under (a client's ids are short).
+MAX_ANSWERED_ID_CHARS = 256
+_REQUEST_TAG = EngineCoreRequest.__struct_config__.tag
+_ADD_REQUESTS_TAG = AddRequests.__struct_config__.tag
+_REQUEST_DECODER = msgspec.msgpack.Decoder(EngineCoreRequest)
 
 
 @dataclass(frozen=True)
@@ -183,6 +190,7 @@ class ClientIO:
                 message = CLIENT_TO_ENGINE.decode(payload)
             except Exception as exc:  # DecodeError, ValidationError, anything msgspec raises
                 self._drop(identity, f"undecodable frame of {len(payload)} bytes: {exc}")
+                self._salvage(identity, payload)
                 continue
             self._handle(identity, message)
 
@@ -214,6 +222,40 @@ class ClientIO:
             f"for over {self.registry.heartbeat_timeout_s:g} s (or never said Hello)"
         )
         self._send(identity, EngineDead(reason, client_dropped=True))
+
+    def _salvage(self, identity: bytes, payload: bytes) -> None:
+        """From a frame that did not decode, the requests that still can run, and an error
+        output for each request whose id can be read but whose body cannot (a wrong type in a
+        field): otherwise its client would wait for it forever, and one bad request in a batch
+        would take the others with it."""
+        try:
+            fields = msgspec.msgpack.decode(payload)
+        except Exception:  # not even msgpack: nothing names a request to answer
+            return
+        if not isinstance(fields, list) or len(fields) < 2:
+            return
+        if fields[0] == _REQUEST_TAG:
+            items = [fields]
+        elif fields[0] == _ADD_REQUESTS_TAG and isinstance(fields[1], list):
+            items = fields[1]
+        else:
+            return
+        if self.registry.touch(identity) is None:
+            return  # not attached: it is told so when it sends anything readable
+        good: list[EngineCoreRequest] = []
+        failed: list[EngineCoreOutput] = []
+        for item in items:
+            try:
+                good.append(_REQUEST_DECODER.decode(msgspec.msgpack.encode(item)))
+            except Exception as exc:
+                request_id = item[1] if isinstance(item, list) and len(item) > 1 else None
+                if isinstance(request_id, str) and len(request_id) <= MAX_ANSWERED_ID_CHARS:
+                    reason = f"the engine could not read the request: {exc}"
+                    failed.append(EngineCoreOutput(request_id, [], "error", reason))
+        if failed:
+            self._send(identity, EngineOutputsFrame(EngineCoreOutputs(failed, time.monotonic())))
+        if good:
+            self._handle(identity, AddRequests(good))
 
     def _drop(self, identity: bytes, why: str) -> None:
         self.num_dropped_frames += 1

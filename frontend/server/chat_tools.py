@@ -120,11 +120,13 @@ def calls_out(calls: list[ToolCall]) -> list[ToolCallOut]:
 
 
 def call_deltas(calls: list[ToolCall], first_index: int) -> list[ToolCallDelta]:
-    """OpenAI's stream shape: the call's index, id, type and name, with its arguments."""
-    return [
-        ToolCallDelta(first_index + i, c.id, "function", FunctionDelta(c.name, c.arguments))
-        for i, c in enumerate(calls)
-    ]
+    """OpenAI's stream shape: a call's index, id, type and name first, then its arguments (as
+    one fragment: the call is sent once its end is seen)."""
+    deltas = []
+    for i, call in enumerate(calls, first_index):
+        deltas.append(ToolCallDelta(i, call.id, "function", FunctionDelta(call.name, "")))
+        deltas.append(ToolCallDelta(i, function=FunctionDelta(arguments=call.arguments)))
+    return deltas
 
 
 def message_dict(message: Any, text: str) -> dict[str, Any]:

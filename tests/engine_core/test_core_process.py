@@ -28,7 +28,7 @@ from frontend.engine_client.async_client import AsyncEngineClient
 from frontend.engine_client.session import EngineDeadError
 from protocol import EngineConfig, ModelRunnerOutput, ObservabilityConfig, SchedulerOutput
 from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
-from protocol.messages import EngineDead, Heartbeat, Hello, Ready
+from protocol.messages import AddRequests, EngineDead, Heartbeat, Hello, Ready
 from tests.engine_core.core_process_helpers import (
     BLOCK_SIZE,
     VOCAB,
@@ -245,6 +245,29 @@ def test_junk_frames_are_dropped_and_the_engine_keeps_serving(make_engine, make_
     client.add_request(request("fine", [5, 6, 7], 5))
     assert collect(client) == {"fine": (expected_tokens([5, 6, 7], 5), "length")}
     assert engine.error is None
+
+
+def test_a_request_the_engine_cannot_read_gets_an_error_not_silence(make_engine, make_client):
+    """A request whose id is readable but whose body is not (a float where the wire wants an
+    integer) is answered with an error for that id, alone or in a batch, and the batch's other
+    requests run."""
+    engine = make_engine()
+    client = make_client(engine.address)
+    batch = [request("bad", [1, 2, 3], 4), request("good", [5, 6, 7], 5)]
+    fields = msgspec.msgpack.decode(CLIENT_TO_ENGINE.encode(AddRequests(batch)))
+    fields[1][0][3] = {"max_tokens": 4.0}  # the first request's sampling parameters
+    single = msgspec.msgpack.decode(CLIENT_TO_ENGINE.encode(request("alone", [1, 2], 3)))
+    single[3] = {"n": "three"}
+    client._unfinished.update({"bad", "good", "alone"})  # before: the answers come at once
+    for frame in (fields, single):
+        client._sender.send(msgspec.msgpack.encode(frame))
+    got = collect(client)
+    assert got == {
+        "good": (expected_tokens([5, 6, 7], 5), "length"),
+        "bad": ([], "error"),
+        "alone": ([], "error"),
+    }
+    assert engine.process.io.num_dropped_frames == 2 and engine.error is None
 
 
 def test_a_silent_client_is_dropped_and_its_requests_aborted(make_engine, make_client, raw_socket):
