@@ -176,8 +176,7 @@ def forced_calls(text: str, named: str | None) -> list[ToolCall]:
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
-    parameters = tool["function"].get("parameters") or {"type": "object", "properties": {}}
-    return parameters
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
 class ToolCallStream:
@@ -199,7 +198,9 @@ class ToolCallStream:
             if not done:
                 return "", []
             named = self._forced if isinstance(self._forced, str) else None
-            return "", self._new(forced_calls(self._text, named))
+            forced = forced_calls(self._text, named)
+            # Cut at max_tokens, it is no call: the text goes out as content, as when whole.
+            return self._content_to(0 if forced else len(self._text)), self._new(forced)
         assert self._parser is not None
         if done:
             content, calls = self._parser.parse(self._text)
@@ -208,11 +209,8 @@ class ToolCallStream:
                 content_end = len(self._text)
             return self._content_to(content_end), self._new(calls)
         end = self._parser.content_end(self._text)
-        calls: list[ToolCall] = []
-        if end < len(self._text):
-            content, parsed = self._parser.parse(self._text)
-            calls = parsed
-        return self._content_to(end), self._new(calls)
+        complete = self._parser.parse(self._text)[1] if end < len(self._text) else []
+        return self._content_to(end), self._new(complete)
 
     @property
     def num_calls(self) -> int:

@@ -85,3 +85,10 @@ def test_forced_schemas_and_their_outputs():
     assert _names_and_arguments(calls) == [("a", {"x": 1}), ("b", {})]
     assert _names_and_arguments(forced_calls('{"x": 2}', "a")) == [("a", {"x": 2})]
     assert forced_calls('[{"name": "a", "par', None) == []  # cut at max_tokens
+    # Streamed: a forced output is held until it ends; cut, it goes out as content.
+    stream = ToolCallStream(None, None)
+    assert stream.feed('[{"name": "a", ', done=False) == ("", [])
+    assert stream.feed('"par', done=True) == ('[{"name": "a", "par', [])
+    named = ToolCallStream(None, "a")
+    content, calls = named.feed('{"x": 3}', done=True)
+    assert content == "" and _names_and_arguments(calls) == [("a", {"x": 3})]
