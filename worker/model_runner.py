@@ -42,8 +42,10 @@ class ModelRunner:
             make_generator=self._make_generator,
         )
         self.num_blocks: int | None = None
-        # Structured outputs: its tokenizer loads on a thread now, not on the first such step.
-        self._grammars = self._make_grammar_runtime()
+        # Structured outputs, made when the first structured request arrives: its tokenizer
+        # then loads on a thread while that request's prompt is computed (and never, for a
+        # server that gets none).
+        self._grammars: GrammarRuntime | None = None
 
     def _make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
@@ -89,6 +91,10 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         batch = self.batch
         batch.apply(scheduler_output)
+        if self._grammars is None and any(
+            new.sampling_params.grammar for new in scheduler_output.scheduled_new_reqs
+        ):
+            self._grammars = self._make_grammar_runtime()
         rows = batch.scheduled_rows()
         if len(rows) == 0:
             return ModelRunnerOutput(step_id=scheduler_output.step_id)
@@ -106,13 +112,14 @@ class ModelRunner:
         output = self.sampler(logits, self._sampling_metadata(row_list, params))
         sampled = output.sampled_token_ids.cpu().numpy()
         batch.append_sampled(sampling_rows, sampled)
-        for row, token_id in zip(row_list, sampled.tolist()):
-            matcher = batch.row_states[row].matcher
-            if matcher is not None:
-                GrammarRuntime.accept(matcher, token_id)
+        if any(p.grammar for p in params):
+            for row, token_id in zip(row_list, sampled.tolist()):
+                matcher = batch.row_states[row].matcher
+                if matcher is not None:
+                    GrammarRuntime.accept(matcher, token_id)
         return ModelRunnerOutput(
             step_id=scheduler_output.step_id,
-            req_ids=[batch.req_ids[row] for row in sampling_rows.tolist()],
+            req_ids=[batch.req_ids[row] for row in row_list],
             sampled_token_ids=sampled.tolist(),
             logprobs=logprobs_to_wire(output, [p.logprobs for p in params]),
         )
@@ -155,6 +162,8 @@ class ModelRunner:
         the rows whose grammar is complete."""
         if not any(p.grammar for p in params):
             return None, [], set()
+        if self._grammars is None:  # a request resumed into a worker that never saw it arrive
+            self._grammars = self._make_grammar_runtime()
         matchers = []
         for i, (row, p) in enumerate(zip(rows, params)):
             if p.grammar:

@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 
 class GrammarRuntime:
-    """The llguidance tokenizer (loaded in the background at start-up) and mask buffers."""
+    """The llguidance tokenizer (loaded on a thread from the moment this is made) and the
+    per-step masks."""
 
     def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size
@@ -44,7 +45,8 @@ class GrammarRuntime:
         self._tokenizer: Any = None
         self._error: BaseException | None = None
         self._executor: Any = None
-        # Loading a tokenizer takes a while: not on the first structured request's step.
+        # Loading a tokenizer takes a while: on a thread, beside the first structured request's
+        # prompt computation rather than in front of its first sampling step.
         self._loaded = threading.Event()
         threading.Thread(target=self._load, name="grammar-tokenizer", daemon=True).start()
 
