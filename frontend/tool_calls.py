@@ -182,11 +182,14 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
 class ToolCallStream:
     """One choice's deltas split into content and tool calls, as the text grows."""
 
-    def __init__(self, parser: ToolCallParser | None, forced: str | None | bool) -> None:
+    def __init__(
+        self, parser: ToolCallParser | None, forced: str | None | bool, max_calls: int | None = None
+    ) -> None:
         """``parser`` for ``auto``; ``forced``: False for auto, else the named function (or
-        None for ``required``)."""
+        None for ``required``); ``max_calls``: the calls kept (1 without parallel calls)."""
         self._parser = parser
         self._forced = forced
+        self._max_calls = max_calls
         self._text = ""
         self._content_sent = 0
         self._calls_sent = 0
@@ -224,6 +227,7 @@ class ToolCallStream:
         return out
 
     def _new(self, calls: list[ToolCall]) -> list[ToolCall]:
+        calls = calls[: self._max_calls]
         new = calls[self._calls_sent :]
         self._calls_sent = max(self._calls_sent, len(calls))
         return new

@@ -39,6 +39,9 @@ class ChatTools:
     parser: ToolCallParser | None = None
     # For required / named: the schema that forces the output.
     schema: dict[str, Any] | None = None
+    # parallel_tool_calls: false keeps one call (auto: the first the model writes; required:
+    # the schema allows one).
+    parallel: bool = True
 
     @property
     def active(self) -> bool:
@@ -48,13 +51,15 @@ class ChatTools:
         return None if self.schema is None else StructuredOutputsParams(json=self.schema)
 
     def stream(self) -> ToolCallStream:
-        return ToolCallStream(self.parser, False if self.mode == "auto" else self.named)
+        forced = False if self.mode == "auto" else self.named
+        return ToolCallStream(self.parser, forced, None if self.parallel else 1)
 
     def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole output."""
         if self.mode == "auto":
             assert self.parser is not None
-            return self.parser.parse(text)
+            content, calls = self.parser.parse(text)
+            return content, calls if self.parallel else calls[:1]
         calls = forced_calls(text, self.named)
         return (None if calls else text), calls
 
@@ -68,6 +73,11 @@ def chat_tools(body: ChatCompletionRequest, parser_name: str | None) -> ChatTool
         if body.parallel_tool_calls is not None:
             raise bad_request("parallel_tool_calls needs tools", "parallel_tool_calls")
         return ChatTools("none")
+    for i, tool in enumerate(body.tools):
+        if tool.type != "function":
+            raise bad_request(f"tools[{i}]: only function tools exist here", f"tools[{i}].type")
+    if isinstance(choice, NamedToolChoice) and choice.type != "function":
+        raise bad_request("a named tool_choice must be of type function", "tool_choice")
     tools = [tool_dict(tool) for tool in body.tools]
     names = [tool["function"]["name"] for tool in tools]
     if len(set(names)) != len(names):
@@ -89,7 +99,8 @@ def chat_tools(body: ChatCompletionRequest, parser_name: str | None) -> ChatTool
             raise bad_request(f"tool_choice names {named!r}, not among the tools", "tool_choice")
         parallel = body.parallel_tool_calls is not False
         schema = forced_schema(tools, named, parallel)
-        return ChatTools("named" if named else "required", tools, named, schema=schema)
+        mode = "named" if named else "required"
+        return ChatTools(mode, tools, named, schema=schema, parallel=parallel)
     if choice != "auto":
         raise bad_request(
             f"tool_choice must be none, auto, required or a named function, got {choice!r}",
@@ -99,7 +110,8 @@ def chat_tools(body: ChatCompletionRequest, parser_name: str | None) -> ChatTool
         raise bad_request(
             'tool_choice "auto" needs the server started with --tool-call-parser', "tool_choice"
         )
-    return ChatTools("auto", tools, parser=PARSERS[parser_name]())
+    parallel = body.parallel_tool_calls is not False
+    return ChatTools("auto", tools, parser=PARSERS[parser_name](), parallel=parallel)
 
 
 def tool_dict(tool: Any) -> dict[str, Any]:

@@ -85,6 +85,10 @@ def test_forced_schemas_and_their_outputs():
     assert _names_and_arguments(calls) == [("a", {"x": 1}), ("b", {})]
     assert _names_and_arguments(forced_calls('{"x": 2}', "a")) == [("a", {"x": 2})]
     assert forced_calls('[{"name": "a", "par', None) == []  # cut at max_tokens
+    # Without parallel calls, the first the model writes is the one kept.
+    single = ToolCallStream(HermesParser(), False, max_calls=1)
+    content, calls = single.feed(HERMES, done=True)
+    assert content == "Let me check.\n" and _names_and_arguments(calls) == EXPECTED[:1]
     # Streamed: a forced output is held until it ends; cut, it goes out as content.
     stream = ToolCallStream(None, None)
     assert stream.feed('[{"name": "a", ', done=False) == ("", [])
