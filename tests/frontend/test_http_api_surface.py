@@ -170,7 +170,7 @@ def test_the_generation_config_fills_what_a_request_leaves_out(client, greedy):
     assert sampled - {expected.text}, "an explicit temperature samples"
 
 
-def test_logit_bias_and_allowed_token_ids_reach_the_sampler(client, served):
+def test_logit_bias_and_allowed_token_ids_reach_the_sampler(client, served, tokenizer):
     favourite = 123
     body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 5, "logprobs": 0,
             "logit_bias": {str(favourite): 100}, "ignore_eos": True}  # fmt: skip
@@ -178,6 +178,7 @@ def test_logit_bias_and_allowed_token_ids_reach_the_sampler(client, served):
     assert status == 200, answer
     tokens = answer["choices"][0]["logprobs"]["tokens"]
     assert len(tokens) == 5 and len(set(tokens)) == 1
+    assert tokens == [tokenizer.decode([favourite])] * 5, "the token the bias pushed"
     # Sampled, but only one token is allowed: the same token as the bias pushed, 8 times.
     allowed = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0,
                "seed": 3, "allowed_token_ids": [favourite], "ignore_eos": True, "logprobs": 0}  # fmt: skip
@@ -509,6 +510,23 @@ def test_auto_reads_the_calls_a_model_writes_in_its_format(client):
     assert [(c["name"], json.loads(c["arguments"])) for c in calls[0].values()] == [
         ("get_time", {"zone": "CET"})
     ]
+    # Two calls written, parallel_tool_calls false: the first is kept, whole and streamed.
+    second = '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}}\n</tool_call>'
+    twice = {
+        **kwargs,
+        "extra_body": {"structured_outputs": {"grammar": "start: " + json.dumps(written + second)}},
+    }
+    both = client.chat.completions.create(**twice)
+    assert [c.function.name for c in both.choices[0].message.tool_calls] == [
+        "get_time",
+        "get_weather",
+    ]
+    one = client.chat.completions.create(**twice, parallel_tool_calls=False)
+    assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_time"]
+    calls, _ = _streamed_calls(
+        client.chat.completions.create(**twice, parallel_tool_calls=False, stream=True)
+    )
+    assert [c["name"] for c in calls[0].values()] == ["get_time"]
     # No call written: all content, the usual finish.
     plain = client.chat.completions.create(
         model=MODEL_NAME, messages=CHAT, tools=TOOLS, max_tokens=5, temperature=0,
@@ -527,6 +545,7 @@ def test_tool_fields_that_do_not_fit_are_refused(served):
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice", "nope"),
         ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools", "distinct"),
+        ({"tools": [{**WEATHER_TOOL, "type": "custom"}]}, "tools[0].type", "function"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
          "tool_choice", "already constrains"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
