@@ -30,7 +30,8 @@ class TokenizeRequest(StrictStruct, kw_only=True):
     # None: True for a prompt (as a completion adds them), False for messages (the template
     # writes its own special tokens).
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
+    # The chat fields (with messages only); None: the generation prompt is added.
+    add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # Function definitions the chat template writes into the prompt, as chat passes them.
     tools: list[ToolDef] | None = None
@@ -77,14 +78,15 @@ async def tokenize(state: ServingState, body: TokenizeRequest) -> TokenizeRespon
                 size,
                 inputs.render_chat,
                 conversation,
-                add_generation_prompt=body.add_generation_prompt,
+                add_generation_prompt=body.add_generation_prompt is not False,
                 template_kwargs=body.chat_template_kwargs,
                 tools=[tool_dict(tool) for tool in body.tools] if body.tools else None,
             )
     else:
         assert body.prompt is not None
-        if body.chat_template_kwargs is not None:
-            raise bad_request("chat_template_kwargs needs messages", "chat_template_kwargs")
+        for name in ("chat_template_kwargs", "add_generation_prompt", "tools"):
+            if getattr(body, name) is not None:  # a chat's field: it would change nothing here
+                raise bad_request(f"{name} needs messages", name)
         with as_bad_request():
             inputs.check_sizes([body.prompt], 1)
         add_special_tokens = body.add_special_tokens is not False

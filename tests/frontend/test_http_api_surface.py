@@ -272,6 +272,10 @@ def test_tokenize_detokenize_and_version(served, tokenizer):
     _refused(served, "/detokenize", {"tokens": [10**9]}, "tokens")
     _refused(served, "/tokenize", {"prompt": "a", "messages": CHAT}, "prompt")
     _refused(served, "/tokenize", {"prompt": "a", "frobnicate": 1}, "frobnicate")
+    for chat_only in ({"add_generation_prompt": False}, {"tools": TOOLS},
+                      {"chat_template_kwargs": {}}):  # fmt: skip
+        (name,) = chat_only
+        assert "needs messages" in _refused(served, "/tokenize", {"prompt": "a", **chat_only}, name)
     status, version = get(served.base_url, "/version")
     assert status == 200 and json.loads(version)["version"] not in ("", "unknown")
 
