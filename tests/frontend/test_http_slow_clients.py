@@ -21,6 +21,7 @@ from tests.frontend.http_helpers import (
     ServedHttp,
     frontend_pids,
     post_json,
+    read_to_end,
     rss_bytes,
     start_served_http,
 )
@@ -65,15 +66,9 @@ def _trickle(sock: socket.socket, data: bytes, interval_s: float, stop: threadin
 
 def _closed_after(sock: socket.socket) -> tuple[bytes, float]:
     """What the server sent before closing, and how long after the call it closed."""
-    start, received = time.monotonic(), b""
-    while True:
-        try:
-            data = sock.recv(65536)
-        except ConnectionResetError:
-            break
-        if not data:
-            break
-        received += data
+    start = time.monotonic()
+    # No stream here: it reads until the server closes (or resets) the connection.
+    received = read_to_end(sock)
     return received, time.monotonic() - start
 
 
