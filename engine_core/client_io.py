@@ -25,7 +25,13 @@ import msgspec
 import zmq
 
 from engine_core.client_registry import ClientRegistry
-from protocol import Abort, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from protocol import (
+    Abort,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+)
 from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
 from protocol.messages import (
     AddRequests,
@@ -81,6 +87,11 @@ BusyLoopInput = Union[ClientInput, ClientGone, IOFailed, None]
 _STOP = object()
 
 
+@dataclass(frozen=True)
+class _StatsForAll:
+    stats: SchedulerStats
+
+
 class ClientIO:
     """Binds the ROUTER at construction (so a bad address fails at once); ``start`` runs it."""
 
@@ -90,6 +101,7 @@ class ClientIO:
         ready_config_msgpack: bytes,
         inputs: queue.Queue[BusyLoopInput],
         heartbeat_timeout_s: float,
+        engine_index: int = 0,
     ) -> None:
         self._context = zmq.Context()
         self._router = self._context.socket(zmq.ROUTER)
@@ -102,6 +114,9 @@ class ClientIO:
         self._router.bind(address)
         self.address: str = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._config_msgpack = ready_config_msgpack
+        self._engine_index = engine_index
+        # The stats last sent to every client: a client that attaches gets them after Ready.
+        self._latest_stats_frame: bytes | None = None
         self._inputs = inputs
         self.registry = ClientRegistry(heartbeat_timeout_s)
         self._outgoing: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -123,8 +138,12 @@ class ClientIO:
     def send_report(self, client_index: int, report: AllFreeReport) -> None:
         self._put((client_index, report))
 
-    def broadcast_engine_dead(self, reason: str) -> None:
-        self._put(EngineDead(reason))
+    def broadcast_engine_dead(self, reason: str, shutdown: bool = False) -> None:
+        self._put(EngineDead(reason, shutdown=shutdown))
+
+    def broadcast_stats(self, stats: SchedulerStats) -> None:
+        """The scheduler's stats for every attached client, outputs or not."""
+        self._put(_StatsForAll(stats))
 
     def stop(self, timeout_s: float = 2.0) -> None:
         """Send what is queued (an EngineDead included), then close; bounded by ``timeout_s``."""
@@ -199,8 +218,12 @@ class ClientIO:
         if isinstance(message, Hello):
             client = registry.attach(identity, message.client_name)
             logger.info("client %d attached (%s)", client.client_index, client.name or "unnamed")
-            ready = Ready(client.client_index, self._config_msgpack, os.getpid())
+            ready = Ready(
+                client.client_index, self._config_msgpack, os.getpid(), self._engine_index
+            )
             self._send(identity, ready)
+            if self._latest_stats_frame is not None:
+                self._router.send_multipart([identity, self._latest_stats_frame], copy=False)
         elif isinstance(message, Goodbye):
             client = registry.detach(identity)
             if client is not None:
@@ -290,6 +313,9 @@ class ClientIO:
                 for identity in self.registry.identities():
                     self._send(identity, item)
                 continue
+            if isinstance(item, _StatsForAll):
+                self._send_stats_to_all(item.stats)
+                continue
             client_index, payload = item  # type: ignore[misc]
             identity = self.registry.identity_of(client_index)
             if identity is None:  # the client left: its outputs go nowhere
@@ -297,6 +323,13 @@ class ClientIO:
             if isinstance(payload, EngineCoreOutputs):
                 payload = EngineOutputsFrame(payload)
             self._send(identity, payload)
+
+    def _send_stats_to_all(self, stats: SchedulerStats) -> None:
+        outputs = EngineCoreOutputs([], time.monotonic(), stats)
+        frame = ENGINE_TO_CLIENT.encode(EngineOutputsFrame(outputs))  # encoded once for all
+        self._latest_stats_frame = frame
+        for identity in self.registry.identities():
+            self._router.send_multipart([identity, frame], copy=False)
 
     def _send(self, identity: bytes, message: EngineCoreServerMessage) -> None:
         # A ROUTER never blocks on send: a peer over its high-water mark loses the frame instead.

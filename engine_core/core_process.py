@@ -6,7 +6,11 @@ socket thread (``ClientIO``) decodes client frames into a queue and sends output
 thread runs the busy loop (drain the queue, then schedule -> execute -> update) and blocks on the
 queue when there is nothing to do, instead of spinning; a parent-watch thread stops us if the
 process that started us dies. A fatal error becomes an ``EngineDead`` for every client and a
-non-zero exit; SIGTERM/SIGINT become the same message with exit 0.
+non-zero exit; SIGTERM/SIGINT become the same message (marked ``shutdown``) with exit 0.
+
+Besides each step's outputs, which carry the scheduler's stats to the clients that have
+outputs, the loop sends the stats to every client once a second while it works and once when it
+goes idle: a frontend with no request in flight still exports the engine's current state.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from msgspec.structs import replace
 from engine_core.client_io import BusyLoopInput, ClientGone, ClientInput, ClientIO, IOFailed
 from engine_core.engine_core import EngineCore
 from engine_core.executor import Executor
+from engine_core.stats_logger import StatsLogger
 from protocol import Abort, EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from protocol.messages import AddRequests, AllFreeReport, CheckAllFree
 from runtime.exit_codes import ExitCode
@@ -37,6 +42,8 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
 ENGINE_FAULT_ENV = "CONVEYOR_ENGINE_FAULT_INJECT"
 # How often an idle engine wakes up to ask the executor whether its workers are alive.
 _IDLE_WAIT_S = 1.0
+# How often a busy engine sends its stats to every client, not only to those with outputs.
+STATS_BROADCAST_INTERVAL_S = 1.0
 
 
 class EngineFatalError(RuntimeError):
@@ -54,15 +61,24 @@ class EngineCoreProcess:
     ) -> None:
         self.core = core
         self._inputs: queue.Queue[BusyLoopInput] = queue.Queue()
-        self.io = ClientIO(address, ready_config_msgpack(core), self._inputs, heartbeat_timeout_s)
+        engine_index = core.config.parallel.data_parallel_rank
+        self.io = ClientIO(
+            address, ready_config_msgpack(core), self._inputs, heartbeat_timeout_s, engine_index
+        )
         self.address = self.io.address
-        self.watchdog = StepWatchdog(core.config.observability.step_timeout_s, self._hung)
+        observability = core.config.observability
+        self.watchdog = StepWatchdog(observability.step_timeout_s, self._hung)
+        self.stats_logger = StatsLogger(
+            core.scheduler, observability.stats_interval_s, engine_index
+        )
+        self._next_stats_broadcast = 0.0
         self._is_faulty = _parse_engine_fault(os.environ.get(ENGINE_FAULT_ENV))
 
     def run(self) -> None:
         """The busy loop; returns after ``stop``, raises on a fatal error."""
         self.io.start()
         self.watchdog.start()
+        self._broadcast_stats()  # so that a client attaching to an idle engine has them
         core, io, watchdog = self.core, self.io, self.watchdog
         while self._take_inputs(block=not core.has_unfinished_requests()):
             if core.has_unfinished_requests():
@@ -71,6 +87,15 @@ class EngineCoreProcess:
                 watchdog.step_ended()
                 for client_index, client_outputs in outputs.items():
                     io.send_outputs(client_index, client_outputs)
+                if not core.has_unfinished_requests() or (
+                    time.monotonic() >= self._next_stats_broadcast
+                ):
+                    self._broadcast_stats()
+                self.stats_logger.maybe_log()
+
+    def _broadcast_stats(self) -> None:
+        self.io.broadcast_stats(self.core.scheduler.make_stats())
+        self._next_stats_broadcast = time.monotonic() + STATS_BROADCAST_INTERVAL_S
 
     def _hung(self, reason: str) -> None:
         """From the watchdog's thread: the busy loop is stuck, so it cannot clean up itself.
@@ -88,9 +113,10 @@ class EngineCoreProcess:
         """Ask the busy loop to return after its current step (any thread)."""
         self._inputs.put(None)
 
-    def close(self, reason: str) -> None:
-        """Tell every client the engine is gone, then close the socket (bounded)."""
-        self.io.broadcast_engine_dead(reason)
+    def close(self, reason: str, shutdown: bool = False) -> None:
+        """Tell every client the engine is gone (``shutdown``: on purpose, not by a fault), then
+        close the socket (bounded)."""
+        self.io.broadcast_engine_dead(reason, shutdown)
         self.io.stop()
 
     def _take_inputs(self, block: bool) -> bool:
@@ -103,6 +129,7 @@ class EngineCoreProcess:
             except queue.Empty:
                 # A worker death is otherwise only noticed by the next step.
                 self.core.executor.check_health()
+                self.stats_logger.maybe_log()
         else:
             try:
                 item = inputs.get_nowait()
@@ -281,7 +308,7 @@ def main(
     finally:
         ignore_shutdown_signals()  # the cleanup is bounded; a second Ctrl-C must not cut it short
         if process is not None:
-            process.close(reason)
+            process.close(reason, shutdown=exit_code == ExitCode.OK)
         if core is not None:
             core.shutdown()  # also closes the step trace
         elif executor is not None:

@@ -7,6 +7,8 @@ each request that was aborted or failed since the previous step.
 
 from __future__ import annotations
 
+import time
+
 from engine_core.request import Request, RequestStatus
 from protocol import (
     EngineCoreOutput,
@@ -37,6 +39,7 @@ class OutputCollector:
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            timings=request.timings(time.monotonic()),
         )
         self._by_client.setdefault(request.client_index, []).append(output)
 
@@ -54,6 +57,7 @@ class OutputCollector:
         by_client = self._by_client
         logprobs = runner_output.logprobs
         sampled = runner_output.sampled_token_ids
+        now = time.monotonic()
         for i, req_id in enumerate(runner_output.req_ids):
             request = requests.get(req_id)
             if request is None or (
@@ -62,12 +66,15 @@ class OutputCollector:
                 continue
             token = sampled[i]
             request.all_token_ids.append(token)
+            if request.first_token_time < 0:
+                request.first_token_time = now
             output = EngineCoreOutput(request.request_id, [token])
             output.num_cached_tokens = request.num_cached_tokens
             if request.check_stop():
                 finished.append(request)
                 output.finish_reason = request.status.finish_reason
                 output.stop_reason = request.stop_reason
+                output.timings = request.timings(now)
             if logprobs is not None and request.sampling_params.logprobs is not None:
                 output.logprobs = _logprobs_row(logprobs, i)
             client_outputs = by_client.get(request.client_index)

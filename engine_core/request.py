@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from protocol import FinishReason, SamplingParams
+from protocol import FinishReason, RequestTimings, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -62,6 +62,9 @@ class Request:
         "num_preemptions",
         "status",
         "stop_reason",
+        "queued_time",
+        "first_scheduled_time",
+        "first_token_time",
     )
 
     def __init__(
@@ -96,6 +99,11 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        # The engine's clock (time.monotonic) when the scheduler queued the request, first
+        # scheduled it and saw its first token; -1 until then.
+        self.queued_time = -1.0
+        self.first_scheduled_time = -1.0
+        self.first_token_time = -1.0
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +124,17 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED
+
+    def timings(self, now: float) -> RequestTimings | None:
+        """Where the request spent its time, ending ``now``; None if it was never scheduled."""
+        if self.first_scheduled_time < 0:
+            return None
+        first_token = self.first_token_time if self.first_token_time >= 0 else now
+        return RequestTimings(
+            queued=max(self.first_scheduled_time - self.queued_time, 0.0),
+            prefill=first_token - self.first_scheduled_time,
+            decode=now - first_token,
+        )
 
     def append_output_token_id(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -17,6 +17,7 @@ that ends on a stop token is run one step too far, and that step's token is drop
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Iterable
 
@@ -27,6 +28,7 @@ from engine_core.request import Request, RequestStatus
 from engine_core.request_queue import make_request_queue, priority_key
 from engine_core.step_plan import StepPlan
 from protocol import (
+    ITERATION_TOKENS_BUCKETS,
     CacheConfig,
     EngineCoreOutputs,
     ModelRunnerOutput,
@@ -72,6 +74,12 @@ class Scheduler:
         self._plan = StepPlan(0)
         self._step_id = 0
         self._num_preemptions = 0
+        # Cumulative step counts for SchedulerStats: steps with tokens, their prompt and
+        # generated tokens, and steps per tokens-per-step bucket.
+        self._num_steps = 0
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -79,6 +87,7 @@ class Scheduler:
         if request.req_id in self.requests:
             raise ValueError(f"req_id {request.req_id} is already scheduled")
         request.status = RequestStatus.WAITING
+        request.queued_time = time.monotonic()
         self.requests[request.req_id] = request
         self.waiting.add(request)
 
@@ -111,6 +120,7 @@ class Scheduler:
         if self._preempted_now:
             self._preempted_now.clear()
         self.policy.schedule(self)
+        self._count_step(self._plan)
         output = self._plan.to_output(self._step_id)
         for new_request in output.scheduled_new_reqs:
             self._worker_req_ids.add(new_request.req_id)
@@ -120,9 +130,22 @@ class Scheduler:
             output.preempted_req_ids, self._preempted_req_ids = self._preempted_req_ids, []
         return output
 
+    def _count_step(self, plan: StepPlan) -> None:
+        num_tokens = plan.num_prompt_tokens + plan.num_generated_tokens
+        if num_tokens:
+            self._num_steps += 1
+            self._num_prompt_tokens += plan.num_prompt_tokens
+            self._num_generation_tokens += plan.num_generated_tokens
+            self._iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
+
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_preempted_waiting(self) -> int:
+        """Waiting requests that ran before and were preempted; O(waiting)."""
+        return sum(1 for r in self.waiting if r.status is _PREEMPTED)
 
     @property
     def num_waiting(self) -> int:
@@ -201,6 +224,8 @@ class Scheduler:
             return False
         self.waiting.pop()
         request.status = _RUNNING
+        if request.first_scheduled_time < 0:
+            request.first_scheduled_time = time.monotonic()
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
@@ -294,6 +319,10 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             step_num_prefill_tokens=self._plan.num_prompt_tokens,
             step_num_decode_tokens=self._plan.num_generated_tokens,
+            num_steps=self._num_steps,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+            iteration_tokens=list(self._iteration_tokens),
         )
 
     def check_all_free(self) -> None:

@@ -51,8 +51,11 @@ from frontend.server.main import (
     API_KEY_ENV,
     add_api_key_args,
     add_connection_args,
+    add_observability_args,
+    observability_options,
     resolve_api_key,
 )
+from frontend.server.metrics_dir import MULTIPROC_DIR_ENV, make_shared_dir
 from protocol import ConfigError
 from runtime.exit_codes import ExitCode
 from runtime.logs import LOG_LEVEL_ENV, configure_logging
@@ -159,6 +162,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         "one more death stops everything (0: any frontend death stops everything)",
     )
     group.add_argument("--frontend-restart-window-s", type=float, default=60.0)
+    add_observability_args(group)
     group.add_argument(
         "--demo-prompt",
         default=None,
@@ -180,6 +184,7 @@ def frontend_options(args: argparse.Namespace) -> list[str]:
     options += ["--request-read-timeout-s", str(args.request_read_timeout_s)]
     options += ["--keep-alive-timeout-s", str(args.keep_alive_timeout_s)]
     options += ["--max-header-bytes", str(args.max_header_bytes)]
+    options += observability_options(args)
     return options
 
 
@@ -232,9 +237,16 @@ def start_frontends(
     """Start every frontend, then wait for each: they load their tokenizers in parallel."""
     # By the environment, which, unlike a command line, other users cannot read.
     env = {API_KEY_ENV: args.resolved_api_key} if args.resolved_api_key else {}
+    metrics_dir = None
+    if not args.disable_metrics:
+        # One folder for all: a scrape of any frontend reports the whole server.
+        metrics_dir = make_shared_dir(runtime_dir)
+        env[MULTIPROC_DIR_ENV] = str(metrics_dir)
     frontends = []
     for index in range(args.frontends):
-        frontend = FrontendProcess(index, address, frontend_options(args), runtime_dir, env)
+        frontend = FrontendProcess(
+            index, address, frontend_options(args), runtime_dir, env, metrics_dir
+        )
         children[f"frontend-{index}"] = frontend
         frontends.append(frontend.start())
     deadline = time.monotonic() + args.frontend_ready_timeout_s

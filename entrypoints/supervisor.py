@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from frontend.server.metrics_dir import forget_process
 from runtime.processes import ChildProcess
 
 logger = logging.getLogger(__name__)
@@ -42,10 +43,13 @@ class FrontendProcess(ChildProcess):
         options: list[str],
         runtime_dir: Path,
         env: dict[str, str] | None = None,
+        metrics_dir: Path | None = None,
     ) -> None:
         """``options``: more frontend flags; ``env``: added to the environment (secrets such as
-        CONVEYOR_API_KEY go there, not on a command line anyone can read)."""
+        CONVEYOR_API_KEY go there, not on a command line anyone can read); ``metrics_dir``: the
+        Prometheus folder every frontend shares (None: metrics disabled)."""
         self.index = index
+        self.metrics_dir = metrics_dir
         self.ready_file = runtime_dir / f"frontend-{index}.ready"
         args = ["--engine", engine_address, "--parent-pid", str(os.getpid())]
         args += ["--ready-file", str(self.ready_file), *options]
@@ -54,6 +58,9 @@ class FrontendProcess(ChildProcess):
     def start(self) -> FrontendProcess:
         # A restarted frontend must not look ready because the one before it was.
         self.ready_file.unlink(missing_ok=True)
+        if self.process is not None and self.metrics_dir is not None:
+            # The one before it is dead: its live gauges (requests in flight) must not linger.
+            forget_process(self.metrics_dir, self.process.pid)
         super().start()
         return self
 

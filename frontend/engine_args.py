@@ -65,6 +65,8 @@ class EngineArgs:
     trace_steps: str | None = None
     enable_debug_queries: bool = False
     step_timeout_s: float = 600.0
+    # The engine's stats line every this many seconds while it works (0 = never).
+    stats_interval_s: float = 10.0
     # Sampling defaults: "auto" (the model's generation_config.json), "vllm" (none) or a folder.
     generation_config: str = "auto"
     # A Jinja chat template file replacing the tokenizer's own.
@@ -113,6 +115,7 @@ class EngineArgs:
                 trace_steps=str(Path(self.trace_steps).resolve()) if self.trace_steps else None,
                 debug_queries=self.enable_debug_queries,
                 step_timeout_s=self.step_timeout_s,
+                stats_interval_s=self.stats_interval_s,
             ),
             device=self.device,
         )
@@ -219,6 +222,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=d.step_timeout_s,
         help="a step running longer means the engine is hung: it reports itself dead and exits "
         "non-zero (0 = never)",
+    )
+    group.add_argument(
+        "--stats-interval-s",
+        type=float,
+        default=d.stats_interval_s,
+        metavar="S",
+        help="log the engine's stats line (throughput, running/waiting requests, KV cache, "
+        "prefix-cache hits) every S seconds while it works; 0 = never",
     )
     group.add_argument(
         "--generation-config",

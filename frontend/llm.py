@@ -49,6 +49,8 @@ class LLM:
             raise ValueError(f"engine must be 'mp' or 'inprocess', got {engine!r}")
         # The engine is private to this LLM: answering block-accounting queries exposes nothing.
         engine_args.setdefault("enable_debug_queries", True)
+        # A script's output is its own: no periodic stats lines unless asked (as vLLM's LLM).
+        engine_args.setdefault("stats_interval_s", 0.0)
         args = engine_args_from_kwargs(model, engine_args)
         config = args.create_engine_config()
         self.tokenizer = load_tokenizer(config.model.model)

@@ -17,6 +17,7 @@ from protocol.config import (
 )
 from protocol.messages import (
     FAILED_FINISH_REASONS,
+    ITERATION_TOKENS_BUCKETS,
     Abort,
     CachedRequestData,
     EngineCoreInput,
@@ -27,6 +28,7 @@ from protocol.messages import (
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
+    RequestTimings,
     SchedulerOutput,
     SchedulerStats,
 )
@@ -34,6 +36,7 @@ from protocol.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "FAILED_FINISH_REASONS",
+    "ITERATION_TOKENS_BUCKETS",
     "Abort",
     "CacheConfig",
     "CachedRequestData",
@@ -50,6 +53,7 @@ __all__ = [
     "NewRequestData",
     "ObservabilityConfig",
     "ParallelConfig",
+    "RequestTimings",
     "SamplingParams",
     "StructuredOutputsParams",
     "SchedulerConfig",

@@ -73,6 +73,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
 
 class ParallelConfig(msgspec.Struct, frozen=True):
     tensor_parallel_size: int = 1
+    # This engine's index among data-parallel engines (the ``engine`` label of its metrics).
+    data_parallel_rank: int = 0
 
 
 class ObservabilityConfig(msgspec.Struct, frozen=True):
@@ -83,6 +85,9 @@ class ObservabilityConfig(msgspec.Struct, frozen=True):
     # A step that runs longer than this (seconds) means the engine is hung: it tells every client
     # it is dead and exits non-zero, so the supervisor stops everything (0 = never).
     step_timeout_s: float = 600.0
+    # The engine core logs a stats line (throughput, queue, KV cache, prefix hits) this often
+    # while it has work (seconds; 0 = never).
+    stats_interval_s: float = 10.0
 
 
 class EngineConfig(msgspec.Struct, frozen=True):

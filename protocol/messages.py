@@ -59,6 +59,19 @@ class Logprobs(msgspec.Struct, array_like=True, gc=False):
     ranks: list[int]
 
 
+class RequestTimings(msgspec.Struct, array_like=True, gc=False):
+    """Where a finished request spent its time inside the engine, in seconds of the engine's
+    clock (differences only, so the frontend's clock never has to agree with it).
+
+    ``queued``: arrival in the engine to its first scheduling; ``prefill``: first scheduling to
+    its first sampled token; ``decode``: first to last sampled token (0 with one token).
+    """
+
+    queued: float
+    prefill: float
+    decode: float
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     new_token_ids: list[int]
@@ -67,18 +80,40 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None
     logprobs: Logprobs | None = None
     num_cached_tokens: int = 0
+    # Only on the final output of a request that was scheduled at least once.
+    timings: RequestTimings | None = None
+
+
+# Upper bounds of the tokens-per-step histogram (``SchedulerStats.iteration_tokens``); a step
+# over the last bound counts in one more (+Inf) bucket.
+ITERATION_TOKENS_BUCKETS: tuple[int, ...] = (
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+)  # fmt: skip
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The engine's state after a step, as only the engine core knows it.
+
+    Gauges describe this moment; every other field is cumulative since the engine started, so
+    a lost or late message loses nothing, and a frontend that sees the stats late only lags.
+    """
+
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
-    # Counters are cumulative since the engine started, so a lost message loses nothing.
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # The latest scheduled step's tokens (0 when the stats follow no step).
     step_num_prefill_tokens: int = 0
     step_num_decode_tokens: int = 0
+    # Steps scheduled, and their tokens: prompt work (prefill chunks, recomputation after a
+    # preemption) and decodes, counted when scheduled.
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    # Steps per tokens-per-step bucket: ``ITERATION_TOKENS_BUCKETS`` then +Inf (not cumulative).
+    iteration_tokens: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -189,10 +224,12 @@ class Ready(msgspec.Struct, tag=10, array_like=True, gc=False):
     client_index: int
     config_msgpack: bytes  # an encoded protocol.config.EngineConfig
     engine_pid: int
+    # Which engine this is among several (data parallelism); the ``engine`` metrics label.
+    engine_index: int = 0
 
 
 class EngineDead(msgspec.Struct, tag=11, array_like=True, gc=False):
-    """The engine hit a fatal error and is exiting; every open request has failed.
+    """The engine is exiting (a fatal error, or ``shutdown``); every open request has failed.
 
     With ``client_dropped`` only the receiving client's session is over (the engine dropped it
     for missing heartbeats and aborted its requests) while the engine serves on: that client
@@ -201,6 +238,8 @@ class EngineDead(msgspec.Struct, tag=11, array_like=True, gc=False):
 
     reason: str
     client_dropped: bool = False
+    # The engine was shut down on purpose (a signal, its owner stopping it), not by a fault.
+    shutdown: bool = False
 
 
 class EngineOutputsFrame(msgspec.Struct, tag=12, array_like=True, gc=False):

@@ -85,6 +85,7 @@ class EngineClientBase(ABC):
         self.client_name = client_name
         self.client_index = ready.client_index
         self.engine_pid = ready.engine_pid
+        self.engine_index = ready.engine_index
         self.config: EngineConfig = decode_ready_config(ready)
         self._engine = engine
         # Our own engine is watched exactly (its exit code); an attached one by its pid.
@@ -93,7 +94,8 @@ class EngineClientBase(ABC):
         self.session_lost = False
         # Set once our own shutdown began: what follows is no news to an operator.
         self.closing = False
-        # The engine's latest scheduler stats, from the last outputs this client received.
+        # The engine's latest scheduler stats, from the last outputs this client received (the
+        # engine also sends them to every client once a second while it works).
         self.stats: SchedulerStats | None = None
 
     @abstractmethod
@@ -111,13 +113,17 @@ class EngineClientBase(ABC):
     def _handle_message(self, message: EngineMessage) -> None:
         """Act on one message from the engine (where the subclass delivers it)."""
         if isinstance(message, EngineOutputsFrame):
-            if message.outputs.scheduler_stats is not None:
-                self.stats = message.outputs.scheduler_stats
-            self._on_outputs(message.outputs)
+            outputs = message.outputs
+            if outputs.scheduler_stats is not None:
+                self.stats = outputs.scheduler_stats
+            if outputs.outputs:  # else the engine's periodic stats alone: nothing to deliver
+                self._on_outputs(outputs)
         elif isinstance(message, AllFreeReport):
             self._on_report(message)
         elif isinstance(message, EngineDead):
-            self._mark_dead(message.reason, session_lost=message.client_dropped)
+            self._mark_dead(
+                message.reason, session_lost=message.client_dropped, shutdown=message.shutdown
+            )
 
     # ------------------------------------------------------------------ the socket thread
 
@@ -168,13 +174,20 @@ class EngineClientBase(ABC):
             # Waits out the DEALER's linger: a Goodbye queued just before still leaves.
             self._context.term()
 
-    def _mark_dead(self, reason: str, *, session_lost: bool = False) -> None:
+    def _mark_dead(
+        self, reason: str, *, session_lost: bool = False, shutdown: bool = False
+    ) -> None:
+        """The session is over: ``session_lost`` (the engine dropped us) or ``shutdown`` (the
+        engine was stopped on purpose) or, with neither, the engine failed."""
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
         self.session_lost = session_lost
-        if self.closing:
+        if self.closing or (shutdown and self._engine is not None):
+            # Our own shutdown, or our own engine stopped by us (an LLM's finalizer): routine.
             logger.info("engine session closed: %s", reason)
+        elif shutdown:
+            logger.warning("the engine shut down: %s; this client can no longer serve", reason)
         elif session_lost:
             logger.error("engine session lost: %s", reason)
         else:

@@ -7,7 +7,8 @@ of them (sharing one port through SO_REUSEPORT) add tokenizing and streaming CPU
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 while
 the engine is dead, has dropped this frontend or this frontend drains), GET /metrics (Prometheus
-text), POST /tokenize, POST /detokenize, GET /version (vLLM's shapes).
+text: the whole server's, whichever frontend answers; 404 with --disable-metrics), POST
+/tokenize, POST /detokenize, GET /version (vLLM's shapes).
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from frontend.engine_client.session import EngineDeadError
 from frontend.input_processor import context_limit
 from frontend.server.chat import create_chat_completion
 from frontend.server.completions import create_completion
+from frontend.server.connection import DEFAULT_MAX_REQUEST_BODY_BYTES
 from frontend.server.errors import RETRY_AFTER_UNAVAILABLE_S, ApiError, error_response
 from frontend.server.gate import GateMiddleware
-from frontend.server.metrics import ServerMetrics
+from frontend.server.metrics import PUBLISH_INTERVAL_S, FrontendMetrics
+from frontend.server.request_log import RequestLogger
 from frontend.server.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,7 +59,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 # Bodies up to this decode on the loop (tens of microseconds); larger ones on the CPU pool.
 LOOP_DECODE_LIMIT_BYTES = 64 << 10
 # nginx's code for "the client closed the request": counted in /metrics, never seen by anyone.
@@ -72,6 +74,11 @@ class ServerSettings:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     # The engine already runs when a frontend attaches: a wrong address must not hang for long.
     engine_ready_timeout_s: float = 30.0
+    enable_metrics: bool = True
+    # --enable-log-requests: a line per request at arrival and at the end; --log-prompts: with
+    # (the start of) its prompts.
+    log_requests: bool = False
+    log_prompts: bool = False
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -156,8 +163,19 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     state = _serving(request)
-    text = state.metrics.render(state.client.stats)
+    if state.metrics is None:
+        raise ApiError(404, "metrics are disabled on this server (--disable-metrics)")
+    # Reading every frontend's files takes a millisecond or more: off the event loop.
+    text = await state.run_cpu(state.metrics.render, state.client.stats, state.num_in_flight)
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _publish_metrics(state: ServingState, metrics: FrontendMetrics) -> None:
+    """Keep this frontend's copy of the engine's stats where the other frontends' scrapes see
+    it, however rarely this one is scraped."""
+    while True:
+        await asyncio.sleep(PUBLISH_INTERVAL_S)
+        metrics.publish(state.client.stats, state.num_in_flight)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -192,20 +210,27 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
         ready_timeout_s=settings.engine_ready_timeout_s,
         client_name=f"http-frontend-{os.getpid()}",
     )
+    publisher: asyncio.Task[None] | None = None
     try:
         # Off the loop: loading a tokenizer takes a while and the engine heartbeat must go on.
         tokenizer = await asyncio.to_thread(load_tokenizer, client.config.model.model)
         model_name = settings.served_model_name or client.config.model.model
-        app.state.serving = ServingState(
-            client,
-            tokenizer,
-            model_name,
-            ServerMetrics(model_name),
-            settings.max_request_body_bytes,
+        metrics = None
+        if settings.enable_metrics:
+            metrics = FrontendMetrics(client.config, model_name, client.engine_index)
+        request_log = None
+        if settings.log_requests:
+            request_log = RequestLogger(tokenizer, settings.log_prompts)
+        app.state.serving = state = ServingState(
+            client, tokenizer, model_name, metrics, settings.max_request_body_bytes, request_log
         )
+        if metrics is not None:
+            publisher = asyncio.create_task(_publish_metrics(state, metrics))
         logger.info("attached to the engine at %s, serving %s", settings.engine_address, model_name)
         yield
     finally:
+        if publisher is not None:
+            publisher.cancel()
         serving = getattr(app.state, "serving", None)
         if serving is not None:
             serving.close()

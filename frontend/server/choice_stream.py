@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from frontend.engine_client.async_client import AsyncEngineClient
 from frontend.input_processor import Choice
 from frontend.output_processor import ChoiceDelta, ChoiceState, OutputProcessor
-from frontend.server.metrics import ServerMetrics
-from protocol import EngineCoreOutput
+from frontend.server.metrics import FrontendMetrics
+from frontend.server.request_log import RequestLogger
+from protocol import EngineCoreOutput, RequestTimings
 
 _Item = ChoiceDelta | BaseException | None
 RunCpu = Callable[..., Awaitable[Any]]
@@ -29,16 +29,22 @@ RunCpu = Callable[..., Awaitable[Any]]
 async def stream_choices(
     client: AsyncEngineClient,
     choices: Sequence[Choice],
-    metrics: ServerMetrics,
     run_cpu: RunCpu,
+    metrics: FrontendMetrics | None = None,
+    request_log: RequestLogger | None = None,
+    request_id: str = "",
+    n: int = 1,
 ) -> AsyncIterator[ChoiceDelta]:
-    """Deltas of every choice as they come; raises ``EngineDeadError`` if the engine dies.
-    Large decodes run in ``run_cpu``, off the event loop.
+    """Deltas of every choice (``n`` per prompt) as they come; raises ``EngineDeadError`` if the
+    engine dies. Large decodes run in ``run_cpu``, off the event loop. Each output is recorded
+    in ``metrics`` as it comes; ``request_log`` logs the request's start and end.
 
     Iterate it inside ``contextlib.aclosing``, so leaving early aborts what still runs.
     """
     processor = OutputProcessor(choice.state for choice in choices)
     streams: list[AsyncIterator[EngineCoreOutput]] = []
+    if request_log is not None:
+        request_log.arrived(request_id, choices, n)
     try:
         for choice in choices:
             streams.append(await client.add_request(choice.request))
@@ -55,6 +61,10 @@ async def stream_choices(
         # Also covers streams nobody started iterating (closing those sends no abort).
         sent = choices[: len(streams)]
         client.abort_nowait([c.request.request_id for c in sent if not c.state.finished])
+        if metrics is not None:
+            metrics.observe_request([c.state for c in choices], n)
+        if request_log is not None:
+            request_log.finished(request_id, choices)
 
 
 async def _merge(sources: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[ChoiceDelta]:
@@ -94,20 +104,24 @@ async def _choice_deltas(
     stream: AsyncIterator[EngineCoreOutput],
     processor: OutputProcessor,
     choice: ChoiceState,
-    metrics: ServerMetrics,
+    metrics: FrontendMetrics | None,
     run_cpu: RunCpu,
 ) -> AsyncIterator[ChoiceDelta]:
     """One choice's deltas until it finishes; leaving early closes (and aborts) its stream."""
     ending = "abort"  # unless the choice finishes, or fails below
+    timings: RequestTimings | None = None
     try:
         async with contextlib.aclosing(stream):  # type: ignore[type-var]
             async for output in stream:
                 previous = choice.last_token_time
                 delta = await processor.process_output_off_loop(output, run_cpu)
+                if metrics is not None:
+                    if output.new_token_ids:
+                        metrics.observe_tokens(choice, len(output.new_token_ids), previous)
+                    if output.timings is not None:
+                        timings = output.timings
                 if delta is None:
                     continue
-                if output.new_token_ids and choice.last_token_time is not None:
-                    metrics.observe_tokens(choice.arrival_time, previous, choice.last_token_time)
                 yield delta
                 if choice.finished:
                     # After a stop string the engine still runs it: closing the stream aborts it.
@@ -116,10 +130,5 @@ async def _choice_deltas(
         ending = "error"
         raise
     finally:
-        metrics.observe_finished(
-            choice.finish_reason or ending,
-            choice.arrival_time,
-            time.monotonic(),
-            choice.num_prompt_tokens,
-            len(choice.token_ids),
-        )
+        if metrics is not None:
+            metrics.observe_finished(choice, choice.finish_reason or ending, timings)

@@ -23,6 +23,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 logger = logging.getLogger(__name__)
 
 MIB = 1 << 20
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * MIB
 _STATUS_TEXT = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
@@ -32,7 +33,7 @@ class ConnectionLimits:
     read_timeout_s: float = 10.0
     # 5 s per MiB: a client slower than 200 KiB/s cannot hold a connection for its body.
     read_s_per_mib: float = 5.0
-    max_body_bytes: int = 8 * MIB
+    max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_header_bytes: int = 64 << 10
     max_headers: int = 100
 

@@ -58,7 +58,8 @@ class GateMiddleware:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                metrics.observe_response(message["status"])
+                if metrics is not None:
+                    metrics.observe_response(message["status"])
             await send(message)
 
         refusal = self._refusal(scope, state)
@@ -77,7 +78,7 @@ class GateMiddleware:
                 full = self._full(state)
                 if full is not None:
                     raise full
-                metrics.num_in_flight += 1
+                state.num_in_flight += 1
                 counted = True
             return message
 
@@ -86,12 +87,12 @@ class GateMiddleware:
         except Exception:
             # The 500 for an unexpected error is sent by Starlette's outermost middleware,
             # around this gate: count it here, or failures would be what /metrics never shows.
-            if not started:
+            if not started and metrics is not None:
                 metrics.observe_response(500)
             raise
         finally:
             if counted:
-                metrics.num_in_flight -= 1
+                state.num_in_flight -= 1
 
     def _refusal(self, scope: Scope, state: ServingState) -> ApiError | None:
         path: str = scope["path"]
@@ -109,7 +110,7 @@ class GateMiddleware:
 
     def _full(self, state: ServingState) -> ApiError | None:
         limit = self._max_queued_requests
-        if limit is not None and state.metrics.num_in_flight >= limit:
+        if limit is not None and state.num_in_flight >= limit:
             message = f"too many requests in flight (the limit is {limit}); retry later"
             return ApiError(429, message, retry_after_s=RETRY_AFTER_OVERLOADED_S)
         return None

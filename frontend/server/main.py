@@ -17,9 +17,8 @@ import logging
 import os
 from pathlib import Path
 
-from frontend.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
-from frontend.server.connection import ConnectionLimits
-from frontend.server.runner import bind_shared_socket, run_server
+from frontend.server.connection import DEFAULT_MAX_REQUEST_BODY_BYTES, ConnectionLimits
+from frontend.server.metrics_dir import ensure_multiprocess_dir
 from runtime.exit_codes import ExitCode
 from runtime.logs import configure_logging
 from runtime.parent import tie_to_parent
@@ -129,8 +128,40 @@ def add_frontend_process_args(parser: argparse.ArgumentParser) -> argparse.Argum
     )
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when it dies")
     parser.add_argument("--ready-file", type=Path, default=None, help="written once serving")
+    add_observability_args(parser)
     parser.add_argument("--log-level", default=None, help="default: $CONVEYOR_LOG_LEVEL or INFO")
     return parser
+
+
+def add_observability_args(parser: argparse._ActionsContainer) -> None:
+    """Metrics and logs of a frontend (``docs/observability.md``)."""
+    parser.add_argument(
+        "--disable-metrics",
+        action="store_true",
+        help="record no Prometheus metrics (GET /metrics answers 404)",
+    )
+    parser.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log a line when each generation request arrives (id, prompt lengths, sampling "
+        "parameters) and one when it ends (finish reasons, tokens, TTFT, E2E)",
+    )
+    parser.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="with --enable-log-requests: also log the start of each prompt (private data!)",
+    )
+    parser.add_argument(
+        "--enable-access-log",
+        action="store_true",
+        help="uvicorn's access log: a line per HTTP request (method, path, status)",
+    )
+
+
+def observability_options(args: argparse.Namespace) -> list[str]:
+    """The observability flags set in ``args``, as command-line options again."""
+    names = ("disable_metrics", "enable_log_requests", "log_prompts", "enable_access_log")
+    return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name)]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -145,6 +176,16 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     configure_logging("frontend", args.log_level)
     tie_to_parent(args.parent_pid)
+    if not args.disable_metrics:
+        ensure_multiprocess_dir()
+    # Imported only now: prometheus_client picks its (multiprocess) mode when it first loads.
+    from frontend.server.app import ServerSettings
+    from frontend.server.runner import bind_shared_socket, run_server
+
+    if args.log_prompts and not args.enable_log_requests:
+        logging.getLogger("frontend").warning(
+            "--log-prompts does nothing without --enable-log-requests"
+        )
     settings = ServerSettings(
         engine_address=args.engine,
         served_model_name=args.served_model_name,
@@ -152,6 +193,9 @@ def run(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_request_body_bytes=args.max_request_body_bytes,
         engine_ready_timeout_s=args.engine_ready_timeout_s,
+        enable_metrics=not args.disable_metrics,
+        log_requests=args.enable_log_requests,
+        log_prompts=args.log_prompts,
     )
     try:
         sock = bind_shared_socket(args.host, args.port)
@@ -159,5 +203,10 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("frontend").error("cannot listen on %s:%d: %s", args.host, args.port, exc)
         return ExitCode.BAD_CONFIG
     return run_server(
-        settings, sock, args.drain_timeout_s, args.ready_file, connection_limits(args)
+        settings,
+        sock,
+        args.drain_timeout_s,
+        args.ready_file,
+        connection_limits(args),
+        access_log=args.enable_access_log,
     )

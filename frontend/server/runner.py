@@ -77,15 +77,15 @@ class _Server(uvicorn.Server):
 async def drain(state: ServingState, timeout_s: float) -> None:
     """Wait (bounded) for the generation requests in flight; abort whatever is left."""
     deadline = time.monotonic() + timeout_s
-    if state.metrics.num_in_flight:
-        logger.info("draining %d requests in flight", state.metrics.num_in_flight)
-    while state.metrics.num_in_flight and time.monotonic() < deadline:
+    if state.num_in_flight:
+        logger.info("draining %d requests in flight", state.num_in_flight)
+    while state.num_in_flight and time.monotonic() < deadline:
         await asyncio.sleep(_DRAIN_POLL_S)
-    if state.metrics.num_in_flight:
+    if state.num_in_flight:
         logger.warning(
             "drain timeout (%g s): aborting %d requests in flight",
             timeout_s,
-            state.metrics.num_in_flight,
+            state.num_in_flight,
         )
         # Goodbye makes the engine abort every request of ours; each open stream ends with
         # an error naming the reason.
@@ -116,6 +116,7 @@ def run_server(
     drain_timeout_s: float,
     ready_file: Path | None = None,
     limits: ConnectionLimits | None = None,
+    access_log: bool = False,
 ) -> int:
     """Serve on ``sock`` until SIGTERM/SIGINT (then drain for up to ``drain_timeout_s``)."""
     limits = limits or ConnectionLimits(max_body_bytes=settings.max_request_body_bytes)
@@ -125,7 +126,8 @@ def run_server(
         timeout_keep_alive=int(max(1, limits.idle_timeout_s)),
         lifespan="on",
         log_config=None,
-        access_log=False,
+        # Off unless asked for (--enable-access-log): a line per request costs the event loop.
+        access_log=access_log,
         # After our drain only error events and idle connections are left to close.
         timeout_graceful_shutdown=_CLOSE_TIMEOUT_S,
     )

@@ -32,7 +32,8 @@ from frontend.input_processor import Choice, InputProcessor, PromptError
 from frontend.output_processor import ChoiceDelta, ChoiceState
 from frontend.server.choice_stream import stream_choices
 from frontend.server.errors import RETRY_AFTER_OVERLOADED_S, ApiError, bad_request, error_body
-from frontend.server.metrics import ServerMetrics
+from frontend.server.metrics import FrontendMetrics
+from frontend.server.request_log import RequestLogger
 from frontend.server.response_models import SSE_DONE, UsageInfo, encode_json, sse_event
 from protocol import FAILED_FINISH_REASONS, EngineConfig, SamplingParams
 
@@ -62,8 +63,14 @@ class ServingState:
     client: AsyncEngineClient
     tokenizer: Any
     model_name: str
-    metrics: ServerMetrics
+    # None: --disable-metrics (nothing recorded, /metrics answers 404).
+    metrics: FrontendMetrics | None
     max_request_body_bytes: int
+    # None unless --enable-log-requests.
+    request_log: RequestLogger | None = None
+    # Generation requests whose body has arrived and whose response has not ended yet: the
+    # per-frontend queue cap and the drain count them.
+    num_in_flight: int = 0
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     inputs: InputProcessor = field(init=False)
@@ -225,7 +232,15 @@ class GenerationRun(ABC):
 
     def deltas(self) -> AsyncIterator[ChoiceDelta]:
         state = self.state
-        return stream_choices(state.client, self.choices, state.metrics, state.run_cpu)
+        return stream_choices(
+            state.client,
+            self.choices,
+            state.run_cpu,
+            state.metrics,
+            state.request_log,
+            self.response_id,
+            n=len(self.choices) // len(self.prompts),
+        )
 
     async def collect(self) -> msgspec.Struct:
         async with contextlib.aclosing(self.deltas()) as deltas:

@@ -321,7 +321,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 def metric(samples: dict[str, float], name: str, **labels: str) -> float:
     """The value of ``name`` whose labels include ``labels``; summed if several match.
 
-    One scrape comes from one frontend process, so every series in it has the same ``pid``.
+    A scrape of any frontend reports the whole server (every frontend's requests).
     """
     total, found = 0.0, False
     for key, value in samples.items():
@@ -334,11 +334,13 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
     return total
 
 
-def scrape_pid(samples: dict[str, float]) -> str:
-    """The frontend process that answered a scrape: every series carries its ``pid`` label."""
-    pids = {re.search(r'[{,]pid="(\d+)"', key)[1] for key in samples}  # type: ignore[index]
-    assert len(pids) == 1, f"one scrape, one frontend: {pids}"
-    return pids.pop()
+def accepting_frontend(port: int, pids: list[int]) -> int:
+    """Which of the frontends ``pids`` accepts a new connection to ``port`` (one GET /health)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        pid = frontend_pid_of(sock, pids)
+        sock.recv(4096)
+    return pid
 
 
 def wait_for(condition: Any, timeout_s: float, interval_s: float = 0.05) -> Any:

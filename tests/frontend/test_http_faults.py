@@ -26,14 +26,13 @@ from engine_core.core_process import ENGINE_FAULT_ENV
 from frontend.engine_client import MPEngineClient
 from tests.frontend.http_helpers import (
     ServedHttp,
+    accepting_frontend,
     frontend_pid_of,
     frontend_pids,
     get,
-    parse_metrics,
     post_json,
     read_events,
     read_to_end,
-    scrape_pid,
     send_completion,
     start_served_http,
     stream_payloads,
@@ -165,11 +164,6 @@ def _open_streams_on(
     raise AssertionError(f"the kernel did not spread 60 connections over both frontends: {on}")
 
 
-def _pid_in_metrics(base_url: str) -> str:
-    """The pid of whichever frontend answered this scrape."""
-    return scrape_pid(parse_metrics(get(base_url, "/metrics")[1]))
-
-
 def test_a_killed_frontend_is_restarted_and_the_others_are_unaffected(served):
     """Row 8, and the restart budget: the second death in a minute stops everything."""
     victim, survivor = frontend_pids(served.process.pid)
@@ -204,7 +198,8 @@ def test_a_killed_frontend_is_restarted_and_the_others_are_unaffected(served):
 
         replacement = next(p for p in wait_for(replaced, 30.0, 0.1) if p != survivor)
         assert wait_for(lambda: served.log.read_text().count("serves again") == 1, 30.0, 0.1)
-        assert wait_for(lambda: _pid_in_metrics(served.base_url) == str(replacement), 10.0), (
+        pids = [survivor, replacement]
+        assert wait_for(lambda: accepting_frontend(served.port, pids) == replacement, 10.0), (
             "the replacement does not serve the port"
         )
         assert _whole_text(served, PROMPTS[0], short) == expected

@@ -26,16 +26,18 @@ from protocol import SamplingParams
 from tests.frontend.http_helpers import (
     MODEL_NAME,
     ServedHttp,
+    frontend_pid_of,
     frontend_pids,
     get,
     metric,
     parse_metrics,
     post_json,
     read_events,
-    scrape_pid,
+    read_to_end,
     send_completion,
     start_attached_frontend,
     start_served_http,
+    stream_text,
     wait_for,
 )
 from tests.process_tree import descendants, kill_all, wait_until_gone
@@ -332,35 +334,33 @@ def test_nulls_the_client_sends_mean_the_defaults(client):
         )
 
 
-def _frontend_counts(base_url: str, num_scrapes: int = 40) -> dict[str, float]:
-    """Finished choices per frontend pid, from scrapes that land on whichever frontend."""
-    counts: dict[str, float] = {}
-    for _ in range(num_scrapes):
-        samples = parse_metrics(get(base_url, "/metrics")[1])
-        pid = scrape_pid(samples)
-        counts[pid] = metric(samples, "conveyor:request_success_total", pid=pid)
-        if len(counts) == 2:
-            break
-    return counts
+SUCCESS = "conveyor:request_success_total"
 
 
 def test_two_frontends_serve_parallel_requests(served, reference):
     prompts = [*TEXT_PROMPTS, TOKEN_PROMPT] * 6
     expected = [o.outputs[0].text for o in reference["greedy"][:4]] * 6
-    body = dict(model=MODEL_NAME, max_tokens=MAX_TOKENS, temperature=0)
+    body = dict(model=MODEL_NAME, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    pids = frontend_pids(served.process.pid)
+    samples = parse_metrics(get(served.base_url, "/metrics")[1])
+    before = metric(samples, SUCCESS, finished_reason="length")
 
-    def complete(prompt: str | list[int]) -> str:
+    def complete(prompt: str | list[int]) -> tuple[int, str]:
         # A fresh connection each: the kernel spreads connections over the two frontends.
-        status, _, response = post_json(
-            served.base_url, "/v1/completions", {**body, "prompt": prompt}
-        )
-        assert status == 200, response
-        return response["choices"][0]["text"]
+        with send_completion(served.base_url, {**body, "prompt": prompt}) as sock:
+            pid = frontend_pid_of(sock, pids)
+            text, reason = stream_text(read_to_end(sock))
+        assert reason == "length"
+        return pid, text
 
     with ThreadPoolExecutor(8) as pool:
-        assert list(pool.map(complete, prompts)) == expected
-    counts = _frontend_counts(served.base_url)
-    assert len(counts) == 2 and all(n > 0 for n in counts.values()), counts
+        results = list(pool.map(complete, prompts))
+    assert [text for _, text in results] == expected
+    assert {pid for pid, _ in results} == set(pids), "both frontends served requests"
+    # A scrape of either frontend counts both frontends' requests.
+    for _ in range(6):
+        samples = parse_metrics(get(served.base_url, "/metrics")[1])
+        assert metric(samples, SUCCESS, finished_reason="length") == before + len(prompts)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 
 from frontend.output_processor import MAX_DECODE_TOKENS_ON_LOOP, ChoiceState, OutputProcessor
 from frontend.server.errors import MAX_MESSAGE_CHARS, ApiError
-from frontend.server.metrics import ServerMetrics
 from frontend.server.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,7 +31,7 @@ from frontend.server.request_models import (
     to_sampling_params,
 )
 from frontend.tokenizer import load_tokenizer
-from protocol import EngineCoreOutput, Logprobs, SamplingParams, SchedulerStats
+from protocol import EngineCoreOutput, Logprobs, SamplingParams
 from protocol.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 VOCAB_SIZE = 2048
@@ -202,47 +201,6 @@ def test_a_long_choice_is_decoded_off_the_event_loop_with_the_same_text(tokenize
     text, (streamed_text,) = asyncio.run(fold_all(len(token_ids)))
     assert text == streamed_text == tokenizer.decode(token_ids, skip_special_tokens=True)
     assert len(decoded_in) == 1 and decoded_in[0] != loop_thread
-
-
-def _samples(text: str) -> dict[str, float]:
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
-
-
-def test_metrics_render_cumulative_histograms_and_engine_gauges():
-    metrics = ServerMetrics('a "quoted" name', pid=4321)
-    for ttft in (0.003, 0.05, 0.05, 3.0):
-        metrics.observe_tokens(arrival=0.0, previous=None, now=ttft)
-    metrics.observe_finished("length", 0.0, 2.0, num_prompt=7, num_generated=5)
-    stats = SchedulerStats(num_running=3, kv_cache_usage=0.25, prefix_cache_queries=64,
-                           prefix_cache_hits=16, num_preemptions=2)  # fmt: skip
-    samples = _samples(metrics.render(stats))
-    label = 'model_name="a \\"quoted\\" name",pid="4321"'
-    name = "conveyor:time_to_first_token_seconds"
-    assert samples[f'{name}_bucket{{{label},le="0.005"}}'] == 1
-    assert samples[f'{name}_bucket{{{label},le="0.06"}}'] == 3
-    assert samples[f'{name}_bucket{{{label},le="+Inf"}}'] == 4
-    assert samples[f"{name}_count{{{label}}}"] == 4
-    assert samples[f"{name}_sum{{{label}}}"] == pytest.approx(3.103)
-    reason = f'conveyor:request_success_total{{{label},finished_reason="length"}}'
-    assert samples[reason] == 1
-    assert samples[f"conveyor:prompt_tokens_total{{{label}}}"] == 7
-    assert samples[f"conveyor:num_requests_running{{{label}}}"] == 3
-    assert samples[f"conveyor:kv_cache_usage_perc{{{label}}}"] == 0.25
-    assert samples[f"conveyor:prefix_cache_hit_rate{{{label}}}"] == 0.25
-    assert samples[f"conveyor:num_preemptions_total{{{label}}}"] == 2
-
-
-def test_every_metric_series_names_the_frontend_process():
-    # Frontends sharing a port each count for themselves: a scraper must see distinct series,
-    # or successive scrapes landing on different processes make counters go backwards.
-    text = ServerMetrics("tiny", pid=77).render(SchedulerStats())
-    series = [line for line in text.splitlines() if line and not line.startswith("#")]
-    assert series and all('pid="77"' in line.partition(" ")[0] for line in series)
-    assert all(line.count('pid="') == 1 for line in series)
 
 
 # ---------------------------------------------------------------- stop tokens

@@ -25,7 +25,6 @@ from tests.frontend.http_helpers import (
     parse_metrics,
     post_json,
     read_to_end,
-    scrape_pid,
     send_completion,
     start_served_http,
     stream_text,
@@ -124,17 +123,12 @@ def test_a_burst_over_two_frontends_never_queues_past_the_cap(served):
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     assert records and max(r["num_waiting"] for r in records) <= MAX_WAITING
 
-    # Each frontend counts the refusals it answered as finish reason "rejected": together, every
-    # 429 (one scrape reaches one frontend; new connections spread over both).
-    rejected_by_pid: dict[str, float] = {}
-    for _ in range(200):
+    # Each frontend counts the refusals it answered as finish reason "rejected"; a scrape of
+    # either one reports them all (new connections spread over both frontends).
+    for _ in range(10):
         samples = parse_metrics(get(served.base_url, "/metrics")[1])
         rejected = metric(samples, "conveyor:request_success_total", finished_reason="rejected")
-        rejected_by_pid[scrape_pid(samples)] = rejected
-        if len(rejected_by_pid) == 2:
-            break
-    assert len(rejected_by_pid) == 2
-    assert sum(rejected_by_pid.values()) == statuses.count(429)
+        assert rejected == statuses.count(429)
 
     def all_free() -> bool:
         client = MPEngineClient(address=served.engine_address, ready_timeout_s=10.0)
