@@ -87,7 +87,7 @@ class ThreadedEngine:
             self.error = exc
             reason = f"engine core failed: {exc!r}"
         finally:
-            self.process.close(reason)
+            self.process.close(reason, shutdown=self.error is None)
 
     def stop(self) -> None:
         self.process.stop()
@@ -428,3 +428,38 @@ def test_a_request_that_makes_the_engine_raise_fails_alone(make_engine, make_cli
     assert results["after"] == (expected_tokens([7, 8, 9], 5), "length")
     assert engine.thread.is_alive() and engine.error is None
     engine.core.check_all_free()
+
+
+def test_every_client_gets_the_engines_stats_outputs_or_not(make_engine, make_client):
+    engine = make_engine(SlowFakeExecutor(200, VOCAB, block_size=BLOCK_SIZE))
+    busy, idle = make_client(engine.address), make_client(engine.address)
+    busy.add_request(request("a", [1, 2, 3], 250))  # over a second of 5 ms steps
+    wait_for(lambda: idle.stats is not None and idle.stats.num_running == 1, 3.0, "a broadcast")
+    assert collect(busy) == {"a": (expected_tokens([1, 2, 3], 250), "length")}
+    # The idle client hears that the engine went idle, and never an output.
+    wait_for(lambda: idle.stats.num_running == 0, 2.0, "the idle broadcast")
+    assert idle.stats.num_steps == busy.stats.num_steps == 250
+    assert idle.get_outputs(0.2) is None
+    # A client that attaches now gets the latest stats right after Ready.
+    late = make_client(engine.address)
+    wait_for(lambda: late.stats is not None, 2.0, "stats after Ready")
+    assert late.stats.num_generation_tokens == 249
+
+
+def test_a_stopped_engine_says_it_was_shut_down_not_that_it_failed(
+    make_engine, raw_socket, make_client, caplog
+):
+    engine = make_engine()
+    sock = raw_socket(engine.address)
+    sock.send(CLIENT_TO_ENGINE.encode(Hello("raw")))
+    assert isinstance(ENGINE_TO_CLIENT.decode(sock.recv()), Ready)
+    client = make_client(engine.address)
+    engine.stop()
+    while not isinstance(message := ENGINE_TO_CLIENT.decode(sock.recv()), EngineDead):
+        pass
+    assert message.shutdown and message.reason == "the engine was shut down"
+    with pytest.raises(EngineDeadError, match="shut down"):
+        client.get_outputs(5.0)
+    # An attached client warns that it can no longer serve; only a failure is an error.
+    records = [r for r in caplog.records if r.name == "frontend.engine_client.core_client"]
+    assert [r.levelname for r in records] == ["WARNING"]

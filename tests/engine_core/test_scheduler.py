@@ -375,3 +375,60 @@ def test_bench_scheduler_script_reports_the_sweep_as_json():
     ]
     assert report["rows"][-1]["num_blocks"] > 9 * report["rows"][0]["num_blocks"]
     assert all(r["step_us"] > 0 for r in report["rows"])
+
+
+def test_stats_count_steps_tokens_and_tokens_per_step_cumulatively():
+    scheduler, executor = make_scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(make_request(0, prompt_len=10, max_tokens=3))
+    scheduler.add_request(make_request(1, prompt_len=2, max_tokens=3))
+    run_to_end(scheduler, executor)
+    stats = scheduler.make_stats()
+    # Prompts of 10 and 2 tokens under a budget of 8 (8, then 2 + 2), then two decode steps.
+    assert (stats.num_prompt_tokens, stats.num_generation_tokens) == (12, 2 + 2)
+    assert stats.num_steps == 4 and sum(stats.iteration_tokens) == 4
+    # Steps of 8, 4, 2 and 2 tokens: buckets (1], (1, 8], (8, 16] ...
+    assert stats.iteration_tokens[:3] == [0, 4, 0]
+    scheduler.schedule()  # a step with nothing to do is not counted
+    assert scheduler.make_stats().num_steps == 4
+
+
+def test_a_finished_request_reports_where_it_spent_its_time():
+    scheduler, executor = make_scheduler(max_num_batched_tokens=4)
+    scheduler.add_request(make_request(0, prompt_len=8, max_tokens=3))
+    scheduler.add_request(make_request(1, prompt_len=2, max_tokens=2))
+    finals = {}
+    while scheduler.has_unfinished_requests():
+        _, outputs = run_step(scheduler, executor)
+        for out in outputs[0].outputs if 0 in outputs else []:
+            if out.finish_reason is not None:
+                finals[out.request_id] = out.timings
+            else:
+                assert out.timings is None, "timings come with the final output only"
+    first, second = finals["0"], finals["1"]
+    # Request 1 waited while request 0's prompt took the whole budget of the first step.
+    assert first.queued >= 0 and second.queued > 0
+    assert first.prefill > 0 and first.decode > 0 and second.decode > 0
+
+
+def test_an_aborted_request_has_timings_only_once_it_ran():
+    scheduler, executor = make_scheduler(max_num_batched_tokens=4, max_num_seqs=1)
+    scheduler.add_request(make_request(0, prompt_len=2, max_tokens=50))
+    scheduler.add_request(make_request(1, prompt_len=2, max_tokens=50))
+    run_step(scheduler, executor)
+    run_step(scheduler, executor)
+    scheduler.abort_requests([0, 1])
+    _, outputs = run_step(scheduler, executor)
+    timings = {out.request_id: out.timings for out in outputs[0].outputs}
+    assert timings["0"] is not None and timings["0"].decode > 0
+    assert timings["1"] is None, "never scheduled: no engine times to report"
+
+
+def test_num_preempted_waiting_counts_requests_sent_back():
+    scheduler, executor = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64)
+    for req_id in range(2):
+        scheduler.add_request(make_request(req_id, prompt_len=7, max_tokens=20))
+    seen = 0
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler, executor)
+        seen = max(seen, scheduler.num_preempted_waiting)
+    assert seen >= 1 and scheduler.make_stats().num_preemptions >= 1

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -222,3 +225,34 @@ def test_incremental_detokenizer_matches_full_decode(llm):
     found = [stopper.add_tokens([t]) for t in token_ids]
     assert found[-1] == "你好" and stopper.text == "naïve café — "
     assert found.index("你好") < len(token_ids) - 1
+
+
+# A script that ends without shutting its LLM down (the engine is stopped by the LLM's
+# finalizer at exit), then one that uses it as a context manager.
+_SCRIPT = """
+import logging
+import sys
+from frontend import LLM
+from protocol import SamplingParams
+
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+params = SamplingParams(temperature=0, max_tokens=4)
+with LLM(sys.argv[1], kv_cache_memory=16 << 20) as llm:
+    llm.generate(["def main():"], params, use_tqdm=False)
+llm = LLM(sys.argv[1], kv_cache_memory=16 << 20)
+print(len(llm.generate(["import os"], params, use_tqdm=False)[0].outputs[0].token_ids))
+"""
+
+
+@pytest.mark.slow
+def test_a_finished_offline_run_prints_no_error(tiny_model_dir):
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(tiny_model_dir)],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "4", done.stderr
+    assert "ERROR" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "engine session closed" in done.stderr  # said, at INFO
