@@ -5,7 +5,7 @@
     conveyor frontend --engine ADDR    one more HTTP frontend for a running engine
     conveyor generate PROMPT           one completion, offline
     conveyor bench serve ...           the load generator, against any OpenAI-compatible server
-    conveyor bench offline|scheduler|wire|attention|layers|tokenize|structured|fake-server
+    conveyor bench offline|scheduler|wire|attention|layers|tokenize|structured|metrics|fake-server
     conveyor make-model OUT            a random-weight test model in Hugging Face format
     conveyor plot-trace FILE           draw a --trace-steps file
 
@@ -106,6 +106,12 @@ def _bench_structured(argv: list[str]) -> int:
     return main(argv)
 
 
+def _bench_metrics(argv: list[str]) -> int:
+    from benchmarks.metrics_cost import main
+
+    return main(argv)
+
+
 def _bench_fake_server(argv: list[str]) -> int:
     from benchmarks.loadgen.fake_server import main
 
@@ -128,6 +134,7 @@ BENCH_COMMANDS: dict[str, tuple[Main, str]] = {
     "layers": (_bench_layers, "the model's token-wise ops on CPU"),
     "tokenize": (_bench_tokenize, "tokenizing on the event loop, in threads or in processes"),
     "structured": (_bench_structured, "output tok/s with and without a JSON-schema constraint"),
+    "metrics": (_bench_metrics, "output tok/s through the server with metrics on and off"),
     "fake-server": (_bench_fake_server, "a fake OpenAI-compatible server with set delays"),
 }
 

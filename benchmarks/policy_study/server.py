@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from frontend.engine_args import EngineArgs
@@ -56,10 +56,13 @@ def _kill_leftovers(tree: dict[int, str]) -> None:
 
 
 @contextlib.contextmanager
-def served(args: EngineArgs, log: Path, timeout_s: float = 180.0) -> Iterator[str]:
-    """conveyor serve on a free 127.0.0.1 port; yields its base URL; always stops it all."""
+def served(
+    args: EngineArgs, log: Path, timeout_s: float = 180.0, extra: Sequence[str] = ()
+) -> Iterator[str]:
+    """conveyor serve on a free 127.0.0.1 port (with ``extra`` flags); yields its base URL;
+    always stops it all."""
     command = [sys.executable, "-m", "entrypoints.cli", "serve", "--host", "127.0.0.1"]
-    command += ["--port", str(free_port()), *engine_flags(args)]
+    command += ["--port", str(free_port()), *engine_flags(args), *extra]
     with log.open("w") as log_file:
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=log_file, text=True, start_new_session=True

@@ -108,6 +108,28 @@ def test_every_metric_the_dashboard_queries_is_served(served, load):
     assert not names - served_names, f"the dashboard queries {sorted(names - served_names)}"
 
 
+# The series vLLM's example Grafana dashboard queries (its 12 panels), as named by vLLM 0.11+.
+VLLM_DASHBOARD = (
+    "e2e_request_latency_seconds_bucket", "e2e_request_latency_seconds_sum",
+    "e2e_request_latency_seconds_count", "prompt_tokens_total", "generation_tokens_total",
+    "inter_token_latency_seconds_bucket", "inter_token_latency_seconds_sum",
+    "inter_token_latency_seconds_count", "num_requests_running", "num_requests_waiting",
+    "time_to_first_token_seconds_bucket", "time_to_first_token_seconds_sum",
+    "time_to_first_token_seconds_count", "kv_cache_usage_perc", "request_prompt_tokens_bucket",
+    "request_generation_tokens_bucket", "request_success_total",
+    "request_queue_time_seconds_sum", "request_prefill_time_seconds_sum",
+    "request_decode_time_seconds_sum", "request_max_num_generation_tokens_sum",
+)  # fmt: skip
+
+
+def test_vllms_dashboard_works_after_renaming_its_prefix(served, load):
+    samples = scrape(served.base_url)
+    for name in VLLM_DASHBOARD:
+        # Labelled model_name as vLLM's are (its panels filter on it), with data after load.
+        assert metric(samples, f"conveyor:{name}", model_name="tiny") >= 0, name
+    assert metric(samples, "conveyor:request_queue_time_seconds_count") > 0
+
+
 def test_requests_are_logged_at_arrival_and_at_the_end(served, load):
     log = served.log.read_text()
     arrivals = re.findall(r"INFO frontend.requests: request (cmpl-\w+): 1 prompt\(s\) of \d+ tokens, "
