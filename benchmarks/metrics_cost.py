@@ -25,9 +25,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import machine_info, print_report_start
+from benchmarks.machine import machine_info, print_report_start, tree_cpu_seconds
 from benchmarks.policy_study.server import served
 from frontend.engine_args import DEFAULT_MODEL_DIR, EngineArgs
+from runtime.processes import descendants
 
 SIDES = ("metrics on", "--disable-metrics")
 
@@ -52,6 +53,15 @@ def scraping(base_url: str, interval_s: float) -> Iterator[list[int]]:
         thread.join(15.0)
 
 
+def frontend_pid(supervisor_pid: int) -> int:
+    """The server's one ``python -m frontend`` process."""
+    for pid in descendants(supervisor_pid):
+        with contextlib.suppress(OSError):
+            if b"\0frontend\0" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    raise RuntimeError(f"no frontend below pid {supervisor_pid}")
+
+
 def load(base_url: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     command = [sys.executable, "-m", "entrypoints.cli", "bench", "serve", "--base-url", base_url,
                "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
@@ -68,25 +78,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         max_num_batched_tokens=2048, kv_cache_memory=256 << 20)  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="conveyor-bench-metrics-"))
     rates: dict[str, list[float]] = {side: [] for side in SIDES}
+    # The frontend's CPU per 1,000 output tokens: where the metrics are recorded, and far less
+    # noisy than throughput on a shared machine.
+    frontend_cpu: dict[str, list[float]] = {side: [] for side in SIDES}
     scrape_bytes: list[int] = []
+    supervisors: list[int] = []
     with (
-        served(engine, work / "on.log") as with_metrics,
-        served(engine, work / "off.log", extra=["--disable-metrics"]) as without,
+        served(engine, work / "on.log", started=supervisors) as with_metrics,
+        served(
+            engine, work / "off.log", extra=["--disable-metrics"], started=supervisors
+        ) as without,
     ):
         urls = dict(zip(SIDES, (with_metrics, without)))
+        frontends = {side: frontend_pid(pid) for side, pid in zip(SIDES, supervisors)}
         load(with_metrics, args, work / "warmup.json")  # first-use costs, off the books
+        load(without, args, work / "warmup.json")
         for round_index in range(args.rounds):
             order = SIDES if round_index % 2 == 0 else SIDES[::-1]
             for side in order:
                 out = work / f"{round_index}-{side.strip('-')}.json"
+                cpu_before = tree_cpu_seconds(frontends[side])
                 if side == SIDES[0]:
                     with scraping(urls[side], args.scrape_interval_s) as sizes:
                         result = load(urls[side], args, out)
                     scrape_bytes += sizes
                 else:
                     result = load(urls[side], args, out)
+                cpu = tree_cpu_seconds(frontends[side]) - cpu_before
                 assert result["failed"] == 0, result
                 rates[side].append(result["output_throughput"])
+                frontend_cpu[side].append(1000 * cpu / result["total_output_tokens"])
     on, off = rates[SIDES[0]], rates[SIDES[1]]
     return {
         "machine": machine_info(),
@@ -99,6 +120,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ratio_of_means": statistics.mean(on) / statistics.mean(off),
         "ratio_of_medians": statistics.median(on) / statistics.median(off),
         "pairwise_ratios": [a / b for a, b in zip(on, off)],
+        "frontend_cpu_s_per_1k_tokens": frontend_cpu,
+        "frontend_cpu_ratio_of_means": statistics.mean(frontend_cpu[SIDES[0]])
+        / statistics.mean(frontend_cpu[SIDES[1]]),
         "scrape_bytes": max(scrape_bytes, default=0),
     }  # fmt: skip
 
@@ -119,9 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for side in SIDES:
         values = " ".join(f"{v:.0f}" for v in report["output_tok_per_s"][side])
-        print(f"{side:<18} out tok/s {values}  mean {report['mean'][side]:.0f}")
+        cpu = statistics.mean(report["frontend_cpu_s_per_1k_tokens"][side])
+        print(f"{side:<18} out tok/s {values}  mean {report['mean'][side]:.0f}; "
+              f"frontend CPU {1000 * cpu:.1f} ms per 1k tokens")  # fmt: skip
     print(f"metrics on / off: {report['ratio_of_means']:.3f} (means), "
-          f"{report['ratio_of_medians']:.3f} (medians); a scrape is {report['scrape_bytes']} B")  # fmt: skip
+          f"{report['ratio_of_medians']:.3f} (medians); frontend CPU per token "
+          f"{report['frontend_cpu_ratio_of_means']:.3f}x; a scrape is {report['scrape_bytes']} B")  # fmt: skip
     return 0
 
 

@@ -57,16 +57,22 @@ def _kill_leftovers(tree: dict[int, str]) -> None:
 
 @contextlib.contextmanager
 def served(
-    args: EngineArgs, log: Path, timeout_s: float = 180.0, extra: Sequence[str] = ()
+    args: EngineArgs,
+    log: Path,
+    timeout_s: float = 180.0,
+    extra: Sequence[str] = (),
+    started: list[int] | None = None,
 ) -> Iterator[str]:
     """conveyor serve on a free 127.0.0.1 port (with ``extra`` flags); yields its base URL;
-    always stops it all."""
+    always stops it all. ``started`` gets the supervisor's pid."""
     command = [sys.executable, "-m", "entrypoints.cli", "serve", "--host", "127.0.0.1"]
     command += ["--port", str(free_port()), *engine_flags(args), *extra]
     with log.open("w") as log_file:
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=log_file, text=True, start_new_session=True
         )
+    if started is not None:
+        started.append(process.pid)
     tree: dict[int, str] = {}
     try:
         url = _wait_ready(process, timeout_s)

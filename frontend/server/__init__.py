@@ -11,6 +11,9 @@ Runs in an HTTP frontend process, on a uvloop event loop.
   ``serving``         what they share: state, the pipeline's errors as 400s, streaming helpers
   ``choice_stream``   one HTTP request's engine requests, merged into one delta stream
   ``logprobs``        engine logprob rows -> OpenAI's two formats
-  ``metrics``         Prometheus metrics
+  ``metrics``         the Prometheus metrics a frontend records and publishes
+  ``metrics_export``  a scrape: every frontend's files merged into the server's totals
+  ``metrics_dir``     the folder a server's frontends share their metrics in
+  ``request_log``     ``--enable-log-requests``: a line per request at arrival and at its end
   ``errors``          OpenAI-shaped error bodies
 """

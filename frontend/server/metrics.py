@@ -7,9 +7,9 @@ Runs in an HTTP frontend process. Two kinds of numbers, both labelled ``model_na
 * What a frontend sees of its own requests (finished requests by reason, prompt and generation
   tokens, TTFT, inter-token and end-to-end latency, token-count and parameter histograms, HTTP
   statuses), recorded as they happen (generation tokens with every output of every engine step,
-  not when a choice ends) in prometheus_client's multiprocess mode: every frontend writes its own
-  files in the folder all of a server's frontends share (``metrics_dir``), and a scrape of any
-  of them sums every file.
+  written out at least once a second, never only when a choice ends) in prometheus_client's
+  multiprocess mode: every frontend writes its own files in the folder all of a server's
+  frontends share (``metrics_dir``), and a scrape of any of them sums every file.
 * What only the engine core knows. Per request (how long it queued, prefilled and decoded), on
   its final output: recorded like the frontend's own. Engine-wide (running and waiting requests,
   KV cache usage, preemptions, prefix-cache lookups, tokens per step), as the ``SchedulerStats``
@@ -95,7 +95,6 @@ class FrontendMetrics:
         )
         self._registry.register(ServerCollector(path, counters, [_ITERATION_TOKENS], [hit_rate]))
         self._published: tuple[SchedulerStats | None, int] = (None, -1)
-        self._published_at = 0.0
 
     # ------------------------------------------------------------------ definitions
 
@@ -108,7 +107,12 @@ class FrontendMetrics:
         )
 
     def _gauge(self, name: str, doc: str, mode: str, extra: Sequence[str] = ()) -> Gauge:
+        """A gauge merged across frontends by ``mode``; the caller binds its labels."""
         return Gauge(PREFIX + name, doc, (*LABELS, *extra), registry=None, multiprocess_mode=mode)
+
+    def _own_gauge(self, name: str, doc: str, mode: str) -> Gauge:
+        """A gauge merged across frontends by ``mode``, bound to this frontend's labels."""
+        return self._gauge(name, doc, mode).labels(*self._labels)
 
     def _define_request_metrics(self, token_buckets: list[int]) -> None:
         success = Counter(
@@ -119,6 +123,7 @@ class FrontendMetrics:
         self._success_family = success
         self._prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of requests prefilled.")
         self._generation_tokens = self._counter("generation_tokens", "Tokens generated.")
+        self._unsaved_generation_tokens = 0
         h, latency = self._histogram, REQUEST_LATENCY_BUCKETS
         self._ttft = h("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self._itl = h("inter_token_latency_seconds", "Time between two outputs.", ITL_BUCKETS)
@@ -157,27 +162,23 @@ class FrontendMetrics:
         self._responses_by_code: dict[int, Counter] = {}
 
     def _define_engine_metrics(self, config: EngineConfig) -> None:
-        labels, g = self._labels, self._gauge
+        labels, g, own = self._labels, self._gauge, self._own_gauge
         recent = "livemostrecent"
-        self._running = g("num_requests_running", "Requests in the engine's batch.", recent)
-        self._waiting = g("num_requests_waiting", "Requests waiting in the engine.", recent)
-        self._kv_usage = g("kv_cache_usage_perc", "Fraction of KV cache blocks in use.", recent)
-        self._running, self._waiting, self._kv_usage = (
-            m.labels(*labels) for m in (self._running, self._waiting, self._kv_usage)
-        )
+        self._running = own("num_requests_running", "Requests in the engine's batch.", recent)
+        self._waiting = own("num_requests_waiting", "Requests waiting in the engine.", recent)
+        self._kv_usage = own("kv_cache_usage_perc", "Fraction of KV cache blocks in use.", recent)
         self._engine_counts = {
-            field: g(field, doc, "livemax").labels(*labels)
-            for field, doc in _ENGINE_COUNTERS.items()
+            field: own(field, doc, "livemax") for field, doc in _ENGINE_COUNTERS.items()
         }
         doc = "Tokens per engine step."
         bucket = g("iteration_tokens_total_bucket", doc, "livemax", ("le",))
         bounds = [*(str(float(b)) for b in ITERATION_TOKENS_BUCKETS), "+Inf"]
         self._iteration_buckets = [bucket.labels(*labels, le) for le in bounds]
-        self._iteration_sum = g("iteration_tokens_total_sum", doc, "livemax").labels(*labels)
-        self._iteration_count = g("iteration_tokens_total_count", doc, "livemax").labels(*labels)
-        self._in_flight = g(
+        self._iteration_sum = own("iteration_tokens_total_sum", doc, "livemax")
+        self._iteration_count = own("iteration_tokens_total_count", doc, "livemax")
+        self._in_flight = own(
             "num_http_requests_in_flight", "Generation requests the frontends serve.", "livesum"
-        ).labels(*labels)
+        )
         cache = config.cache
         info = {
             "block_size": str(cache.block_size),
@@ -189,9 +190,7 @@ class FrontendMetrics:
         g("cache_config_info", "The KV cache's configuration.", "livemax", tuple(info)).labels(
             *labels, *info.values()
         ).set(1)
-        g("frontend_info", "One per live frontend process (labelled pid).", "liveall").labels(
-            *labels
-        ).set(1)
+        own("frontend_info", "One per live frontend process (labelled pid).", "liveall").set(1)
 
     # ------------------------------------------------------------------ what this frontend sees
 
@@ -207,7 +206,14 @@ class FrontendMetrics:
             self._prompt_tokens.inc(choice.num_prompt_tokens)
         else:
             self._itl.observe(now - previous)
-        self._generation_tokens.inc(num_new_tokens)
+        # Counted here, written to the shared files when the choice ends and at least once a
+        # second (``publish``): a write per output would cost more than the rest of this method.
+        self._unsaved_generation_tokens += num_new_tokens
+
+    def _save_counts(self) -> None:
+        if self._unsaved_generation_tokens:
+            self._generation_tokens.inc(self._unsaved_generation_tokens)
+            self._unsaved_generation_tokens = 0
 
     def observe_finished(
         self, choice: ChoiceState, reason: str, timings: RequestTimings | None
@@ -217,6 +223,7 @@ class FrontendMetrics:
         if counter is None:
             counter = self._success[reason] = self._success_family.labels(*self._labels, reason)
         counter.inc()
+        self._save_counts()
         self._e2e.observe(time.monotonic() - choice.arrival_time)
         num_generated = len(choice.token_ids)
         self._prompt_lengths.observe(choice.num_prompt_tokens)
@@ -251,10 +258,12 @@ class FrontendMetrics:
 
     def publish(self, stats: SchedulerStats | None, num_in_flight: int) -> None:
         """Write this frontend's copy of the engine's stats (and its requests in flight) where
-        the other frontends' scrapes read them, if they changed since the last time."""
+        the other frontends' scrapes read them, if they changed since the last time; and the
+        tokens counted since the last write."""
+        self._save_counts()
         if stats is self._published[0] and num_in_flight == self._published[1]:
             return
-        self._published, self._published_at = (stats, num_in_flight), time.monotonic()
+        self._published = (stats, num_in_flight)
         self._in_flight.set(num_in_flight)
         if stats is None:
             return
@@ -270,9 +279,6 @@ class FrontendMetrics:
             gauge.set(cumulative)
         self._iteration_sum.set(stats.num_prompt_tokens + stats.num_generation_tokens)
         self._iteration_count.set(stats.num_steps)
-
-    def publish_due(self) -> bool:
-        return time.monotonic() - self._published_at >= PUBLISH_INTERVAL_S
 
     def render(self, stats: SchedulerStats | None, num_in_flight: int) -> bytes:
         """The whole server's metrics in Prometheus's text format, this frontend's view first

@@ -12,7 +12,7 @@ answers, each series labelled with its ``pid`` so that two frontends never share
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR
@@ -119,8 +119,3 @@ def _without(labels: Mapping[str, str], name: str) -> tuple[tuple[str, str], ...
 
 def _le(labels: Mapping[str, str]) -> float:
     return float(labels["le"])
-
-
-def metric_names(families: Iterable[Metric]) -> set[str]:
-    """Every sample name in ``families`` (what a PromQL query can name)."""
-    return {sample.name for family in families for sample in family.samples}

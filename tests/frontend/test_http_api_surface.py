@@ -5,8 +5,9 @@ structured outputs and tool calling through the official ``openai`` client.
 One ``conveyor serve`` per module on the tiny Qwen3, started with ``--generation-config DIR``
 (a folder whose generation_config.json says temperature 0 and max_new_tokens 7),
 ``--chat-template FILE`` (a template that reads ``enable_thinking`` and writes tools and tool
-calls, as Qwen3's does) and ``--tool-call-parser hermes``. Greedy
-outputs are compared with ``LLM`` on the same prompts, and templates with ``transformers``.
+calls, as Qwen3's does), ``--tool-call-parser hermes`` and ``--disable-metrics`` (so every
+request here also runs without metrics). Greedy outputs are compared with ``LLM`` on the same
+prompts, and templates with ``transformers``.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     (folder / "template.jinja").write_text(TEMPLATE)
     extra = ["--frontends", "1", "--generation-config", str(defaults)]
     extra += ["--chat-template", str(folder / "template.jinja"), "--tool-call-parser", "hermes"]
+    extra.append("--disable-metrics")
     served = start_served_http(tiny_model_dir, folder / "serve.log", extra)
     try:
         yield served
@@ -114,6 +116,13 @@ def _refused(served: ServedHttp, path: str, body: dict[str, Any], param: str) ->
     assert status == 400, (path, body, answer)
     assert answer["error"]["param"] == param, answer
     return answer["error"]["message"]
+
+
+def test_disabled_metrics_answer_404_and_leave_no_metrics_folder(served):
+    status, body = get(served.base_url, "/metrics")
+    assert status == 404 and "--disable-metrics" in json.loads(body)["error"]["message"]
+    runtime = Path(re.sub(r"^ipc://", "", served.engine_address)).parent
+    assert not (runtime / "metrics").exists()
 
 
 def test_a_field_the_server_does_not_know_is_a_400_naming_it(served):
