@@ -19,7 +19,6 @@ from frontend.engine_client.session import EngineDeadError
 from frontend.server.chat import create_chat_completion
 from frontend.server.completions import create_completion
 from frontend.server.errors import ApiError
-from frontend.server.metrics import ServerMetrics
 from frontend.server.request_models import ChatCompletionRequest, CompletionRequest, decode_body
 from frontend.server.serving import ServingState, check_prompts
 from frontend.tokenizer import load_tokenizer
@@ -80,7 +79,9 @@ def tokenizer(tiny_model_dir: Path) -> Any:
 
 def _state(tokenizer: Any, config: EngineConfig, script: Script | None = None) -> ServingState:
     client = ScriptedEngineClient(config, script or (lambda request: []))
-    return ServingState(client, tokenizer, "tiny", ServerMetrics("tiny"), 1 << 20)  # type: ignore[arg-type]
+    # No metrics: prometheus_client's multiprocess mode needs a process of its own
+    # (tests/frontend/test_metrics.py).
+    return ServingState(client, tokenizer, "tiny", None, 1 << 20)  # type: ignore[arg-type]
 
 
 async def _never_disconnects() -> dict[str, Any]:
