@@ -6,6 +6,7 @@ finalizer kills whatever is left, even when a test fails.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -126,6 +127,11 @@ def test_a_hung_step_turns_health_503_and_stops_everything(serve):
     sent_at = time.monotonic()
     try:
         raw = read_to_end(sock)
+        # The frontend marked the engine dead before it wrote this error event: asked now,
+        # before the supervisor has stopped it, /health must say so. (The poller alone can
+        # miss that window on a loaded machine: the supervisor stops everything within ~0.2 s.)
+        with contextlib.suppress(OSError):
+            health.append((time.monotonic(), get(served.base_url, "/health")[0]))
         error = stream_payloads(raw)[-1]["error"]
         assert error["code"] == 503 and "hung" in error["message"], error
         assert served.process.wait(30.0) == 1
