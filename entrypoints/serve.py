@@ -14,7 +14,8 @@ heartbeat stops), unless frontends died more than --frontend-max-restarts times 
 and exits 1. SIGTERM or SIGINT stops all of them gracefully (frontends drain first, for up to
 --drain-timeout-s; SIGTERM, then SIGKILL after --stop-timeout-s) and exits 0. Children watch their
 parent, so even a SIGKILLed supervisor leaves no orphans. MODEL (or ``--model``) is a local
-Hugging Face model directory; without one it serves the embedded default model. ``--frontends 0``
+Hugging Face model directory or an id found in the local Hugging Face cache (nothing is
+downloaded); without one it serves the embedded default model. ``--frontends 0``
 runs the engine alone.
 """
 
@@ -78,7 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="?",
         default=None,
         metavar="MODEL",
-        help="a local Hugging Face model directory (same as --model; default: the embedded model)",
+        help="a local Hugging Face model directory or an id (org/name) in the local Hugging Face "
+        "cache (same as --model; default: the embedded model)",
     )
     parser.add_argument(
         "--address",

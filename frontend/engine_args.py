@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from frontend.model_source import resolve_model
 from frontend.tool_calls import PARSERS
 from protocol import (
     CacheConfig,
@@ -41,7 +42,10 @@ DEFAULT_SERVED_MODEL_NAME = "conveyor-tiny"
 class EngineArgs:
     """Flat, user-facing engine knobs; ``model=None`` means the embedded default model."""
 
+    # A local Hugging Face directory, or an id in the local Hugging Face cache.
     model: str | None = None
+    # With an id: the branch, tag or commit of the cached snapshot (default: main).
+    revision: str | None = None
     max_num_seqs: int = 256
     # None = 2048 for stall-free (prompts are chunked to fit); the whole-prompt policies
     # (prefill-first, orca, static) get max(2048, max_model_len) so every prompt fits in a step.
@@ -77,6 +81,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model directory and build the checked, frozen config tree."""
         model = str(DEFAULT_MODEL_DIR) if self.model is None else self.model
+        model = resolve_model(model, self.revision)
         model_config = load_model_config(model, self.dtype, self.max_model_len, self.seed)
         model_config = msgspec.structs.replace(
             model_config,
@@ -163,7 +168,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = EngineArgs()
     group = parser.add_argument_group("engine")
     group.add_argument(
-        "--model", default=d.model, help="Hugging Face model directory (default: the embedded one)"
+        "--model",
+        default=d.model,
+        help="a Hugging Face model directory, or an id (org/name) in the local Hugging Face "
+        "cache (default: the embedded model)",
+    )
+    group.add_argument(
+        "--revision",
+        default=d.revision,
+        help="with an id: the cached snapshot's branch, tag or commit (default: main)",
     )
     group.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     group.add_argument(
