@@ -165,8 +165,10 @@ async def metrics(request: Request) -> Response:
     state = _serving(request)
     if state.metrics is None:
         raise ApiError(404, "metrics are disabled on this server (--disable-metrics)")
-    # Reading every frontend's files takes a millisecond or more: off the event loop.
-    text = await state.run_cpu(state.metrics.render, state.client.stats, state.num_in_flight)
+    # Our own numbers first, on the loop (where they are counted); then reading every
+    # frontend's files, a millisecond or more, off it.
+    state.metrics.publish(state.client.stats, state.num_in_flight)
+    text = await state.run_cpu(state.metrics.render)
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

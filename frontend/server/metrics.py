@@ -280,8 +280,8 @@ class FrontendMetrics:
         self._iteration_sum.set(stats.num_prompt_tokens + stats.num_generation_tokens)
         self._iteration_count.set(stats.num_steps)
 
-    def render(self, stats: SchedulerStats | None, num_in_flight: int) -> bytes:
-        """The whole server's metrics in Prometheus's text format, this frontend's view first
-        brought up to date."""
-        self.publish(stats, num_in_flight)
+    def render(self) -> bytes:
+        """The whole server's metrics in Prometheus's text format, from every frontend's files
+        (call ``publish`` first, on the event loop, to bring this frontend's own up to date).
+        Reads files only, so it may run on another thread."""
         return generate_latest(self._registry)

@@ -58,7 +58,7 @@ def main(spec: dict) -> None:
     stats = SchedulerStats(**spec["stats"]) if "stats" in spec else None
     metrics.publish(stats, spec.get("in_flight", 0))
     if spec.get("render"):
-        sys.stdout.write(metrics.render(stats, spec.get("in_flight", 0)).decode())
+        sys.stdout.write(metrics.render().decode())
 
 
 if __name__ == "__main__":
