@@ -31,13 +31,10 @@ def _serve(argv: list[str]) -> int:
 
 
 def _frontend(argv: list[str]) -> int:
-    from frontend.server.main import add_frontend_process_args, run
+    from frontend.server.main import parse_args, run
 
-    parser = argparse.ArgumentParser(
-        prog="conveyor frontend",
-        description="One more OpenAI-compatible HTTP frontend for a running engine.",
-    )
-    return run(add_frontend_process_args(parser).parse_args(argv))
+    description = "One more OpenAI-compatible HTTP frontend for a running engine."
+    return run(parse_args(argv, "conveyor frontend", description))
 
 
 def _generate(argv: list[str]) -> int:

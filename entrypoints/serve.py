@@ -53,6 +53,7 @@ from frontend.server.main import (
     add_api_key_args,
     add_connection_args,
     add_observability_args,
+    check_observability_args,
     observability_options,
     resolve_api_key,
 )
@@ -124,6 +125,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    check_observability_args(parser, args)
+    set_frontend_flags = [f for f in observability_options(args) if f != "--disable-metrics"]
+    if not args.frontends and set_frontend_flags:
+        parser.error(f"{' '.join(set_frontend_flags)}: there are no frontends (--frontends 0)")
     if args.frontends and not 0 < args.port < 65536:
         # Port 0 would give every frontend its own random port: they must share one.
         parser.error(f"--port must be in [1, 65535], got {args.port}")

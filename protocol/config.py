@@ -193,6 +193,11 @@ def check_engine_config(config: EngineConfig) -> None:
     sched, cache = config.scheduler, config.cache
     if sched.policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {sched.policy!r}")
+    if config.observability.stats_interval_s < 0:
+        raise ConfigError(
+            f"stats_interval_s must be >= 0 (0 = no stats line), got "
+            f"{config.observability.stats_interval_s}"
+        )
     if sched.max_num_seqs < 1:
         raise ConfigError("max_num_seqs must be at least 1")
     if sched.max_num_batched_tokens < 1:

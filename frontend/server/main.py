@@ -164,9 +164,21 @@ def observability_options(args: argparse.Namespace) -> list[str]:
     return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name)]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m frontend", description=__doc__.split("\n")[0])
-    return add_frontend_process_args(parser).parse_args(argv)
+def check_observability_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what would otherwise be ignored."""
+    if args.log_prompts and not args.enable_log_requests:
+        parser.error("--log-prompts needs --enable-log-requests (it adds prompts to those lines)")
+
+
+def parse_args(
+    argv: list[str] | None = None,
+    prog: str = "python -m frontend",
+    description: str = __doc__.split("\n")[0],
+) -> argparse.Namespace:
+    parser = add_frontend_process_args(argparse.ArgumentParser(prog=prog, description=description))
+    args = parser.parse_args(argv)
+    check_observability_args(parser, args)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,10 +194,6 @@ def run(args: argparse.Namespace) -> int:
     from frontend.server.app import ServerSettings
     from frontend.server.runner import bind_shared_socket, run_server
 
-    if args.log_prompts and not args.enable_log_requests:
-        logging.getLogger("frontend").warning(
-            "--log-prompts does nothing without --enable-log-requests"
-        )
     settings = ServerSettings(
         engine_address=args.engine,
         served_model_name=args.served_model_name,

@@ -204,6 +204,8 @@ def test_a_signal_while_the_model_loads_exits_cleanly(tiny_model_dir, tmp_path):
         (["--heartbeat-timeout-s", "1"], "--heartbeat-timeout-s must be at least 3"),
         (["--frontend-max-restarts", "-1"], "--frontend-max-restarts and --drain-timeout-s"),
         (["/elsewhere"], "MODEL '/elsewhere' and --model '/nonexistent' disagree"),
+        (["--log-prompts"], "--log-prompts needs --enable-log-requests"),
+        (["--frontends", "0", "--enable-log-requests"], "there are no frontends"),
     ],
 )
 def test_bad_frontend_flags_are_refused(flags, message):

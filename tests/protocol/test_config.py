@@ -14,6 +14,7 @@ from protocol import (
     ConfigError,
     EngineConfig,
     ModelConfig,
+    ObservabilityConfig,
     SchedulerConfig,
     check_engine_config,
     load_model_config,
@@ -124,6 +125,12 @@ def test_stall_free_may_chunk_with_a_small_budget():
 
 BAD_ENGINE_CONFIGS = [
     (engine_config(policy="fifo"), "policy must be one of stall-free, prefill-first, orca"),
+    (
+        msgspec.structs.replace(
+            engine_config(), observability=ObservabilityConfig(stats_interval_s=-1.0)
+        ),
+        "stats_interval_s must be >= 0",
+    ),
     (engine_config(max_num_seqs=0), "max_num_seqs must be at least 1"),
     (engine_config(max_num_batched_tokens=0), "max_num_batched_tokens must be at least 1"),
     (engine_config(max_model_len=8193), "scheduler max_model_len 8193 exceeds the model's 8192"),
