@@ -48,7 +48,15 @@ class EngineCore:
         # A request may hold no more tokens than the whole pool: cap the context at it, so that
         # "until the context is full" ends with "length" rather than an out-of-blocks error, and
         # clients learn the real limit from the config in Ready.
-        pool_tokens = (num_blocks - 1) * config.cache.block_size  # block 0 is the null block
+        block_size = config.cache.block_size
+        pool_tokens = (num_blocks - 1) * block_size  # block 0 is the null block
+        sliding_window = executor.kv_sliding_window()
+        if sliding_window is not None:
+            # Behind a window a request holds at most the window and one step's chunk, so a pool
+            # that fits that serves any context length.
+            most_held = sliding_window - 1 + config.scheduler.max_num_batched_tokens
+            if num_blocks - 1 >= -(-most_held // block_size) + 1:
+                pool_tokens = config.scheduler.max_model_len
         if pool_tokens < config.scheduler.max_model_len:
             logger.warning(
                 "the KV cache holds %d tokens (%d blocks), fewer than max_model_len %d: "
@@ -60,7 +68,8 @@ class EngineCore:
             )
             config = replace(config, scheduler=replace(config.scheduler, max_model_len=pool_tokens))
             self.config = config
-        self.scheduler = Scheduler(config.scheduler, replace(config.cache, num_blocks=num_blocks))
+        cache = replace(config.cache, num_blocks=num_blocks, sliding_window=sliding_window)
+        self.scheduler = Scheduler(config.scheduler, cache)
         self._next_req_id = 0
         # In-flight requests by (client_index, request_id): a frontend names its requests with
         # strings that are unique only among its own.

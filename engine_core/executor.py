@@ -26,6 +26,11 @@ class Executor(ABC):
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache; called once, before the first step."""
 
+    def kv_sliding_window(self) -> int | None:
+        """How far back the model attends, learned with the block count: a request's blocks
+        wholly behind it are freed while the request runs. None: the whole context."""
+        return None
+
     @abstractmethod
     def submit_step(self, scheduler_output: SchedulerOutput) -> None:
         """Start a step without waiting for it; steps run, and their outputs return, in order."""
@@ -80,6 +85,8 @@ class LocalWorker(Protocol):
 
     def initialize_cache(self, num_blocks: int) -> None: ...
 
+    def kv_sliding_window(self) -> int | None: ...
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def shutdown(self) -> None: ...
@@ -102,6 +109,9 @@ class InProcessExecutor(InlineExecutor):
 
     def initialize_cache(self, num_blocks: int) -> None:
         self._live_worker().initialize_cache(num_blocks)
+
+    def kv_sliding_window(self) -> int | None:
+        return self._live_worker().kv_sliding_window()
 
     def run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._live_worker().execute_model(scheduler_output)

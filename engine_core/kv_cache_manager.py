@@ -3,6 +3,13 @@
 Runs in the engine-core process. The manager owns blocks by ``req_id``; it reads requests
 (``req_id``, ``all_token_ids``, ``num_computed_tokens``, ``num_tokens``) and never writes into them.
 Block 0 is the pool's reserved null block, so ``num_blocks - 1`` blocks are usable.
+
+Sliding-window models: when every layer attends only to the last W tokens, a request's blocks that
+lie wholly behind the window of its next query are freed while it runs (the reason such models
+are cheap to serve long), and their places in its table become the null block. One table serves
+every layer, so a model mixing windowed and global layers frees nothing (the global layers need
+every block); see docs/models.md. Freed blocks keep their prefix-cache entries until evicted:
+a later request hits them as usual, and one whose chain has lost a block hits up to the gap.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import os
 import struct
 from collections.abc import Callable, Sequence
 
-from engine_core.block_pool import BlockHash, BlockPool
+from engine_core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool
 from engine_core.request import Request
 
 # Parent of a request's first block.
@@ -48,7 +55,7 @@ def make_block_hasher(block_size: int, key: bytes) -> BlockHasher:
 class _RequestBlocks:
     """What the manager keeps per request: its block table and its chained block hashes."""
 
-    __slots__ = ("block_ids", "block_hashes", "num_cached_blocks", "num_hit_blocks")
+    __slots__ = ("block_ids", "block_hashes", "num_cached_blocks", "num_hit_blocks", "num_dropped")
 
     def __init__(self) -> None:
         self.block_ids: list[int] = []
@@ -58,17 +65,28 @@ class _RequestBlocks:
         self.num_cached_blocks = 0
         # Leading blocks that came from the prefix cache: computed by definition.
         self.num_hit_blocks = 0
+        # Leading blocks freed behind the sliding window (their entries are the null block).
+        self.num_dropped = 0
 
 
 class KVCacheManager:
     """Allocates blocks to requests and shares full blocks between requests by prefix hash."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        # Cumulative: blocks freed behind a sliding window while their request ran.
+        self.num_window_freed_blocks = 0
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self._blocks = self.block_pool.blocks
@@ -138,6 +156,8 @@ class KVCacheManager:
         no new block costs a few attribute reads: this runs once per running request per step.
         """
         state = self._requests.get(request.req_id)
+        if self.sliding_window is not None and state is not None:
+            self._drop_behind_window(state, request.num_computed_tokens)
         num_known = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         block_size = self.block_size
         if (
@@ -160,6 +180,29 @@ class KVCacheManager:
             if num_full > state.num_cached_blocks:
                 self._cache_full_blocks(request, state, num_full)
         return new_block_ids
+
+    def _drop_behind_window(self, state: _RequestBlocks, num_computed: int) -> None:
+        """Free the blocks no query from position ``num_computed`` on can see.
+
+        The earliest key such a query sees is num_computed - W + 1. With async scheduling
+        num_computed already counts the step in flight, whose queries see further back; that
+        is still safe, because a freed block is only written by a later step, after the
+        in-flight one has read it.
+        """
+        first_needed = (num_computed - self.sliding_window + 1) // self.block_size  # type: ignore[operator]
+        if first_needed <= state.num_dropped:
+            return
+        block_ids, blocks = state.block_ids, self._blocks
+        end = min(first_needed, len(block_ids))
+        dropped = [blocks[block_ids[i]] for i in range(state.num_dropped, end)]
+        for i in range(state.num_dropped, end):
+            block_ids[i] = NULL_BLOCK_ID
+        state.num_dropped = end
+        self.num_window_freed_blocks += len(dropped)
+        # Last first, as free() does: the front of a prompt is the likeliest prefix to be shared,
+        # so it is the last of these to be evicted.
+        dropped.reverse()
+        self.block_pool.free_blocks(dropped)
 
     def _add_blocks(
         self,
@@ -222,6 +265,8 @@ class KVCacheManager:
         self._hash_full_blocks(request.all_token_ids, state, num_full)
         blocks, pool, hashes = self._blocks, self.block_pool, state.block_hashes
         for i in range(state.num_cached_blocks, num_full):
+            if i < state.num_dropped:  # freed behind the window: registered before, if ever
+                continue
             block = blocks[state.block_ids[i]]
             if block.block_hash is None:
                 pool.cache_full_block(block, hashes[i])
@@ -245,7 +290,8 @@ class KVCacheManager:
                 self._cache_full_blocks(request, state, num_full)
             self._uncache_uncomputed(state, num_full)
         blocks = self._blocks
-        self.block_pool.free_blocks([blocks[block_id] for block_id in reversed(state.block_ids)])
+        held = state.block_ids[state.num_dropped :] if state.num_dropped else state.block_ids
+        self.block_pool.free_blocks([blocks[block_id] for block_id in reversed(held)])
 
     def _uncache_uncomputed(self, state: _RequestBlocks, num_computed_blocks: int) -> None:
         for i in range(max(num_computed_blocks, state.num_hit_blocks), state.num_cached_blocks):

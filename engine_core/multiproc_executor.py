@@ -88,6 +88,7 @@ class MultiprocExecutor(Executor):
         self.step_timeout_s = step_timeout_s
         self._failure: ExecutorError | None = None
         self._pending_step_ids: deque[int] = deque()
+        self._sliding_window: int | None = None  # learned in determine_num_blocks
         self._workers = WorkerProcesses(config.parallel.tensor_parallel_size)
         # Stops the workers if the executor is dropped or the interpreter exits without shutdown.
         self._finalizer = weakref.finalize(self, self._workers.close)
@@ -103,7 +104,13 @@ class MultiprocExecutor(Executor):
 
     def determine_num_blocks(self) -> int:
         self._broadcast(DetermineNumBlocks())
-        return min(reply.num_blocks for reply in self._collect(NumBlocks, self.startup_timeout_s))
+        replies = self._collect(NumBlocks, self.startup_timeout_s)
+        # Every rank holds the same layers, so the same window.
+        self._sliding_window = replies[0].sliding_window
+        return min(reply.num_blocks for reply in replies)
+
+    def kv_sliding_window(self) -> int | None:
+        return self._sliding_window
 
     def initialize_cache(self, num_blocks: int) -> None:
         self._broadcast(InitializeCache(num_blocks))

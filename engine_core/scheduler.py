@@ -50,7 +50,10 @@ class Scheduler:
             raise ValueError("cache_config.num_blocks must be set (learned from the workers)")
         self.config = scheduler_config
         self.kv_cache_manager = KVCacheManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            cache_config.num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            cache_config.sliding_window,
         )
         self.policy = make_policy(scheduler_config.policy)
         self.waiting = make_request_queue(scheduler_config.queue_order)

@@ -51,6 +51,9 @@ class CacheConfig(msgspec.Struct, frozen=True):
     gpu_memory_utilization: float = 0.9
     # Learned from the workers at start-up; None until then.
     num_blocks: int | None = None
+    # Also learned from the workers: the model's widest sliding window when every layer has one
+    # (a request's blocks wholly behind it are freed while it runs); None: keep every block.
+    sliding_window: int | None = None
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True):

@@ -84,6 +84,9 @@ class WorkerReady(msgspec.Struct, tag=10, array_like=True, gc=False):
 class NumBlocks(msgspec.Struct, tag=11, array_like=True, gc=False):
     rank: int
     num_blocks: int
+    # How far back the model attends (its widest sliding window), None if any layer is global:
+    # blocks further behind a request are freed while it runs.
+    sliding_window: int | None = None
 
 
 class CacheReady(msgspec.Struct, tag=12, array_like=True, gc=False):

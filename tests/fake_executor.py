@@ -49,10 +49,18 @@ class FakeExecutor(InlineExecutor):
     """Mirrors, checks and "runs" each step; keeps every SchedulerOutput it ran for inspection."""
 
     def __init__(
-        self, num_blocks: int, vocab_size: int, block_size: int = 16, check_kv: bool = True
+        self,
+        num_blocks: int,
+        vocab_size: int,
+        block_size: int = 16,
+        check_kv: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.num_blocks = num_blocks
+        # A model whose every layer sees only the last sliding_window tokens: reads are checked
+        # within the window only (what lies behind it may be freed and reused).
+        self.sliding_window = sliding_window
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.check_kv = check_kv
@@ -65,6 +73,9 @@ class FakeExecutor(InlineExecutor):
 
     def determine_num_blocks(self) -> int:
         return self.num_blocks
+
+    def kv_sliding_window(self) -> int | None:
+        return self.sliding_window
 
     def initialize_cache(self, num_blocks: int) -> None:
         assert self.initialized_num_blocks is None, "initialize_cache called twice"
@@ -150,7 +161,10 @@ class FakeExecutor(InlineExecutor):
         # Attention over every position up to the last computed one must see this request's
         # own tokens: anything else is someone else's KV.
         mirror, size = self.mirrors[req_id], self.block_size
-        for pos in range(mirror.num_computed_tokens + num_tokens):
+        first = 0
+        if self.sliding_window is not None:
+            first = max(0, mirror.num_computed_tokens - self.sliding_window + 1)
+        for pos in range(first, mirror.num_computed_tokens + num_tokens):
             held = self.kv.get(mirror.block_ids[pos // size], [None] * size)[pos % size]
             assert held == mirror.token_ids[pos], (
                 f"req {req_id} position {pos}: KV holds {held}, expected {mirror.token_ids[pos]}"
@@ -187,15 +201,20 @@ def make_scheduler(
     block_size: int = 4,
     vocab_size: int = 50,
     enable_prefix_caching: bool = True,
+    sliding_window: int | None = None,
     **scheduler_options: object,
 ) -> tuple[Scheduler, FakeExecutor]:
     """A scheduler over a pool of num_blocks, and a fake executor with the same block size."""
     scheduler_options.setdefault("max_model_len", 512)
     cache_config = CacheConfig(
-        block_size=block_size, enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks
+        block_size=block_size,
+        enable_prefix_caching=enable_prefix_caching,
+        num_blocks=num_blocks,
+        sliding_window=sliding_window,
     )
     scheduler = Scheduler(SchedulerConfig(**scheduler_options), cache_config)  # type: ignore[arg-type]
-    return scheduler, FakeExecutor(num_blocks, vocab_size, block_size)
+    executor = FakeExecutor(num_blocks, vocab_size, block_size, sliding_window=sliding_window)
+    return scheduler, executor
 
 
 def run_step(

@@ -68,7 +68,12 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "llama": ("LlamaForCausalLM", "llama"),
+    # Mistral 7B v0.1's shape: every layer behind a sliding window.
+    "mistral": ("MistralForCausalLM", "mistral"),
 }
+# The generated Mistral's window: short, so tests run prompts and outputs several times longer,
+# and not a multiple of any block size the tests use, so a window edge falls inside a block.
+MISTRAL_SLIDING_WINDOW = 20
 MAX_POSITION_EMBEDDINGS = 4096
 
 # Standard deviations, as multiples of 1/sqrt(fan_in). See the module docstring. Measured on tiny
@@ -114,6 +119,8 @@ def model_config(size: str = "tiny", arch: str = "qwen3") -> dict[str, Any]:
         config["max_window_layers"] = config["num_hidden_layers"]
     if arch == "llama":
         config["mlp_bias"] = False
+    if arch == "mistral":
+        config["sliding_window"] = MISTRAL_SLIDING_WINDOW
     return config
 
 

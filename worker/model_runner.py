@@ -68,6 +68,10 @@ class ModelRunner:
             return profile_num_blocks(self, self.config.cache.gpu_memory_utilization)
         return num_blocks_for_memory(self.config.cache.kv_cache_memory, self.bytes_per_block())
 
+    def kv_sliding_window(self) -> int | None:
+        """How far back every layer attends (None: some layer sees the whole context)."""
+        return self.model.kv_sliding_window()
+
     def initialize_cache(self, num_blocks: int) -> None:
         first = self.attention_layers[0]
         caches = allocate_kv_caches(

@@ -97,6 +97,9 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         self.runner.initialize_cache(num_blocks)
 
+    def kv_sliding_window(self) -> int | None:
+        return self.runner.kv_sliding_window()
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 

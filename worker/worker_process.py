@@ -74,7 +74,7 @@ def handle_command(
         output = worker.execute_model(command.scheduler_output)
         return StepOutput(output) if rank == 0 else None
     if isinstance(command, DetermineNumBlocks):
-        return NumBlocks(rank, worker.determine_num_blocks())
+        return NumBlocks(rank, worker.determine_num_blocks(), worker.kv_sliding_window())
     if isinstance(command, InitializeCache):
         worker.initialize_cache(command.num_blocks)
         return CacheReady(rank)

@@ -262,3 +262,44 @@ def test_a_request_preempted_in_an_empty_step_then_finished_is_only_sent_as_fini
     sent = run.executor.scheduler_outputs
     for output in sent:
         assert not set(output.finished_req_ids) & set(output.preempted_req_ids), output.step_id
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("policy", ["stall-free", "prefill-first"])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), sliding_window=st.sampled_from([1, 3, 6, 9]))
+def test_a_sliding_window_frees_blocks_behind_it_and_keeps_every_promise(
+    policy: str, async_scheduling: bool, sliding_window: int, data: st.DataObject
+):
+    # The fake executor checks each read inside the window only, so a block freed too early
+    # (and reused by another request) fails there, as does a wrong table after a freed block.
+    workload = data.draw(workloads(policy))
+    workload["options"].update(async_scheduling=async_scheduling, sliding_window=sliding_window)
+    run = run_workload(workload)
+    event("freed behind the window" if run.scheduler.kv_cache_manager.num_window_freed_blocks
+          else "nothing freed")  # fmt: skip
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_window_lets_a_pool_too_small_for_one_whole_request_serve_it(async_scheduling: bool):
+    # 36 tokens need 9 blocks, the pool has 5 usable: only freeing behind the 6-token window
+    # (at most 3 blocks of 4 in view, plus the chunk's) lets these run, one after the other,
+    # without preemption.
+    workload = {
+        "arrivals": [Arrival(0, tuple(PREFIX) + (i + 10,) * 12, 12, 0, False) for i in range(2)],
+        "aborts": [],
+        "options": {
+            "policy": "stall-free",
+            "queue_order": "fcfs",
+            "max_num_seqs": 1,
+            "max_num_batched_tokens": 4,
+            "num_blocks": 6,
+            "enable_prefix_caching": True,
+            "async_scheduling": async_scheduling,
+            "sliding_window": 6,
+        },
+    }
+    run = run_workload(workload)
+    manager = run.scheduler.kv_cache_manager
+    assert manager.num_window_freed_blocks >= 2 * 5
+    assert run.scheduler.make_stats().num_preemptions == 0

@@ -91,8 +91,11 @@ def assert_path_ran(backend: TorchAttentionBackend, requests: list[Request]) -> 
         assert backend.cpu_kernel is None
 
 
-def reference_attention(request: Request, scale: float) -> torch.Tensor:
-    """Dense causal attention of the request's queries over its full history, in float64."""
+def reference_attention(
+    request: Request, scale: float, sliding_window: int | None = None
+) -> torch.Tensor:
+    """Dense causal attention of the request's queries over its full history, in float64; with a
+    window W, query p sees only keys p - W + 1 .. p."""
     num_heads, num_kv_heads = request.query.shape[1], request.keys.shape[1]
     group = num_heads // num_kv_heads
     keys = request.keys.double().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -100,7 +103,10 @@ def reference_attention(request: Request, scale: float) -> torch.Tensor:
     query = request.query.double().transpose(0, 1)
     scores = query @ keys.transpose(1, 2) * scale  # [heads, num_scheduled, seq_len]
     positions = request.num_computed + torch.arange(request.num_scheduled)
-    visible = torch.arange(keys.shape[1])[None, :] <= positions[:, None]
+    distance = positions[:, None] - torch.arange(keys.shape[1])[None, :]
+    visible = distance >= 0
+    if sliding_window is not None:
+        visible &= distance < sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
     return (scores.softmax(-1) @ values).transpose(0, 1)
 
@@ -170,7 +176,7 @@ def random_mixed_batch(seed, block_size, num_heads, num_kv_heads, num_reqs=7, he
     return requests, num_blocks
 
 
-def run_torch_backend(backend, requests, num_blocks, block_size, num_kv_heads):
+def run_torch_backend(backend, requests, num_blocks, block_size, num_kv_heads, sliding_window=None):
     head_dim = requests[0].query.shape[-1]
     kv_cache = torch.zeros(
         TorchAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
@@ -178,7 +184,7 @@ def run_torch_backend(backend, requests, num_blocks, block_size, num_kv_heads):
     for r in requests:
         store_prefix(kv_cache, r, block_size)
     metadata, _, query, key, value = step_inputs(requests, block_size)
-    output = backend.forward(query, key, value, kv_cache, metadata, head_dim**-0.5)
+    output = backend.forward(query, key, value, kv_cache, metadata, head_dim**-0.5, sliding_window)
     return output, kv_cache, metadata, key, value
 
 
@@ -203,6 +209,50 @@ def test_torch_backend_matches_dense_reference_on_mixed_batch(
     slots = metadata.slot_mapping
     torch.testing.assert_close(slot_view(kv_cache)[0][:, slots], key.transpose(0, 1))
     torch.testing.assert_close(slot_view(kv_cache)[1][:, slots], value.transpose(0, 1))
+
+
+@pytest.mark.parametrize("sliding_window", [1, 5, 24, 37])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("small_decode_chunks", [False, True])
+def test_sliding_window_matches_dense_reference_on_mixed_batch(
+    make_backend, sliding_window, block_size, small_decode_chunks
+):
+    requests, num_blocks = random_mixed_batch(7, block_size, 8, 2, num_reqs=9)
+    chunk_bytes = 100 * 2 * 2 * HEAD_DIM * 4 if small_decode_chunks else None
+    backend = make_backend(decode_chunk_bytes=chunk_bytes)
+    output, *_ = run_torch_backend(backend, requests, num_blocks, block_size, 2, sliding_window)
+    expected = torch.cat([reference_attention(r, HEAD_DIM**-0.5, sliding_window) for r in requests])
+    torch.testing.assert_close(output, expected.float(), atol=1e-5, rtol=1e-5)
+    assert_path_ran(backend, requests)
+
+
+def test_sliding_window_never_reads_the_blocks_behind_it(make_backend):
+    """Blocks wholly behind every query's window may be freed and reused by another request, so
+    what they hold must not matter: NaN there (the kernel and prompt chunks never read them;
+    decode chunks read and mask them, so for them it is another request's finite junk)."""
+    block_size, window, num_heads, num_kv_heads = 16, 20, 4, 2
+    gen = torch.Generator().manual_seed(11)
+    # A decode at position 70 sees 51..70 (blocks 3, 4); a 30-token chunk at 40..69 sees 21..69
+    # (blocks 1..4); a 20-token chunk at 100..119 sees 81..119 (blocks 5..7).
+    requests = [
+        make_request(gen, 70, 1, num_heads, num_kv_heads, [1, 2, 3, 4, 5], torch.float32),
+        make_request(gen, 40, 30, num_heads, num_kv_heads, [6, 7, 8, 9, 10], torch.float32),
+        make_request(gen, 100, 20, num_heads, num_kv_heads, list(range(11, 19)), torch.float32),
+    ]
+    kv_cache = torch.zeros(TorchAttentionBackend.kv_cache_shape(19, block_size, 2, HEAD_DIM))
+    for r in requests:
+        store_prefix(kv_cache, r, block_size)
+    backend = make_backend()
+    decode_junk = float("nan") if isinstance(backend.cpu_kernel, KernelSpy) else 1e4
+    blocks = kv_cache[:, :]
+    for block_id, junk in ((1, decode_junk), (2, decode_junk), (6, float("nan"))):
+        blocks[:, :, block_id] = junk
+    for block_id in range(11, 16):
+        blocks[:, :, block_id] = float("nan")
+    metadata, _, query, key, value = step_inputs(requests, block_size)
+    output = backend.forward(query, key, value, kv_cache, metadata, 0.25, window)
+    expected = torch.cat([reference_attention(r, 0.25, window) for r in requests])
+    torch.testing.assert_close(output, expected.float(), atol=1e-5, rtol=1e-5)
 
 
 def test_torch_backend_reads_prefix_blocks_written_by_another_request_in_the_same_step(

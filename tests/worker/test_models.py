@@ -32,7 +32,7 @@ class DenseAttention(AttentionBackend):
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
         return (0,)
 
-    def forward(self, query, key, value, kv_cache, metadata, scale):
+    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=None):
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_cpu
         group = query.shape[1] // key.shape[1]
@@ -43,8 +43,10 @@ class DenseAttention(AttentionBackend):
             k = key[s:e].repeat_interleave(group, dim=1).transpose(0, 1)
             v = value[s:e].repeat_interleave(group, dim=1).transpose(0, 1)
             scores = (q @ k.transpose(1, 2)) * scale
-            future = torch.ones(e - s, e - s, dtype=torch.bool).triu(1)
-            probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+            hidden = torch.ones(e - s, e - s, dtype=torch.bool).triu(1)
+            if sliding_window is not None:
+                hidden |= torch.ones(e - s, e - s, dtype=torch.bool).tril(-sliding_window)
+            probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
             output[s:e] = (probs @ v).transpose(0, 1)
         return output
 

@@ -43,6 +43,9 @@ class StandInWorker:
     def determine_num_blocks(self) -> int:
         return 99
 
+    def kv_sliding_window(self) -> int | None:
+        return 40
+
     def initialize_cache(self, num_blocks: int) -> None:
         self.cache_blocks = num_blocks
 
@@ -100,7 +103,11 @@ def test_the_loop_answers_each_command_and_drops_junk():
     ]
     status, replies, worker = _run_loop(0, frames)
     assert status == 0
-    assert replies == [NumBlocks(0, 99), CacheReady(0), StepOutput(ModelRunnerOutput(5, [7], [42]))]
+    assert replies == [
+        NumBlocks(0, 99, 40),
+        CacheReady(0),
+        StepOutput(ModelRunnerOutput(5, [7], [42])),
+    ]
     assert worker.cache_blocks == 12
     assert worker.steps == [5]
 

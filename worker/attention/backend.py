@@ -68,5 +68,9 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # kv_cache_shape(...)
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write this step's keys and values into the cache, then attend (causal, GQA-aware)."""
+        """Write this step's keys and values into the cache, then attend (causal, GQA-aware).
+
+        With ``sliding_window`` W a query at position p sees only the keys at p - W + 1 .. p.
+        """

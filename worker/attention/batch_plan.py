@@ -12,7 +12,7 @@ is attended to on its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,6 +27,25 @@ class DecodeChunk:
     num_blocks: int
     # [1, num_seqs, 1, num_blocks * block_size] bool, True where a key exists; None if all do.
     mask: torch.Tensor | None
+    # Host copy of the members' context lengths and the cache's block size, for windowed masks.
+    seq_lens: np.ndarray | None = None
+    block_size: int = 0
+    # Windowed masks, made on first use by a layer with that window, shared by the step's others.
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, compare=False)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """Like ``mask``, but hiding also every key more than ``window - 1`` behind the query."""
+        mask = self._window_masks.get(window)
+        if mask is None:
+            if self.seq_lens is None:
+                raise ValueError("a decode chunk planned without seq_lens has no window masks")
+            seq_lens = self.seq_lens[:, None]
+            positions = np.arange(self.num_blocks * self.block_size)[None, :]
+            visible = (positions < seq_lens) & (positions >= seq_lens - window)
+            device = self.req_ids.device
+            mask = _to_device(visible.reshape(1, len(seq_lens), 1, -1), device)
+            self._window_masks[window] = mask
+        return mask
 
 
 @dataclass(frozen=True)
@@ -147,6 +166,8 @@ def _chunk_decodes(
                 token_ids=_to_device(query_start_loc[chunk_req_ids].astype(np.int64), device),
                 num_blocks=num_blocks,
                 mask=mask,
+                seq_lens=chunk_seq_lens,
+                block_size=block_size,
             )
         )
         start = end

@@ -59,6 +59,7 @@ class FlashAttnBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
         key_cache, value_cache = kv_cache.unbind(0)
@@ -77,6 +78,9 @@ class FlashAttnBackend(AttentionBackend):
             max_seqlen_k=metadata.max_seq_len,
             softmax_scale=scale,
             causal=True,
+            # flash-attn counts the keys left of the query's own: W - 1 for our window W. Keys
+            # outside it are never read, so blocks freed behind the window are safe.
+            window_size=(-1, -1) if sliding_window is None else (sliding_window - 1, 0),
             block_table=metadata.block_table,
         )
         if num_tokens == query.shape[0]:

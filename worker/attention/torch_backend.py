@@ -73,6 +73,7 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
         kernel = self._kernel_for(query, kv_cache)
@@ -88,12 +89,24 @@ class TorchAttentionBackend(AttentionBackend):
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         output[num_tokens:].zero_()
         if kernel is not None and plan.kernel_items is not None and len(plan.kernel_items):
-            kernel.attend(query, kv_cache, metadata.block_table, plan.kernel_items, scale, output)
+            kernel.attend(
+                query,
+                kv_cache,
+                metadata.block_table,
+                plan.kernel_items,
+                scale,
+                output,
+                sliding_window,
+            )
         workspace = self._decode_workspace(plan, kv_cache)
         for chunk in plan.decode_chunks:
-            _attend_decode_chunk(query, kv_cache, metadata, chunk, scale, output, workspace)
+            _attend_decode_chunk(
+                query, kv_cache, metadata, chunk, scale, output, workspace, sliding_window
+            )
         for request in plan.prefill_requests:
-            _attend_prefill(query, key, value, kv_cache, metadata, request, scale, output)
+            _attend_prefill(
+                query, key, value, kv_cache, metadata, request, scale, output, sliding_window
+            )
         return output
 
     def _decode_workspace(self, plan: BatchPlan, kv_cache: torch.Tensor) -> torch.Tensor | None:
@@ -204,6 +217,7 @@ def _attend_decode_chunk(
     scale: float,
     output: torch.Tensor,
     workspace: torch.Tensor | None,
+    sliding_window: int | None = None,
 ) -> None:
     num_seqs = chunk.token_ids.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
@@ -212,8 +226,11 @@ def _attend_decode_chunk(
     # The query heads that share a KV head become that head's "query length", so one batched
     # matmul over (kv_head, request) serves the whole GQA group with no KV copies.
     q = query.index_select(0, chunk.token_ids).view(num_seqs, num_kv_heads, -1, head_dim)
+    # Windowed: the gather still starts at block 0 (a chunk pads every member to one length),
+    # and the mask hides what lies behind each member's window, blocks since reused included.
+    mask = chunk.mask if sliding_window is None else chunk.window_mask(sliding_window)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys, values, attn_mask=chunk.mask, scale=scale
+        q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale
     )
     output.index_copy_(0, chunk.token_ids, out.transpose(0, 1).reshape(num_seqs, -1, head_dim))
 
@@ -227,10 +244,14 @@ def _attend_prefill(
     request: PrefillRequest,
     scale: float,
     output: torch.Tensor,
+    sliding_window: int | None = None,
 ) -> None:
     start, end, seq_len = request.query_start, request.query_end, request.seq_len
     query_len = end - start
     q = query[start:end].transpose(0, 1).unsqueeze(0)
+    if sliding_window is not None and seq_len > sliding_window:
+        _attend_prefill_windowed(query, kv_cache, metadata, request, scale, output, sliding_window)
+        return
     if seq_len == query_len:
         # Nothing cached before this chunk: its own keys are the whole context, no gather.
         keys = key[start:end].transpose(0, 1).unsqueeze(0)
@@ -248,4 +269,39 @@ def _attend_prefill(
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
+    output[start:end] = out[0].transpose(0, 1)
+
+
+def _attend_prefill_windowed(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    request: PrefillRequest,
+    scale: float,
+    output: torch.Tensor,
+    window: int,
+) -> None:
+    """A prompt chunk under a sliding window: query i (position p) sees keys p - window + 1 .. p.
+
+    Reads the cache (this step's keys are already written) from the first block the chunk's
+    earliest query can see: blocks further back may have been freed and reused.
+    """
+    start, end, seq_len = request.query_start, request.query_end, request.seq_len
+    query_len = end - start
+    block_size = kv_cache.shape[3]
+    first_position = seq_len - query_len
+    first_block = max(0, first_position - window + 1) // block_size
+    offset = first_block * block_size
+    block_ids = metadata.block_table[request.req_id, first_block : request.num_blocks]
+    keys, values = _gather_blocks(kv_cache, block_ids, 1)
+    num_keys = seq_len - offset
+    keys, values = keys[:, :, :num_keys].transpose(0, 1), values[:, :, :num_keys].transpose(0, 1)
+    query_positions = torch.arange(first_position, seq_len, device=query.device)[:, None]
+    key_positions = torch.arange(offset, seq_len, device=query.device)[None, :]
+    distance = query_positions - key_positions
+    mask = (distance >= 0) & (distance < window)
+    q = query[start:end].transpose(0, 1).unsqueeze(0)
+    out = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )
     output[start:end] = out[0].transpose(0, 1)

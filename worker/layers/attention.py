@@ -14,12 +14,24 @@ from worker.attention.backend import AttentionBackend, AttentionMetadata
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # A query at position p sees the keys at p - sliding_window + 1 .. p (Hugging Face's
+        # convention: the window counts the query's own key); None: every earlier key.
+        self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
 
@@ -37,11 +49,13 @@ class Attention(nn.Module):
             self.kv_cache,
             metadata,
             self.scale,
+            self.sliding_window,
         )
         return output.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         return (
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, scale={self.scale:.4g}"
+            f"head_dim={self.head_dim}, scale={self.scale:.4g}, "
+            f"sliding_window={self.sliding_window}"
         )

@@ -57,6 +57,42 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def layer_sliding_windows(config: Any) -> list[int | None]:
+    """Each layer's attention window (None: global), as transformers reads the config.
+
+    transformers 5 names every layer's kind in ``layer_types`` ("sliding_attention" or
+    "full_attention"); a config without it (Mistral, Mixtral, Phi-3) windows every layer when
+    ``sliding_window`` is set. Qwen2/Qwen3 configs already fold ``use_sliding_window`` and
+    ``max_window_layers`` into ``layer_types`` and clear ``sliding_window`` when it is off.
+    """
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    num_layers = config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None)
+    if window is None:
+        return [None] * num_layers
+    if layer_types is None:
+        return [window] * num_layers
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"layer types {sorted(unknown)} are not supported")
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+def kv_sliding_window(windows: list[int | None]) -> int | None:
+    """The window the KV cache may drop blocks behind: the widest, or None if any layer is global.
+
+    One block table serves every layer of a request, so a block may be freed only once it is out
+    of every layer's window.
+    """
+    if not windows or any(window is None for window in windows):
+        return None
+    return max(windows)  # type: ignore[type-var]
+
+
 class DecoderAttention(nn.Module):
     def __init__(
         self,
@@ -65,6 +101,7 @@ class DecoderAttention(nn.Module):
         rotary_emb: RotaryEmbedding,
         tp_rank: int,
         tp_size: int,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         head_dim = head_dim_of(config)
@@ -89,7 +126,11 @@ class DecoderAttention(nn.Module):
         self.qk_norm_weight: torch.Tensor | None = None
         self.rotary_emb = rotary_emb  # one table shared by every layer
         self.attn = Attention(
-            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, head_dim**-0.5
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            head_dim,
+            head_dim**-0.5,
+            sliding_window,
         )
 
     def process_weights_after_loading(self) -> None:
@@ -155,10 +196,13 @@ class DecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         tp_rank: int,
         tp_size: int,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, spec, rotary_emb, tp_rank, tp_size)
+        self.self_attn = DecoderAttention(
+            config, spec, rotary_emb, tp_rank, tp_size, sliding_window
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DecoderMLP(config, spec, tp_rank, tp_size)
 
@@ -195,8 +239,8 @@ class DecoderModel(nn.Module):
         )
         self.rotary_emb = RotaryEmbedding.from_config(config, head_dim_of(config))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, spec, self.rotary_emb, tp_rank, tp_size)
-            for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, spec, self.rotary_emb, tp_rank, tp_size, window)
+            for window in layer_sliding_windows(config)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -225,10 +269,6 @@ class DecoderForCausalLM(nn.Module):
     def decoder_spec(config: Any) -> DecoderSpec:
         raise NotImplementedError
 
-    @staticmethod
-    def sliding_window(config: Any) -> int | None:
-        return None
-
     def __init__(self, hf_config: Any, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.config = hf_config
@@ -237,15 +277,6 @@ class DecoderForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        window = self.sliding_window(hf_config)
-        if window is not None and window < hf_config.max_position_embeddings:
-            # Every layer here attends to the whole context; within the window that is exact.
-            logger.warning(
-                "%s: sliding-window attention (%d) is not implemented; sequences longer than the "
-                "window will differ from the reference",
-                type(self).__name__,
-                window,
-            )
 
     def process_weights_after_loading(self) -> None:
         """Derive what forward reads from the loaded weights (packed copies, stacked norms).
@@ -279,6 +310,10 @@ class DecoderForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def kv_sliding_window(self) -> int | None:
+        """How far back the KV cache must keep a request's blocks (None: all of them)."""
+        return kv_sliding_window([attn.sliding_window for attn in self.attention_layers()])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors in; the names of the parameters now fully loaded."""

@@ -22,7 +22,5 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    @staticmethod
-    def sliding_window(config: Any) -> int | None:
-        # Mistral 7B v0.1 used a 4096-token window; later versions set it to null.
-        return getattr(config, "sliding_window", None)
+    """Mistral 7B v0.1 windows every layer at 4096 tokens (``sliding_window``); later versions
+    set it to null. The decoder reads the window from the config, as for every family."""

@@ -15,7 +15,3 @@ class Qwen2ForCausalLM(DecoderForCausalLM):
     @staticmethod
     def decoder_spec(config: Any) -> DecoderSpec:
         return DecoderSpec(qkv_bias=True)
-
-    @staticmethod
-    def sliding_window(config: Any) -> int | None:
-        return config.sliding_window if getattr(config, "use_sliding_window", False) else None

@@ -17,7 +17,3 @@ class Qwen3ForCausalLM(DecoderForCausalLM):
     def decoder_spec(config: Any) -> DecoderSpec:
         bias = bool(getattr(config, "attention_bias", False))
         return DecoderSpec(qkv_bias=bias, o_bias=bias, qk_norm=True)
-
-    @staticmethod
-    def sliding_window(config: Any) -> int | None:
-        return config.sliding_window if getattr(config, "use_sliding_window", False) else None

@@ -11,6 +11,9 @@
  * one GQA group, for up to MAX_ROWS / group consecutive tokens of one request) that all read the
  * same keys, so every key and value row loaded from memory serves the whole tile. Softmax is the
  * online (flash) form: one pass over the keys, a running max and sum per row, fp32 throughout.
+ * With a sliding window W a row at position p sees keys p - W + 1 .. p only; an item starts at
+ * its first row's first visible key, so keys behind every row's window are never read (their
+ * blocks may already belong to another request).
  *
  * Arithmetic is on 8-float vectors (GCC/clang vector extensions: AVX on x86 with -march=native,
  * pairs of SSE/NEON registers otherwise), so head_dim must be a multiple of 8. Written out rather
@@ -21,7 +24,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define CONVEYOR_ABI_VERSION 3
+#define CONVEYOR_ABI_VERSION 4
 #define MAX_ROWS 16
 #define MAX_HEAD_DIM 256
 #define LANES 8
@@ -50,6 +53,7 @@ typedef struct {
     const int32_t *block_table;
     int64_t block_table_stride;
     float scale;
+    int window; /* 0: every earlier key */
     float *output;
     int64_t output_token_stride;
 } attention_args;
@@ -107,7 +111,8 @@ typedef struct {
     vf8 acc[MAX_ROWS][HEAD_VECTORS]; /* unnormalised outputs */
     vf8 p[MAX_ROWS][TILE_VECTORS];   /* this tile's scores, then its softmax weights */
     float max[MAX_ROWS], sum[MAX_ROWS];
-    int num_visible[MAX_ROWS]; /* keys row r may see: its position + 1 */
+    int num_visible[MAX_ROWS]; /* keys row r may see end here: its position + 1 */
+    int first_visible[MAX_ROWS]; /* and start here: 0, or the start of its sliding window */
 } tile_state;
 
 /* Scores of num_keys consecutive keys against every row, into st->p. next_keys / next_values
@@ -143,10 +148,11 @@ static inline __attribute__((always_inline)) void softmax_row(
     tile_state *st, int r, int num_keys, int key_pos, const int D) {
     int visible = st->num_visible[r] - key_pos;
     visible = visible < num_keys ? visible : num_keys;
+    const int hidden = st->first_visible[r] - key_pos; /* keys of this tile before the window */
     const vi8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
     vf8 tile_max = splat(-INFINITY);
     for (int i = 0; i * LANES < num_keys; i++) {
-        vi8 present = lane + i * LANES < visible;
+        vi8 present = (lane + i * LANES < visible) & (lane + i * LANES >= hidden);
         tile_max = vmax(tile_max, select(present, st->p[r][i], splat(-INFINITY)));
     }
     float new_max = hmax(tile_max);
@@ -162,7 +168,7 @@ static inline __attribute__((always_inline)) void softmax_row(
     }
     vf8 sum = splat(0.0f);
     for (int i = 0; i * LANES < num_keys; i++) {
-        vi8 present = lane + i * LANES < visible;
+        vi8 present = (lane + i * LANES < visible) & (lane + i * LANES >= hidden);
         vf8 weight = select(present, exp2_nonpositive(st->p[r][i] - new_max), splat(0.0f));
         st->p[r][i] = weight;
         sum += weight;
@@ -228,6 +234,9 @@ static inline __attribute__((always_inline)) void start_rows(
         st->max[r] = -INFINITY;
         st->sum[r] = 0.0f;
         st->num_visible[r] = item[ITEM_FIRST_POSITION] + qi + 1;
+        st->first_visible[r] = a->window > 0 && st->num_visible[r] > a->window
+                                   ? st->num_visible[r] - a->window
+                                   : 0;
     }
 }
 
@@ -243,7 +252,7 @@ static inline __attribute__((always_inline)) void finish_rows(
     }
 }
 
-/* One work item: every key of the request's context, tile by tile, never crossing a block. */
+/* One work item: every key its rows may see, tile by tile, never crossing a block. */
 static inline __attribute__((always_inline)) int attend_item(
     const attention_args *a, const int32_t *item, int kv_head, const int D) {
     tile_state st;
@@ -253,8 +262,9 @@ static inline __attribute__((always_inline)) int attend_item(
     const int32_t *blocks = a->block_table + (int64_t)item[ITEM_TABLE_ROW] * a->block_table_stride;
     const float *keys, *values, *next_keys = NULL, *next_values = NULL;
     start_rows(&st, a, item, kv_head, D);
-    if (!locate_keys(a, blocks, kv_head, 0, D, &keys, &values)) return CONVEYOR_BAD_BLOCK;
-    for (int pos = 0; pos < num_keys;) {
+    const int first_key = st.first_visible[0]; /* the item's earliest row sees furthest back */
+    if (!locate_keys(a, blocks, kv_head, first_key, D, &keys, &values)) return CONVEYOR_BAD_BLOCK;
+    for (int pos = first_key; pos < num_keys;) {
         int num = bs - pos % bs;
         num = num < TILE_KEYS ? num : TILE_KEYS;
         num = num < num_keys - pos ? num : num_keys - pos;
@@ -288,17 +298,17 @@ int conveyor_paged_attention(
     const float *query, int64_t query_token_stride, int64_t query_head_stride,
     const float *kv_cache, int num_kv_heads, int64_t num_blocks, int block_size, int head_dim,
     int num_heads, const int32_t *block_table, int64_t block_table_stride,
-    const int32_t *items, int num_items, float scale, float *output,
+    const int32_t *items, int num_items, float scale, int window, float *output,
     int64_t output_token_stride, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 || head_dim % LANES
-        || head_dim > MAX_HEAD_DIM || block_size <= 0)
+        || head_dim > MAX_HEAD_DIM || block_size <= 0 || window < 0)
         return CONVEYOR_BAD_SHAPE;
     const int group = num_heads / num_kv_heads;
     for (int i = 0; i < num_items; i++)
         if (items[i * ITEM_FIELDS + ITEM_NUM_QUERIES] * group > MAX_ROWS) return CONVEYOR_BAD_SHAPE;
     attention_args a = {query, query_token_stride, query_head_stride, kv_cache, num_blocks,
                         num_kv_heads, block_size, head_dim, num_heads, block_table,
-                        block_table_stride, scale, output, output_token_stride};
+                        block_table_stride, scale, window, output, output_token_stride};
     int status = CONVEYOR_OK;
     const int64_t num_pairs = (int64_t)num_items * num_kv_heads;
     /* Dynamic: pairs differ in context length; the planner puts the longest first. */
