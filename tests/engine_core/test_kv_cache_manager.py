@@ -292,3 +292,57 @@ def test_check_all_free_names_requests_that_still_hold_blocks():
         manager.check_all_free()
     manager.free(request)
     manager.check_all_free()
+
+
+def test_a_sliding_window_frees_the_blocks_wholly_behind_it():
+    # Window 6, blocks of 4: a query at position p sees p - 5 .. p.
+    manager = KVCacheManager(num_blocks=20, block_size=BLOCK_SIZE, sliding_window=6)
+    request = make_request(0, list(range(1, 14)))  # 13 tokens: blocks 0..3
+    first_ids = admit(manager, request)
+    assert len(first_ids) == 4 and manager.num_free_blocks == 19 - 4
+    # The next query is at 13 and sees 8..13: blocks 0 and 1 (positions 0..7) are behind it.
+    decode(manager, request, 50)
+    assert manager.get_block_ids(0) == [0, 0, *first_ids[2:]]
+    assert manager.num_window_freed_blocks == 2
+    assert manager.num_free_blocks == 19 - 2
+    # Both were full and computed: they stay in the prefix cache while free.
+    cached = manager.block_pool.cached_blocks
+    assert {cached[h].block_id for h in manager._requests[0].block_hashes[:2]} == set(first_ids[:2])
+    for token in range(51, 56):
+        decode(manager, request, token)
+    # Next query at 19 sees 14..19: blocks 0..2 behind, block 3 (12..15) still in view.
+    assert manager.get_block_ids(0)[:4] == [0, 0, 0, first_ids[3]]
+    manager.free(request)
+    manager.check_all_free()
+
+
+def test_blocks_freed_behind_a_window_are_still_prefix_hits_until_evicted():
+    manager = KVCacheManager(num_blocks=20, block_size=BLOCK_SIZE, sliding_window=3)
+    prompt = list(range(1, 18))  # 17 tokens: four full blocks
+    first = make_request(0, prompt)
+    first_ids = admit(manager, first)
+    decode(manager, first, 99)
+    assert manager.get_block_ids(0)[:3] == [0, 0, 0]
+    second = make_request(1, prompt)
+    hit_ids, num_hit = manager.get_computed_blocks(second)
+    assert hit_ids == first_ids[:4] and num_hit == 16
+    admit(manager, second)
+    assert manager.get_block_ids(1)[:4] == first_ids[:4]
+    manager.free(first)
+    manager.free(second)
+    manager.check_all_free()
+
+
+def test_without_a_window_nothing_is_freed_while_running():
+    manager = KVCacheManager(num_blocks=20, block_size=BLOCK_SIZE)
+    request = make_request(0, list(range(1, 30)))
+    ids = admit(manager, request)
+    for token in range(40, 50):
+        decode(manager, request, token)
+    assert manager.get_block_ids(0)[: len(ids)] == ids
+    assert manager.num_window_freed_blocks == 0
+
+
+def test_a_window_must_be_positive():
+    with pytest.raises(ValueError, match="sliding_window"):
+        KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE, sliding_window=0)

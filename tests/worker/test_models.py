@@ -210,3 +210,27 @@ def test_attention_layers_are_distinct_and_refuse_to_run_unbound(tiny_model_dir:
     assert len({id(layer.self_attn.rotary_emb) for layer in model.model.layers}) == 1
     with pytest.raises(RuntimeError, match="bound"):
         run_step(model, [[1, 2]], [0], np.zeros((1, 4), dtype=np.int32), 16)
+
+
+def test_each_layers_window_is_read_as_transformers_reads_it():
+    from transformers import MistralConfig, Qwen2Config
+
+    from worker.models.decoder import kv_sliding_window, layer_sliding_windows
+
+    # Qwen2: windows only from max_window_layers on, and only with use_sliding_window.
+    qwen2 = Qwen2Config(
+        num_hidden_layers=4, use_sliding_window=True, sliding_window=64, max_window_layers=2
+    )
+    assert layer_sliding_windows(qwen2) == [None, None, 64, 64]
+    assert kv_sliding_window(layer_sliding_windows(qwen2)) is None  # global layers keep all
+    off = Qwen2Config(num_hidden_layers=2, use_sliding_window=False, sliding_window=64)
+    assert layer_sliding_windows(off) == [None, None]
+    # Mistral v0.1: every layer, so the cache may free behind the window.
+    mistral = MistralConfig(num_hidden_layers=3, sliding_window=4096)
+    assert layer_sliding_windows(mistral) == [4096] * 3
+    assert kv_sliding_window(layer_sliding_windows(mistral)) == 4096
+    assert layer_sliding_windows(MistralConfig(num_hidden_layers=2, sliding_window=None)) == [
+        None,
+        None,
+    ]
+    assert kv_sliding_window([8, 16, 8]) == 16
