@@ -357,7 +357,10 @@ def _flash_usable() -> bool:
     ],
     ids=["mixed", "decodes"],
 )
-def test_flash_attn_matches_torch_backend_over_two_steps(num_heads, num_kv_heads, shapes):
+@pytest.mark.parametrize("sliding_window", [None, 100], ids=["global", "window-100"])
+def test_flash_attn_matches_torch_backend_over_two_steps(
+    num_heads, num_kv_heads, shapes, sliding_window
+):
     block_size, dtype, device = 256, torch.bfloat16, torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     pool = np.random.default_rng(0).permutation(12).tolist()
@@ -382,8 +385,12 @@ def test_flash_attn_matches_torch_backend_over_two_steps(num_heads, num_kv_heads
         kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         for step in (prefix_step, requests):
             metadata, _, query, key, value = step_inputs(step, block_size, device)
-            output = backend.forward(query, key, value, kv_cache, metadata, HEAD_DIM**-0.5)
+            output = backend.forward(
+                query, key, value, kv_cache, metadata, HEAD_DIM**-0.5, sliding_window
+            )
         outputs.append(output.float().cpu())
-    expected = torch.cat([reference_attention(r, HEAD_DIM**-0.5) for r in requests]).float()
+    expected = torch.cat(
+        [reference_attention(r, HEAD_DIM**-0.5, sliding_window) for r in requests]
+    ).float()
     torch.testing.assert_close(outputs[0], outputs[1], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(outputs[0], expected, atol=2e-2, rtol=2e-2)
