@@ -31,8 +31,11 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, device, config.model.model)
         self.model = load_model(config.model.model, self.dtype, device, tp_rank, tp_size)
         self.vocab_size = config.model.vocab_size
-        self.backend = select_backend(device, self.block_size, dtype=self.dtype)
         self.attention_layers = self.model.attention_layers()
+        needs_sinks = any(layer.sinks is not None for layer in self.attention_layers)
+        self.backend = select_backend(
+            device, self.block_size, dtype=self.dtype, needs_sinks=needs_sinks
+        )
         self.sampler = Sampler()
         max_model_len = config.scheduler.max_model_len
         self.batch = InputBatch(

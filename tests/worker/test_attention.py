@@ -92,10 +92,14 @@ def assert_path_ran(backend: TorchAttentionBackend, requests: list[Request]) -> 
 
 
 def reference_attention(
-    request: Request, scale: float, sliding_window: int | None = None
+    request: Request,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense causal attention of the request's queries over its full history, in float64; with a
-    window W, query p sees only keys p - W + 1 .. p."""
+    window W, query p sees only keys p - W + 1 .. p; ``sinks`` [heads] join each softmax as an
+    extra logit with a zero value (gpt-oss)."""
     num_heads, num_kv_heads = request.query.shape[1], request.keys.shape[1]
     group = num_heads // num_kv_heads
     keys = request.keys.double().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -108,6 +112,10 @@ def reference_attention(
     if sliding_window is not None:
         visible &= distance < sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink_column = sinks.double().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        probs = torch.cat([scores, sink_column], dim=-1).softmax(-1)[..., :-1]
+        return (probs @ values).transpose(0, 1)
     return (scores.softmax(-1) @ values).transpose(0, 1)
 
 
@@ -224,6 +232,37 @@ def test_sliding_window_matches_dense_reference_on_mixed_batch(
     expected = torch.cat([reference_attention(r, HEAD_DIM**-0.5, sliding_window) for r in requests])
     torch.testing.assert_close(output, expected.float(), atol=1e-5, rtol=1e-5)
     assert_path_ran(backend, requests)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 13])
+@pytest.mark.parametrize("small_decode_chunks", [False, True])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_attention_sinks_match_dense_reference_on_mixed_batch(
+    make_backend, sliding_window, small_decode_chunks, num_heads, num_kv_heads
+):
+    requests, num_blocks = random_mixed_batch(3, 16, num_heads, num_kv_heads, num_reqs=8)
+    # Large and small sinks: from "attention mostly goes nowhere" to "no effect".
+    sinks = torch.linspace(-4.0, 6.0, num_heads)
+    chunk_bytes = 100 * 2 * num_kv_heads * HEAD_DIM * 4 if small_decode_chunks else None
+    backend = make_backend(decode_chunk_bytes=chunk_bytes)
+    kv_cache = torch.zeros(
+        TorchAttentionBackend.kv_cache_shape(num_blocks, 16, num_kv_heads, HEAD_DIM)
+    )
+    for r in requests:
+        store_prefix(kv_cache, r, 16)
+    metadata, _, query, key, value = step_inputs(requests, 16)
+    output = backend.forward(query, key, value, kv_cache, metadata, 0.25, sliding_window, sinks)
+    expected = torch.cat([reference_attention(r, 0.25, sliding_window, sinks) for r in requests])
+    torch.testing.assert_close(output, expected.float(), atol=1e-5, rtol=1e-5)
+    assert_path_ran(backend, requests)
+    # The sinks matter: without them the same batch attends differently.
+    plain = torch.cat([reference_attention(r, 0.25, sliding_window) for r in requests])
+    assert not torch.allclose(plain.float(), expected.float(), atol=1e-3)
+
+
+def test_flash_attn_is_ruled_out_for_a_model_with_sinks():
+    with pytest.raises(ValueError, match="sinks"):
+        select_backend(torch.device("cuda"), 256, "flash-attn", torch.bfloat16, needs_sinks=True)
 
 
 def test_sliding_window_never_reads_the_blocks_behind_it(make_backend):

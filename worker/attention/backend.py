@@ -47,6 +47,8 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     name: str = "abstract"
+    # Whether forward takes attention sinks (models with them cannot use a backend without).
+    supports_sinks: bool = True
 
     @staticmethod
     @abstractmethod
@@ -69,8 +71,11 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write this step's keys and values into the cache, then attend (causal, GQA-aware).
 
         With ``sliding_window`` W a query at position p sees only the keys at p - W + 1 .. p.
+        ``sinks`` (gpt-oss) is one logit per head that joins every softmax denominator with a
+        zero value: attention may go "nowhere". Backends without them refuse at selection.
         """

@@ -40,6 +40,7 @@ def _varlen_func() -> Callable[..., torch.Tensor]:
 
 class FlashAttnBackend(AttentionBackend):
     name = "flash-attn"
+    supports_sinks = False
 
     @staticmethod
     def kv_cache_shape(
@@ -60,7 +61,10 @@ class FlashAttnBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:  # ruled out at selection (supports_sinks)
+            raise ValueError("flash-attn 2 has no attention sinks")
         num_tokens = metadata.num_actual_tokens
         key_cache, value_cache = kv_cache.unbind(0)
         _write_kv(key_cache, value_cache, key, value, metadata.slot_mapping, num_tokens)

@@ -30,11 +30,13 @@ def select_backend(
     block_size: int,
     override: str | None = None,
     dtype: torch.dtype | None = None,
+    needs_sinks: bool = False,
 ) -> AttentionBackend:
     """The backend to use; ``override`` ("torch" / "flash-attn") forces one, None/"auto" picks.
 
     ``dtype`` is the model's activation dtype; None means "not known yet" and does not rule
-    flash-attn out.
+    flash-attn out. ``needs_sinks``: the model has attention sinks (gpt-oss), which flash-attn 2
+    does not compute.
     """
     if override not in (None, "auto", *BACKEND_NAMES):
         raise ValueError(
@@ -43,7 +45,10 @@ def select_backend(
     if override == "torch":
         logger.info("attention backend: torch (requested)")
         return TorchAttentionBackend()
-    reason = flash_attn_unusable_reason(device, block_size, dtype)
+    if needs_sinks:
+        reason: str | None = "the model has attention sinks, which flash-attn 2 does not compute"
+    else:
+        reason = flash_attn_unusable_reason(device, block_size, dtype)
     if override == "flash-attn":
         if reason is not None:
             raise ValueError(f"attention backend 'flash-attn' cannot run here: {reason}")

@@ -1,6 +1,8 @@
 """The attention layer: the one request-aware op in the model.
 
-Runs in worker processes. The layer owns no parameters; the model runner binds its KV cache tensor
+Runs in worker processes. The layer owns no parameters but a model's attention sinks (gpt-oss:
+one logit per head, this rank's heads under tensor parallelism); the model runner binds its KV
+cache tensor
 and its backend after the model is built, when the number of KV blocks is known. Everything about
 requests (which query attends to which keys, where keys go in the cache) is in the metadata.
 """
@@ -21,6 +23,8 @@ class Attention(nn.Module):
         head_dim: int,
         scale: float,
         sliding_window: int | None = None,
+        has_sinks: bool = False,
+        tp_rank: int = 0,
     ) -> None:
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
@@ -32,6 +36,11 @@ class Attention(nn.Module):
         # A query at position p sees the keys at p - sliding_window + 1 .. p (Hugging Face's
         # convention: the window counts the query's own key); None: every earlier key.
         self.sliding_window = sliding_window
+        self.tp_rank = tp_rank
+        self.sinks: nn.Parameter | None = None
+        if has_sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
 
@@ -50,12 +59,23 @@ class Attention(nn.Module):
             metadata,
             self.scale,
             self.sliding_window,
+            self.sinks,
         )
         return output.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def _load_sinks(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """This rank's heads' slice of the checkpoint's [num_heads] sinks."""
+        size = param.shape[0]
+        part = loaded_weight.narrow(0, self.tp_rank * size, size)
+        if part.shape != param.shape:
+            raise ValueError(f"sinks: checkpoint {tuple(loaded_weight.shape)}, layer {size} heads")
+        param.data.copy_(part)
 
     def extra_repr(self) -> str:
         return (
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, scale={self.scale:.4g}, "
-            f"sliding_window={self.sliding_window}"
+            f"sliding_window={self.sliding_window}, sinks={self.sinks is not None}"
         )

@@ -13,7 +13,9 @@
  * online (flash) form: one pass over the keys, a running max and sum per row, fp32 throughout.
  * With a sliding window W a row at position p sees keys p - W + 1 .. p only; an item starts at
  * its first row's first visible key, so keys behind every row's window are never read (their
- * blocks may already belong to another request).
+ * blocks may already belong to another request). Attention sinks (a per-head logit that joins
+ * every row's softmax denominator with a zero value, gpt-oss) start each row's running max at the
+ * sink and its sum at 1: the online softmax then folds the sink in as one more key.
  *
  * Arithmetic is on 8-float vectors (GCC/clang vector extensions: AVX on x86 with -march=native,
  * pairs of SSE/NEON registers otherwise), so head_dim must be a multiple of 8. Written out rather
@@ -24,7 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define CONVEYOR_ABI_VERSION 4
+#define CONVEYOR_ABI_VERSION 5
 #define MAX_ROWS 16
 #define MAX_HEAD_DIM 256
 #define LANES 8
@@ -54,6 +56,7 @@ typedef struct {
     int64_t block_table_stride;
     float scale;
     int window; /* 0: every earlier key */
+    const float *sinks; /* per query head, natural-log units; NULL: none */
     float *output;
     int64_t output_token_stride;
 } attention_args;
@@ -231,8 +234,13 @@ static inline __attribute__((always_inline)) void start_rows(
             st->q[r][j] = load(src + j * LANES) * q_scale;
             st->acc[r][j] = splat(0.0f);
         }
-        st->max[r] = -INFINITY;
-        st->sum[r] = 0.0f;
+        if (a->sinks != NULL) { /* the sink as a key seen first: weight exp(0) = 1, value 0 */
+            st->max[r] = a->sinks[head] * LOG2E;
+            st->sum[r] = 1.0f;
+        } else {
+            st->max[r] = -INFINITY;
+            st->sum[r] = 0.0f;
+        }
         st->num_visible[r] = item[ITEM_FIRST_POSITION] + qi + 1;
         st->first_visible[r] = a->window > 0 && st->num_visible[r] > a->window
                                    ? st->num_visible[r] - a->window
@@ -298,7 +306,8 @@ int conveyor_paged_attention(
     const float *query, int64_t query_token_stride, int64_t query_head_stride,
     const float *kv_cache, int num_kv_heads, int64_t num_blocks, int block_size, int head_dim,
     int num_heads, const int32_t *block_table, int64_t block_table_stride,
-    const int32_t *items, int num_items, float scale, int window, float *output,
+    const int32_t *items, int num_items, float scale, int window, const float *sinks,
+    float *output,
     int64_t output_token_stride, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 || head_dim % LANES
         || head_dim > MAX_HEAD_DIM || block_size <= 0 || window < 0)
@@ -308,7 +317,8 @@ int conveyor_paged_attention(
         if (items[i * ITEM_FIELDS + ITEM_NUM_QUERIES] * group > MAX_ROWS) return CONVEYOR_BAD_SHAPE;
     attention_args a = {query, query_token_stride, query_head_stride, kv_cache, num_blocks,
                         num_kv_heads, block_size, head_dim, num_heads, block_table,
-                        block_table_stride, scale, window, output, output_token_stride};
+                        block_table_stride, scale, window, sinks, output,
+                        output_token_stride};
     int status = CONVEYOR_OK;
     const int64_t num_pairs = (int64_t)num_items * num_kv_heads;
     /* Dynamic: pairs differ in context length; the planner puts the longest first. */
