@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable
 
 import msgspec
-from msgspec.structs import replace
 
 from engine_core.client_io import BusyLoopInput, ClientGone, ClientInput, ClientIO, IOFailed
 from engine_core.engine_core import EngineCore
@@ -245,10 +244,9 @@ def _parse_engine_fault(text: str | None) -> Callable[[EngineCoreRequest], bool]
 
 
 def ready_config_msgpack(core: EngineCore) -> bytes:
-    """The config clients receive in Ready: the engine's own, with the learned num_blocks."""
-    num_blocks = core.scheduler.kv_cache_manager.block_pool.num_blocks
-    config = replace(core.config, cache=replace(core.config.cache, num_blocks=num_blocks))
-    return msgspec.msgpack.encode(config)
+    """The config clients receive in Ready: the engine's own, with what it learned from the
+    workers (num_blocks, the sliding window) and max_model_len capped at the pool."""
+    return msgspec.msgpack.encode(core.config)
 
 
 def find_address_problem(address: str, allow_remote_clients: bool = False) -> str | None:

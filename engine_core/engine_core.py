@@ -67,8 +67,10 @@ class EngineCore:
                 pool_tokens,
             )
             config = replace(config, scheduler=replace(config.scheduler, max_model_len=pool_tokens))
-            self.config = config
+        # What clients learn in Ready: the pool's size and window too.
         cache = replace(config.cache, num_blocks=num_blocks, sliding_window=sliding_window)
+        config = replace(config, cache=cache)
+        self.config = config
         self.scheduler = Scheduler(config.scheduler, cache)
         self._next_req_id = 0
         # In-flight requests by (client_index, request_id): a frontend names its requests with

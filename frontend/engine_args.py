@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +29,16 @@ from protocol import (
     check_engine_config,
     load_model_config,
 )
-from protocol.config import POLICIES, ConfigError, read_sampling_defaults
+from protocol.config import ATTENTION_BACKENDS, POLICIES, ConfigError, read_sampling_defaults
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TOKEN_BUDGET = 2048
+# KV block sizes when the user names none: flash-attn 2's paged KV needs a multiple of 256 (the
+# size nano-vllm uses); everywhere else small blocks waste less of each request's last block and
+# share prefixes at a finer grain.
+DEFAULT_BLOCK_SIZE = 16
+FLASH_ATTN_BLOCK_SIZE = 256
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 # The default model's name in the HTTP API.
 DEFAULT_SERVED_MODEL_NAME = "conveyor-tiny"
@@ -50,7 +56,11 @@ class EngineArgs:
     # None = 2048 for stall-free (prompts are chunked to fit); the whole-prompt policies
     # (prefill-first, orca, static) get max(2048, max_model_len) so every prompt fits in a step.
     max_num_batched_tokens: int | None = None
-    block_size: int = 16
+    # None: FLASH_ATTN_BLOCK_SIZE where flash-attn will run (CUDA, flash_attn installed), else
+    # DEFAULT_BLOCK_SIZE.
+    block_size: int | None = None
+    # "auto", "flash-attn", "torch" or "cpu-kernel" (protocol.config.ATTENTION_BACKENDS).
+    attention_backend: str = "auto"
     kv_cache_memory: int = 1 << 30
     gpu_memory_utilization: float = 0.9
     policy: str = "stall-free"
@@ -100,7 +110,7 @@ class EngineArgs:
         config = EngineConfig(
             model=model_config,
             cache=CacheConfig(
-                block_size=self.block_size,
+                block_size=self._block_size(),
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_memory=self.kv_cache_memory,
                 gpu_memory_utilization=self.gpu_memory_utilization,
@@ -123,6 +133,7 @@ class EngineArgs:
                 stats_interval_s=self.stats_interval_s,
             ),
             device=self.device,
+            attention_backend=self.attention_backend,
         )
         check_engine_config(config)
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
@@ -131,6 +142,15 @@ class EngineArgs:
                 f"got {self.tool_call_parser!r}"
             )
         return config
+
+    def _block_size(self) -> int:
+        if self.block_size is not None:
+            return self.block_size
+        if self.attention_backend == "flash-attn" or (
+            self.attention_backend == "auto" and _flash_attn_will_run(self.device)
+        ):
+            return FLASH_ATTN_BLOCK_SIZE
+        return DEFAULT_BLOCK_SIZE
 
     def _read_chat_template(self) -> str | None:
         if self.chat_template is None:
@@ -185,7 +205,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=d.max_num_batched_tokens,
         help="token budget per step (default 2048; whole-prompt policies: max(2048, context))",
     )
-    group.add_argument("--block-size", type=int, default=d.block_size)
+    group.add_argument(
+        "--block-size",
+        type=int,
+        default=d.block_size,
+        help=f"KV block size in tokens (default {FLASH_ATTN_BLOCK_SIZE} where flash-attn runs, "
+        f"else {DEFAULT_BLOCK_SIZE})",
+    )
+    group.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default=d.attention_backend,
+        help="auto: flash-attn on CUDA when installed, else torch ops (and the compiled CPU "
+        "kernel on CPU); a forced choice that cannot run fails at start-up",
+    )
     group.add_argument(
         "--kv-cache-memory", type=_parse_bytes, default=d.kv_cache_memory, help="CPU KV bytes"
     )
@@ -275,3 +308,19 @@ def engine_args_from_kwargs(model: str | None, kwargs: dict[str, Any]) -> Engine
     if unknown:
         raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
     return EngineArgs(model=model, **kwargs)
+
+
+def _flash_attn_will_run(device: str) -> bool:
+    """Whether "auto" will pick flash-attn: a CUDA device and flash_attn installed.
+
+    Looks flash_attn up without importing it (the worker imports it), and imports torch only
+    when flash_attn is there, so CPU-only machines pay nothing. The dtype is not known yet: a
+    float32 model on CUDA still gets 256-token blocks, which the torch backend runs as well.
+    """
+    if device not in ("auto", "cuda") and not device.startswith("cuda:"):
+        return False
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()

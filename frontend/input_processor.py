@@ -334,9 +334,11 @@ def find_kv_cache_problem(
     Counts prompt + max_tokens, as a policy that reserves every output's block at admission
     does. ``max_tokens=None`` (until the context is full) is checked for its prompt and first
     token only: it may end (EOS) long before the context is full. An engine that did not say how
-    many blocks it has (``num_blocks`` None) is left to decide on its own.
+    many blocks it has (``num_blocks`` None) is left to decide on its own, as is one whose model
+    attends through a sliding window (a request there holds only its window's blocks; the engine
+    lowered max_model_len if even that does not fit).
     """
-    if cache.num_blocks is None:
+    if cache.num_blocks is None or cache.sliding_window is not None:
         return None
     num_tokens = num_prompt_tokens + (1 if max_tokens is None else max_tokens)
     num_needed = -(-num_tokens // cache.block_size)

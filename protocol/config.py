@@ -18,6 +18,9 @@ Policy = Literal["stall-free", "prefill-first", "orca", "static"]
 QueueOrder = Literal["fcfs", "priority"]
 
 POLICIES: tuple[str, ...] = ("stall-free", "prefill-first", "orca", "static")
+# "auto": flash-attn where it can run, else the torch backend (with the compiled CPU kernel on
+# CPU); "torch": torch ops only; "cpu-kernel": the torch backend with the compiled kernel required.
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash-attn", "torch", "cpu-kernel")
 
 
 class ConfigError(ValueError):
@@ -101,6 +104,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     observability: ObservabilityConfig = ObservabilityConfig()
     # "auto" = CUDA when available, else CPU.
     device: str = "auto"
+    # One of ATTENTION_BACKENDS; a forced choice that cannot run fails at start-up.
+    attention_backend: str = "auto"
 
 
 def _as_id_tuple(value: object) -> tuple[int, ...]:
@@ -132,12 +137,12 @@ def load_model_config(
     gen_file = path / "generation_config.json"
     if gen_file.is_file():
         eos = _as_id_tuple(json.loads(gen_file.read_text()).get("eos_token_id")) or eos
-    derived_len = int(hf.get("max_position_embeddings") or 2048)
+    derived_len, why = _context_length(hf)
     if max_model_len is None:
         max_model_len = derived_len
     elif not 1 <= max_model_len <= derived_len:
         raise ConfigError(
-            f"max_model_len {max_model_len} must be between 1 and the model's {derived_len}"
+            f"max_model_len {max_model_len} must be between 1 and the model's {derived_len}{why}"
         )
     return ModelConfig(
         model=str(path.resolve()),
@@ -148,6 +153,27 @@ def load_model_config(
         dtype=dtype,
         seed=seed,
     )
+
+
+def _context_length(hf: dict) -> tuple[int, str]:
+    """The longest sequence we serve for a config.json, and why when it is not the model's own.
+
+    LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini) changes every position's rotation once a sequence
+    outgrows the original context; transformers then re-encodes the whole sequence, which a KV
+    cache cannot, so we serve the original context only (worker/layers/rotary.py). Phi-3's config
+    class reads the old names "su" and "yarn" as longrope.
+    """
+    length = int(hf.get("max_position_embeddings") or 2048)
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type") or rope.get("type")
+    is_longrope = kind == "longrope" or (hf.get("model_type") == "phi3" and kind in ("su", "yarn"))
+    original = hf.get("original_max_position_embeddings") or rope.get(
+        "original_max_position_embeddings"
+    )
+    if is_longrope and original and int(original) < length:
+        why = " (longrope RoPE is served within its original_max_position_embeddings only)"
+        return int(original), why
+    return length, ""
 
 
 # generation_config.json keys a server takes as sampling defaults, and their SamplingParams names.
@@ -219,6 +245,11 @@ def check_engine_config(config: EngineConfig) -> None:
         raise ConfigError(
             f"policy {sched.policy!r} runs whole prompts: max_num_batched_tokens "
             f"({sched.max_num_batched_tokens}) must be >= max_model_len ({sched.max_model_len})"
+        )
+    if config.attention_backend not in ATTENTION_BACKENDS:
+        raise ConfigError(
+            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+            f"got {config.attention_backend!r}"
         )
     if cache.block_size < 1 or cache.block_size & (cache.block_size - 1):
         raise ConfigError(f"block_size must be a power of two, got {cache.block_size}")

@@ -34,7 +34,11 @@ class ModelRunner:
         self.attention_layers = self.model.attention_layers()
         needs_sinks = any(layer.sinks is not None for layer in self.attention_layers)
         self.backend = select_backend(
-            device, self.block_size, dtype=self.dtype, needs_sinks=needs_sinks
+            device,
+            self.block_size,
+            config.attention_backend,
+            dtype=self.dtype,
+            needs_sinks=needs_sinks,
         )
         self.sampler = Sampler()
         max_model_len = config.scheduler.max_model_len

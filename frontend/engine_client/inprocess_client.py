@@ -7,8 +7,6 @@ builds an engine itself, so it is the one that imports the engine core and a wor
 
 from __future__ import annotations
 
-from msgspec.structs import replace
-
 from engine_core import EngineCore
 from engine_core.executor import InProcessExecutor
 from protocol import EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -23,10 +21,8 @@ class InProcessEngineClient:
 
         self._core = EngineCore(config, InProcessExecutor(Worker(config, rank=0)))
         # As a client of an engine process gets it in Ready: the engine's own (max_model_len
-        # capped at the pool), with the num_blocks learned.
-        core_config = self._core.config
-        num_blocks = self._core.scheduler.kv_cache_manager.block_pool.num_blocks
-        self.config = replace(core_config, cache=replace(core_config.cache, num_blocks=num_blocks))
+        # capped at the pool), with the num_blocks and sliding window learned.
+        self.config = self._core.config
         self.stats = None
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> list[EngineCoreOutput]:

@@ -61,3 +61,42 @@ def test_stall_free_defaults_to_a_2048_budget_and_an_explicit_one_wins(tiny_mode
         model=str(tiny_model_dir), policy="orca", max_model_len=512, max_num_batched_tokens=600
     )
     assert explicit.create_engine_config().scheduler.max_num_batched_tokens == 600
+
+
+def test_the_block_size_defaults_to_what_the_attention_backend_accepts(tiny_model_dir, monkeypatch):
+    import importlib.util
+
+    import torch
+
+    from frontend import engine_args
+
+    def block_size(**kwargs) -> int:
+        config = EngineArgs(model=str(tiny_model_dir), **kwargs).create_engine_config()
+        return config.cache.block_size
+
+    # Here (no GPU, no flash_attn): small blocks; a forced flash-attn gets blocks it accepts.
+    assert block_size() == engine_args.DEFAULT_BLOCK_SIZE == 16
+    assert block_size(attention_backend="flash-attn") == 256
+    assert block_size(attention_backend="flash-attn", block_size=512) == 512
+    # A CUDA machine with flash_attn installed: "auto" gets 256 unless the user names a size.
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a),
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert block_size() == 256
+    assert block_size(block_size=32) == 32
+    assert block_size(device="cpu") == 16
+    assert block_size(attention_backend="torch") == 16
+
+
+def test_the_attention_backend_flag_reaches_the_config_and_is_checked(tiny_model_dir):
+    parser = add_engine_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", str(tiny_model_dir), "--attention-backend", "torch"])
+    assert EngineArgs.from_cli(args).create_engine_config().attention_backend == "torch"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--attention-backend", "xformers"])
+    with pytest.raises(ConfigError, match="attention_backend must be one of"):
+        EngineArgs(model=str(tiny_model_dir), attention_backend="xformers").create_engine_config()

@@ -77,13 +77,14 @@ def test_prefix_cache_hits_match_hf(reference):
 
 
 def test_requests_longer_than_the_whole_pool_match_hf(reference):
-    # Six usable blocks hold 96 tokens: the 92-token requests fit one at a time only because
-    # the blocks behind their 20-token window go back to the pool (a request keeps at most
-    # the window plus one 16-token chunk: 4 blocks). Without that the engine would have
-    # lowered max_model_len to the pool and cut the outputs short.
-    memory = 7 * reference.kv_bytes_per_block()
+    # Five usable blocks hold 80 tokens: the 92-token requests fit only because the blocks
+    # behind their 20-token window go back to the pool (a request keeps at most the window
+    # plus one 16-token chunk: 4 blocks). Without that the engine would have lowered
+    # max_model_len to the pool and the frontend refused the longest requests.
+    memory = 6 * reference.kv_bytes_per_block()
     with _llm(reference, kv_cache_memory=memory, max_num_batched_tokens=16, max_num_seqs=1) as llm:
-        assert llm.config.scheduler.max_model_len > 7 * BLOCK_SIZE
+        assert llm.config.scheduler.max_model_len > 6 * BLOCK_SIZE
+        assert llm.config.cache.sliding_window == MISTRAL_SLIDING_WINDOW
         outputs = llm.generate(reference.prompts, GREEDY, use_tqdm=False)
         _check(reference, outputs, list(range(len(reference.prompts))))
         assert llm.stats.num_preemptions == 0

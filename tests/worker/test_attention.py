@@ -370,6 +370,32 @@ def test_selector_picks_torch_on_cpu_and_refuses_forced_flash_attn():
         select_backend(CPU, 16, "xformers")
 
 
+def test_forced_backends_run_as_named_or_fail_saying_why(monkeypatch):
+    torch_ops = select_backend(CPU, 16, "torch")
+    assert isinstance(torch_ops, TorchAttentionBackend) and torch_ops._use_cpu_kernel is False
+    if load_kernel() is not None:
+        kernel = select_backend(CPU, 16, "cpu-kernel")
+        assert isinstance(kernel, TorchAttentionBackend) and kernel._use_cpu_kernel is True
+    with pytest.raises(ValueError, match="CPU only"):
+        select_backend(torch.device("cuda"), 256, "cpu-kernel")
+    monkeypatch.setenv("CONVEYOR_CPU_KERNEL", "0")
+    with pytest.raises(ValueError, match="CONVEYOR_CPU_KERNEL=0"):
+        select_backend(CPU, 16, "cpu-kernel")
+
+
+def test_falling_back_to_torch_ops_on_cuda_is_a_warning_naming_the_fix(caplog):
+    # Building the torch backend touches no device, so this runs anywhere.
+    with caplog.at_level("WARNING", logger="worker.attention.selector"):
+        backend = select_backend(torch.device("cuda"), 16, None, torch.bfloat16)
+    assert isinstance(backend, TorchAttentionBackend)
+    (record,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "multiple of 256" in record.getMessage() and "--block-size" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="worker.attention.selector"):
+        select_backend(CPU, 16)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
 def test_flash_attn_reasons_name_block_size_and_dtype():
     cuda = torch.device("cuda")
     assert "multiple of 256" in flash_attn_unusable_reason(cuda, 16, torch.bfloat16)
@@ -433,3 +459,17 @@ def test_flash_attn_matches_torch_backend_over_two_steps(
     ).float()
     torch.testing.assert_close(outputs[0], outputs[1], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(outputs[0], expected, atol=2e-2, rtol=2e-2)
+
+
+def test_the_cuda_prefill_route_with_repeated_kv_heads_equals_the_gqa_one():
+    """The route CUDA takes for a masked prompt chunk (KV heads repeated, no enable_gqa, so the
+    memory-efficient kernel can take the mask) gives what the GQA route gives; run on CPU."""
+    from worker.attention.torch_backend import _prefill_attention
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 8, 20, HEAD_DIM, generator=gen)
+    keys, values = (torch.randn(1, 2, 50, HEAD_DIM, generator=gen) for _ in range(2))
+    mask = torch.ones(20, 50, dtype=torch.bool).tril(30)
+    repeated = _prefill_attention(q, keys, values, mask, 0.25, None, repeat_kv_heads=True)
+    grouped = _prefill_attention(q, keys, values, mask, 0.25, None, repeat_kv_heads=False)
+    torch.testing.assert_close(repeated, grouped, atol=1e-6, rtol=1e-5)

@@ -32,7 +32,9 @@ class DenseAttention(AttentionBackend):
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
         return (0,)
 
-    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=None):
+    def forward(
+        self, query, key, value, kv_cache, metadata, scale, sliding_window=None, sinks=None
+    ):
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_cpu
         group = query.shape[1] // key.shape[1]
@@ -46,7 +48,12 @@ class DenseAttention(AttentionBackend):
             hidden = torch.ones(e - s, e - s, dtype=torch.bool).triu(1)
             if sliding_window is not None:
                 hidden |= torch.ones(e - s, e - s, dtype=torch.bool).tril(-sliding_window)
-            probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+            scores = scores.masked_fill(hidden, float("-inf"))
+            if sinks is not None:  # one more logit per head, with a zero value
+                sink = sinks.view(-1, 1, 1).expand(-1, e - s, 1).to(scores.dtype)
+                probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+            else:
+                probs = scores.softmax(-1)
             output[s:e] = (probs @ v).transpose(0, 1)
         return output
 

@@ -1,8 +1,11 @@
 """Pick the attention backend for a device, block size and dtype.
 
 Runs in worker processes. flash-attn is chosen automatically where it can run (CUDA, flash_attn
-importable, block_size a multiple of 256, float16/bfloat16); everywhere else the torch backend.
-An explicit choice that cannot run is an error naming the reason, never a silent fallback.
+importable, block_size a multiple of 256, float16/bfloat16, no attention sinks); everywhere else
+the torch backend, which on CPU runs short queries through the compiled kernel where it builds.
+Falling back to torch ops on CUDA is a WARNING saying why. An explicit choice
+(``--attention-backend``) that cannot run is an error naming the reason, never a silent
+fallback.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import torch
 
 from worker.attention.backend import AttentionBackend
+from worker.attention.cpu_kernel import kernel_disabled, load_kernel
 from worker.attention.flash_attn_backend import (
     FLASH_BLOCK_SIZE_MULTIPLE,
     FLASH_DTYPES,
@@ -22,7 +26,7 @@ from worker.attention.torch_backend import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("torch", "flash-attn")
+BACKEND_NAMES = ("torch", "flash-attn", "cpu-kernel")
 
 
 def select_backend(
@@ -32,19 +36,22 @@ def select_backend(
     dtype: torch.dtype | None = None,
     needs_sinks: bool = False,
 ) -> AttentionBackend:
-    """The backend to use; ``override`` ("torch" / "flash-attn") forces one, None/"auto" picks.
+    """The backend to use; ``override`` forces one, None/"auto" picks.
 
-    ``dtype`` is the model's activation dtype; None means "not known yet" and does not rule
-    flash-attn out. ``needs_sinks``: the model has attention sinks (gpt-oss), which flash-attn 2
-    does not compute.
+    "torch": torch ops only; "cpu-kernel": the torch backend with the compiled CPU kernel, which
+    must build; "flash-attn": flash-attn 2. ``dtype`` is the model's activation dtype; None means
+    "not known yet" and does not rule flash-attn out. ``needs_sinks``: the model has attention
+    sinks (gpt-oss), which flash-attn 2 does not compute.
     """
     if override not in (None, "auto", *BACKEND_NAMES):
         raise ValueError(
-            f"unknown attention backend {override!r}; choose one of {', '.join(BACKEND_NAMES)}"
+            f"unknown attention backend {override!r}; choose one of auto, {', '.join(BACKEND_NAMES)}"
         )
     if override == "torch":
-        logger.info("attention backend: torch (requested)")
-        return TorchAttentionBackend()
+        logger.info("attention backend: torch ops (requested)")
+        return TorchAttentionBackend(use_cpu_kernel=False)
+    if override == "cpu-kernel":
+        return _cpu_kernel_backend(device)
     if needs_sinks:
         reason: str | None = "the model has attention sinks, which flash-attn 2 does not compute"
     else:
@@ -59,8 +66,31 @@ def select_backend(
             "attention backend: flash-attn (CUDA, flash_attn imports, block_size %d)", block_size
         )
         return FlashAttnBackend()
-    logger.info("attention backend: torch (flash-attn not used: %s)", reason)
+    if device.type == "cuda":
+        # The torch path on a GPU is correct but several times slower: say why and what to do.
+        logger.warning(
+            "attention backend: torch ops on CUDA, because flash-attn cannot run: %s. For the "
+            "fast path install flash-attn (docs/serving.md#cuda) and leave --block-size unset "
+            "(it then defaults to 256), or pass --attention-backend torch to silence this",
+            reason,
+        )
+    else:
+        logger.info("attention backend: torch (flash-attn not used: %s)", reason)
     return TorchAttentionBackend()
+
+
+def _cpu_kernel_backend(device: torch.device) -> TorchAttentionBackend:
+    if device.type != "cpu":
+        raise ValueError(f"attention backend 'cpu-kernel' runs on CPU only, this is {device.type}")
+    if kernel_disabled():
+        raise ValueError("attention backend 'cpu-kernel' requested but CONVEYOR_CPU_KERNEL=0")
+    if load_kernel() is None:
+        raise ValueError(
+            "attention backend 'cpu-kernel' cannot run here: the kernel did not build (the "
+            "log above says why; it needs a C compiler with OpenMP, e.g. gcc)"
+        )
+    logger.info("attention backend: torch with the compiled CPU kernel (requested)")
+    return TorchAttentionBackend(use_cpu_kernel=True)
 
 
 def flash_attn_unusable_reason(

@@ -322,12 +322,22 @@ def _prefill_attention(
     mask: torch.Tensor | None,  # [query_len, num_keys] bool; None: causal, num_keys == query_len
     scale: float,
     sinks: torch.Tensor | None,  # [heads]
+    repeat_kv_heads: bool | None = None,
 ) -> torch.Tensor:
     if sinks is None:
         if mask is None:
             return F.scaled_dot_product_attention(
                 q, keys, values, is_causal=True, scale=scale, enable_gqa=True
             )
+        if q.is_cuda if repeat_kv_heads is None else repeat_kv_heads:
+            # On CUDA, SDPA serves a mask with enable_gqa only by its math kernel, which
+            # materialises every head's [query_len, num_keys] scores (gigabytes at long
+            # contexts); with the KV heads repeated the memory-efficient kernel takes the mask
+            # and never holds the scores. The copy is group x this chunk's gathered K/V.
+            group = q.shape[1] // keys.shape[1]
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
