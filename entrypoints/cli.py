@@ -5,7 +5,8 @@
     conveyor frontend --engine ADDR    one more HTTP frontend for a running engine
     conveyor generate PROMPT           one completion, offline
     conveyor bench serve ...           the load generator, against any OpenAI-compatible server
-    conveyor bench offline|scheduler|wire|attention|layers|tokenize|structured|metrics|fake-server
+    conveyor bench offline|scheduler|wire|attention|layers|moe|tokenize|structured|metrics
+    conveyor bench fake-server         a fake OpenAI-compatible server with set delays
     conveyor make-model OUT            a random-weight test model in Hugging Face format
     conveyor plot-trace FILE           draw a --trace-steps file
 
@@ -91,6 +92,12 @@ def _bench_layers(argv: list[str]) -> int:
     return main(argv)
 
 
+def _bench_moe(argv: list[str]) -> int:
+    from benchmarks.moe import main
+
+    return main(argv)
+
+
 def _bench_tokenize(argv: list[str]) -> int:
     from benchmarks.tokenize import main
 
@@ -129,6 +136,7 @@ BENCH_COMMANDS: dict[str, tuple[Main, str]] = {
     "wire": (_bench_wire, "bytes per step of the engine -> worker diff"),
     "attention": (_bench_attention, "attention against matmul time per layer"),
     "layers": (_bench_layers, "the model's token-wise ops on CPU"),
+    "moe": (_bench_moe, "ways to run a mixture-of-experts layer's experts on CPU"),
     "tokenize": (_bench_tokenize, "tokenizing on the event loop, in threads or in processes"),
     "structured": (_bench_structured, "output tok/s with and without a JSON-schema constraint"),
     "metrics": (_bench_metrics, "output tok/s through the server with metrics on and off"),

@@ -1,6 +1,9 @@
 """``conveyor make-model OUT``: a deterministic random-weight model in Hugging Face format.
 
-    conveyor make-model OUT --size tiny|small|bench [--arch qwen3|qwen2|llama] [--seed N]
+    conveyor make-model OUT --size tiny|small|bench [--arch ARCH] [--seed N]
+
+ARCH: qwen3 (default), qwen2, llama, mistral, phi3, gemma3, qwen3_moe, mixtral
+(worker/model_maker.py says what each exercises).
 
 Runs in the caller's process. The directory loads with transformers' AutoModelForCausalLM /
 AutoTokenizer and with conveyor; tests and benchmarks use these models (see worker/model_maker.py).

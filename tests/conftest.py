@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 ARCHS = ("qwen3", "qwen2", "llama")
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -28,6 +29,15 @@ def tiny_model_dirs() -> dict[str, Path]:
     from worker.model_maker import ensure_model
 
     return {arch: ensure_model("tiny", arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model_dirs() -> dict[str, Path]:
+    """The tiny mixture-of-experts models, {"qwen3_moe": dir, "mixtral": dir}: apart from
+    ``tiny_model_dirs`` so the tests that go over every dense family do not build them."""
+    from worker.model_maker import ensure_model
+
+    return {arch: ensure_model("tiny", arch) for arch in MOE_ARCHS}
 
 
 @pytest.fixture(scope="session")

@@ -55,9 +55,9 @@ class Reference:
         self.model_dir = model_dir
         self.config = json.loads((model_dir / "config.json").read_text())
         self.prompts = _prompts(self.config["vocab_size"])
-        # ignore_eos on our side: HF must not stop at EOS either.
+        # ignore_eos on our side: HF must not stop at EOS either. That takes eos_token_id=None as
+        # an argument to generate: a None in the config means "the model's default" there.
         generation_config = copy.deepcopy(model.generation_config)
-        generation_config.eos_token_id = None
         # Plain greedy: a repetition penalty the model's own config recommends is not applied.
         generation_config.repetition_penalty = 1.0
         self.tokens: list[list[int]] = []
@@ -69,6 +69,7 @@ class Reference:
                     generation_config=generation_config,
                     max_new_tokens=NUM_NEW_TOKENS,
                     do_sample=False,
+                    eos_token_id=None,
                     output_logits=True,
                     return_dict_in_generate=True,
                     pad_token_id=0,

@@ -113,7 +113,7 @@ def test_yarn_table_covers_the_stretched_context():
 
 def test_unsupported_rope_type_names_the_supported_ones():
     with pytest.raises(ValueError, match="supported: default, linear, dynamic, llama3, yarn"):
-        RotaryEmbedding(HEAD_DIM, 128, {"rope_type": "longrope", "rope_theta": 1e4})
+        RotaryEmbedding(HEAD_DIM, 128, {"rope_type": "proportional", "rope_theta": 1e4})
 
 
 def test_rms_norm_with_residual_adds_then_normalizes():

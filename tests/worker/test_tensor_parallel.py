@@ -41,11 +41,13 @@ def _reference(config: EngineConfig) -> tuple[dict[str, list[int]], int]:
         core.shutdown()
 
 
-# qwen3: tied embeddings (the vocab-parallel table is also the LM head); qwen2: sharded q/k/v bias.
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
-def test_two_ranks_give_the_tokens_of_one_rank(tiny_model_dirs, arch):
-    expected, num_blocks_one_rank = _reference(make_config(tiny_model_dirs[arch]))
-    config = make_config(tiny_model_dirs[arch], tensor_parallel_size=2)
+# qwen3: tied embeddings (the vocab-parallel table is also the LM head); qwen2: sharded q/k/v bias;
+# qwen3_moe: every expert's intermediate features split, replicated routers, a dense layer too.
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "qwen3_moe"])
+def test_two_ranks_give_the_tokens_of_one_rank(tiny_model_dirs, tiny_moe_model_dirs, arch):
+    model_dir = {**tiny_model_dirs, **tiny_moe_model_dirs}[arch]
+    expected, num_blocks_one_rank = _reference(make_config(model_dir))
+    config = make_config(model_dir, tensor_parallel_size=2)
     executor = MultiprocExecutor(config, startup_timeout_s=60)
     try:
         core = EngineCore(config, executor)

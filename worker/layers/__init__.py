@@ -3,32 +3,37 @@
 Runs in worker processes.
 """
 
-from worker.layers.activation import SiluAndMul
+from worker.layers.activation import GeluAndMul, SiluAndMul
 from worker.layers.attention import Attention
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
     default_weight_loader,
 )
-from worker.layers.norm import RMSNorm, rms_normalize
+from worker.layers.norm import GemmaRMSNorm, RMSNorm, gemma_rms_normalize, rms_normalize
 from worker.layers.rotary import RotaryAngles, RotaryEmbedding, rope_parameters_of, rotate_
 
 __all__ = [
     "Attention",
     "ColumnParallelLinear",
+    "GeluAndMul",
+    "GemmaRMSNorm",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",
     "RMSNorm",
+    "ReplicatedLinear",
     "RotaryAngles",
     "RotaryEmbedding",
     "RowParallelLinear",
     "SiluAndMul",
     "VocabParallelEmbedding",
     "default_weight_loader",
+    "gemma_rms_normalize",
     "rms_normalize",
     "rope_parameters_of",
     "rotate_",

@@ -1,4 +1,4 @@
-"""The gated activation of SwiGLU MLPs.
+"""The gated activations of SwiGLU and GeGLU MLPs.
 
 Runs in worker processes.
 """
@@ -18,3 +18,15 @@ class SiluAndMul(nn.Module):
         # Multiplying into silu's fresh output saves an allocation and a pass over memory
         # (~10% at prefill sizes); silu in place on the strided gate half measured slower.
         return F.silu(gate).mul_(up)
+
+
+class GeluAndMul(nn.Module):
+    """x = [gate | up] -> gelu(gate) * up (GeGLU; Gemma's ``gelu_pytorch_tanh`` is "tanh")."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate).mul_(up)

@@ -5,7 +5,8 @@ rank computes a slice of the output, no communication); a row-parallel layer spl
 features (each rank computes a partial sum, then an all-reduce). Every parameter carries a
 ``weight_loader(param, loaded_weight, shard_id=None)`` that copies this rank's slice of a
 full checkpoint tensor, so the same loading code serves one rank or many, and fused layers
-(q/k/v, gate/up) fill their parts from the separate tensors a Hugging Face checkpoint holds.
+(q/k/v, gate/up) fill their parts from the separate tensors a Hugging Face checkpoint holds, or
+from one already-fused tensor (Phi-3), split into its parts first.
 Once every weight is in, ``process_weights_after_loading`` packs a copy for the CPU's small-batch
 kernel (see gemm.py); the plain weight stays what the loader and the tests see.
 """
@@ -36,6 +37,20 @@ def default_weight_loader(
             f"{tuple(loaded_weight.shape)}"
         )
     param.data.copy_(loaded_weight)
+
+
+def _split_rows(loaded_weight: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """A fused checkpoint tensor -> its parts, at the full model's sizes (before any sharding).
+
+    Each part then goes through the per-part path, which takes this rank's slice of it: a rank
+    holds a slice of every part, not one contiguous slice of the fused tensor.
+    """
+    if loaded_weight.shape[0] != sum(sizes):
+        raise ValueError(
+            f"fused checkpoint tensor has {loaded_weight.shape[0]} rows, expected {sum(sizes)} "
+            f"(parts {sizes})"
+        )
+    return loaded_weight.split(sizes, dim=0)
 
 
 class LinearBase(nn.Module):
@@ -73,6 +88,15 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed_weight)
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole matrix on every rank: layers too small to be worth a collective (MoE routers)."""
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        default_weight_loader(param, loaded_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -115,8 +139,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
     ) -> None:
-        if shard_id is None:
-            raise ValueError("a merged linear layer loads one part at a time; pass shard_id")
+        if shard_id is None:  # a checkpoint that already fuses the parts (Phi-3's gate_up_proj)
+            for part_id, part in enumerate(_split_rows(loaded_weight, self.output_sizes)):
+                self.weight_loader(param, part, part_id)
+            return
         size = divide(self.output_sizes[shard_id], self.tp_size)
         offset = divide(sum(self.output_sizes[:shard_id]), self.tp_size)
         part = loaded_weight.narrow(0, self.tp_rank * size, size)
@@ -140,6 +166,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_size: int = 1,
     ) -> None:
         self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.num_heads = divide(num_heads, tp_size)
         if tp_size >= num_kv_heads:
             self.num_kv_heads = 1
@@ -155,6 +182,13 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
     ) -> None:
+        if shard_id is None:  # a checkpoint that already fuses q, k and v (Phi-3's qkv_proj)
+            q_rows = self.total_num_heads * self.head_dim
+            kv_rows = self.total_num_kv_heads * self.head_dim
+            parts = _split_rows(loaded_weight, [q_rows, kv_rows, kv_rows])
+            for part_id, part in zip("qkv", parts):
+                self.weight_loader(param, part, part_id)
+            return
         if shard_id == "q":
             offset, size, rank = 0, self.q_size, self.tp_rank
         elif shard_id in ("k", "v"):

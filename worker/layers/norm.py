@@ -1,7 +1,8 @@
 """RMSNorm, with the residual add of a pre-norm transformer block fused in.
 
 Runs in worker processes. The arithmetic follows Hugging Face's Llama/Qwen RMSNorm step for step
-(normalise in float32, cast back, then scale) so our logits match theirs to rounding.
+(normalise in float32, cast back, then scale) so our logits match theirs to rounding. Gemma's
+variant stores its scale as an offset from one and scales before casting back (``GemmaRMSNorm``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from worker.layers.linear import default_weight_loader
 
 
 def rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,3 +45,49 @@ class RMSNorm(nn.Module):
             return rms_normalize(x, self.weight, self.eps)
         x = x + residual
         return rms_normalize(x, self.weight, self.eps), x
+
+
+def gemma_rms_normalize(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """``scale`` (float32, already 1 + weight) * x / rms(x), rounded like Gemma's RMSNorm.
+
+    Gemma scales in float32 and casts the product, where Llama casts first and scales in the
+    activation dtype; in float32 the two are the same arithmetic.
+    """
+    if x.dtype == torch.float32:
+        return rms_normalize(x, scale, eps)
+    normalized = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return normalized.mul_(scale).to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the checkpoint's weight w scales by (1 + w), so zero is the identity."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+        self.scale: torch.Tensor | None = None  # 1 + weight in float32, derived after loading
+
+    def _load(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        self.scale = None  # stale once the weight changes; rebuilt after loading
+        default_weight_loader(param, loaded_weight)
+
+    def process_weights_after_loading(self) -> None:
+        self.scale = self.scale_of(self.weight)
+
+    @staticmethod
+    def scale_of(weight: torch.Tensor) -> torch.Tensor:
+        return 1.0 + weight.float()
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
+        scale = self.scale if self.scale is not None else self.scale_of(self.weight)
+        if residual is None:
+            return gemma_rms_normalize(x, scale, self.eps)
+        x = x + residual
+        return gemma_rms_normalize(x, scale, self.eps), x

@@ -7,7 +7,10 @@ Hugging Face's Llama/Qwen (the two halves of a head, not interleaved pairs).
 
 Variants (``rope_type``): default, linear (positions divided by a factor), dynamic (NTK-aware: the
 base grows with the context), llama3 (frequency-band-wise interpolation), yarn (band-wise
-interpolation plus an attention temperature, Qwen2.5 long context).
+interpolation plus an attention temperature, Qwen2.5 long context), longrope (Phi-3/Phi-4 long
+context: per-frequency factors; served within the original context only, see
+``_longrope_inv_freq``).
+With ``partial_rotary_factor`` < 1 (Phi-4-mini: 0.75) only the first part of each head rotates.
 
 Every layer rotates by the same positions, so the model looks the angles up once per step
 (``angles``) and each layer rotates its queries and keys together, in place (``rotate_``).
@@ -21,25 +24,32 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
-def rope_parameters_of(hf_config: Any) -> dict[str, Any]:
+def rope_parameters_of(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The RoPE settings of a transformers config, whichever major version wrote it.
 
     transformers 5 keeps them in ``rope_parameters`` (theta included); 4.x has ``rope_theta`` and a
-    ``rope_scaling`` dict whose kind is under "type" or "rope_type".
+    ``rope_scaling`` dict whose kind is under "type" or "rope_type". A model whose layer kinds
+    rotate differently (Gemma 3: "full_attention" / "sliding_attention") nests one dict per kind;
+    ``layer_type`` picks one.
     """
     found = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
     params = dict(found or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     params["rope_theta"] = float(
         params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0
     )
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    if params["rope_type"] in ("llama3", "yarn"):
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
         params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings are not supported")
+    params["partial_rotary_factor"] = float(
+        params.get("partial_rotary_factor")
+        or getattr(hf_config, "partial_rotary_factor", None)
+        or 1.0
+    )
     return params
 
 
@@ -98,6 +108,33 @@ def _yarn_inv_freq(head_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor,
     return inv_freq, float(attention_factor)
 
 
+def _longrope_inv_freq(
+    head_dim: int, params: dict[str, Any], max_position: int
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini) for contexts within the original one.
+
+    transformers rotates by ``short_factor`` while the sequence fits the original context and, once
+    it grows past, re-encodes the whole sequence with ``long_factor``. A KV cache cannot re-encode,
+    so we serve the short half only: the engine caps max_model_len at the original context
+    (protocol/config.py) and the table ends there. The attention factor is the long-context one
+    all the same, as transformers applies it at every length.
+    """
+    base, old_len = params["rope_theta"], params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position / old_len
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+        )
+    short_factor = torch.tensor(params["short_factor"], dtype=torch.float32)
+    if short_factor.shape != (head_dim // 2,):
+        raise ValueError(
+            f"longrope short_factor has {len(short_factor)} entries, not {head_dim // 2}"
+        )
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (short_factor * base**exponents), float(attention_factor)
+
+
 def _dynamic_inv_freq(
     head_dim: int, params: dict[str, Any], num_positions: int, max_position: int
 ) -> torch.Tensor:
@@ -135,25 +172,34 @@ class RotaryEmbedding(nn.Module):
             supported = ", ".join(SUPPORTED_ROPE_TYPES)
             raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {supported}")
         self.head_dim = head_dim
+        # The leading dimensions of each head that rotate; the rest pass through (Phi-4-mini).
+        rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        if rotary_dim < 2 or rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor gives {rotary_dim} rotary dimensions of {head_dim}"
+            )
+        self.rotary_dim = rotary_dim
         self.rope_type = rope_type
         self.num_positions = self._num_positions(max_position, params)
         positions = torch.arange(self.num_positions, dtype=torch.float32)
         scaling = 1.0
         if rope_type == "dynamic":
             freqs = positions[:, None] * _dynamic_inv_freq(
-                head_dim, params, self.num_positions, max_position
+                rotary_dim, params, self.num_positions, max_position
             )
         else:
             if rope_type == "default":
-                inv_freq = _base_inv_freq(head_dim, params["rope_theta"])
+                inv_freq = _base_inv_freq(rotary_dim, params["rope_theta"])
             elif rope_type == "linear":
-                inv_freq = _base_inv_freq(head_dim, params["rope_theta"]) / params["factor"]
+                inv_freq = _base_inv_freq(rotary_dim, params["rope_theta"]) / params["factor"]
             elif rope_type == "llama3":
-                inv_freq = _llama3_inv_freq(head_dim, params)
+                inv_freq = _llama3_inv_freq(rotary_dim, params)
+            elif rope_type == "longrope":
+                inv_freq, scaling = _longrope_inv_freq(rotary_dim, params, max_position)
             else:
-                inv_freq, scaling = _yarn_inv_freq(head_dim, params)
+                inv_freq, scaling = _yarn_inv_freq(rotary_dim, params)
             freqs = positions[:, None] * inv_freq[None, :]
-        # [num_positions, head_dim]: cos in the first half, sin in the second.
+        # [num_positions, rotary_dim]: cos in the first half, sin in the second.
         cache = torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
         self.register_buffer("cos_sin_cache", cache.to(torch.float32), persistent=False)
 
@@ -170,10 +216,12 @@ class RotaryEmbedding(nn.Module):
         if params["rope_type"] == "yarn":
             stretched = int(params["original_max_position_embeddings"] * params["factor"])
             return max(max_position, stretched)
+        if params["rope_type"] == "longrope":
+            return min(max_position, params["original_max_position_embeddings"])
         return max_position
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, head_dim // 2] in float32."""
+        """positions [T] -> cos, sin [T, rotary_dim // 2] in float32."""
         return self.cos_sin_cache[positions].chunk(2, dim=-1)
 
     def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAngles:
@@ -203,10 +251,12 @@ def rotate_(x: torch.Tensor, angles: RotaryAngles) -> torch.Tensor:
 
     (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). In place with one half-size temporary: at
     decode sizes this beat building a new tensor by ~30% (bench_layers); ``x`` may be a strided
-    view (a slice of the fused qkv output) as long as each head's values are contiguous.
+    view (a slice of the fused qkv output) as long as each head's values are contiguous. With
+    partial rotary the angles cover fewer dimensions than a head: only those rotate, in halves of
+    their own, and the rest of the head is left as it is (as transformers does).
     """
     cos, sin = angles
-    x1, x2 = x.chunk(2, dim=-1)
+    x1, x2 = x[..., : 2 * cos.shape[-1]].chunk(2, dim=-1)
     x1_sin = x1 * sin
     x1.mul_(cos).addcmul_(x2, sin, value=-1)
     x2.mul_(cos).add_(x1_sin)

@@ -1,8 +1,9 @@
-"""The pre-norm decoder-only transformer that Llama, Mistral, Qwen2 and Qwen3 share.
+"""The pre-norm decoder-only transformer that Llama, Mistral, Qwen2, Qwen3 and Phi-3 share.
 
 Runs in worker processes. The families differ only in a few switches (``DecoderSpec``): biases on
 the q/k/v projections, an RMSNorm on every query and key head (Qwen3), biases in the MLP. Each
-family file names its switches; this file is the model, top to bottom.
+family file names its switches; this file is the model, top to bottom. The mixtures of experts
+(Qwen3-MoE, Mixtral) are this model with their own MLP in some or all layers (``make_mlp``).
 
 Selective batching: every op but attention works on the flat stream of all scheduled tokens of all
 requests, [T, hidden]; attention alone reads the per-request metadata.
@@ -16,7 +17,7 @@ will be sampled) the last layer finishes only those.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,8 @@ class DecoderSpec:
     o_bias: bool = False
     qk_norm: bool = False
     mlp_bias: bool = False
+    # One learned logit per head in every softmax denominator (gpt-oss).
+    attention_sinks: bool = False
 
 
 def head_dim_of(config: Any) -> int:
@@ -131,6 +134,8 @@ class DecoderAttention(nn.Module):
             head_dim,
             head_dim**-0.5,
             sliding_window,
+            has_sinks=spec.attention_sinks,
+            tp_rank=tp_rank,
         )
 
     def process_weights_after_loading(self) -> None:
@@ -197,6 +202,7 @@ class DecoderLayer(nn.Module):
         tp_rank: int,
         tp_size: int,
         sliding_window: int | None = None,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -204,7 +210,8 @@ class DecoderLayer(nn.Module):
             config, spec, rotary_emb, tp_rank, tp_size, sliding_window
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DecoderMLP(config, spec, tp_rank, tp_size)
+        # Token-wise [T, hidden] -> [T, hidden]: the dense SwiGLU unless the family brings its own.
+        self.mlp = mlp if mlp is not None else DecoderMLP(config, spec, tp_rank, tp_size)
 
     def forward(
         self,
@@ -232,15 +239,32 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, spec: DecoderSpec, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        spec: DecoderSpec,
+        tp_rank: int,
+        tp_size: int,
+        make_mlp: Callable[[int], nn.Module | None] | None = None,
+    ) -> None:
+        """``make_mlp(layer_index)``: that layer's MLP (mixture-of-experts families), or None
+        for the dense one."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_rank, tp_size
         )
         self.rotary_emb = RotaryEmbedding.from_config(config, head_dim_of(config))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, spec, self.rotary_emb, tp_rank, tp_size, window)
-            for window in layer_sliding_windows(config)
+            DecoderLayer(
+                config,
+                spec,
+                self.rotary_emb,
+                tp_rank,
+                tp_size,
+                window,
+                make_mlp(index) if make_mlp is not None else None,
+            )
+            for index, window in enumerate(layer_sliding_windows(config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -272,11 +296,15 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = DecoderModel(hf_config, self.decoder_spec(hf_config), tp_rank, tp_size)
+        self.model = self.build_model(hf_config, tp_rank, tp_size)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp_rank, tp_size)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_model(self, hf_config: Any, tp_rank: int, tp_size: int) -> nn.Module:
+        """The body, embeddings to final norm; a family with its own block (Gemma 3) overrides."""
+        return DecoderModel(hf_config, self.decoder_spec(hf_config), tp_rank, tp_size)
 
     def process_weights_after_loading(self) -> None:
         """Derive what forward reads from the loaded weights (packed copies, stacked norms).

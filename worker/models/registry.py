@@ -6,15 +6,25 @@ Runs in worker processes.
 from __future__ import annotations
 
 from worker.models.decoder import DecoderForCausalLM
+from worker.models.gemma3 import Gemma3ForCausalLM
+from worker.models.gpt_oss import GptOssForCausalLM
 from worker.models.llama import LlamaForCausalLM, MistralForCausalLM
+from worker.models.mixtral import MixtralForCausalLM
+from worker.models.phi3 import Phi3ForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
 from worker.models.qwen3 import Qwen3ForCausalLM
+from worker.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

@@ -1,0 +1,190 @@
+"""The mixture-of-experts MLP: a router picks k experts per token, each expert is a SwiGLU MLP.
+
+Runs in worker processes. The experts' weights are stacked, one parameter for every expert's
+[gate; up] and one for every down projection, and a step runs each expert that has tokens once,
+over all of them: the step's (token, slot) pairs are sorted by expert, each active expert does one
+gate/up matmul, SiLU-and-mul and one down matmul over its contiguous run of rows, and the weighted
+rows go back to their tokens. Experts nobody picked cost nothing. On CPU in float32 each
+expert's matrices also get the oneDNN-packed copy the dense layers keep for small batches.
+``conveyor bench moe`` measures this against the alternatives (docs/performance.md).
+
+Tensor parallelism splits every expert's intermediate dimension across the ranks, as a dense MLP
+is split: gate/up column-parallel, down row-parallel, so each rank computes a partial sum of every
+expert's output, and one all-reduce after the weighted sum finishes the layer. The router is small
+and replicated, so every rank routes identically without a collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.layers.gemm import linear, pack_weight
+from worker.layers.linear import ReplicatedLinear
+from worker.layers.parallel import all_reduce, divide
+
+# Which part of which expert a checkpoint tensor fills: (expert index, "gate" | "up" | "down").
+ExpertShardId = tuple[int, str]
+GATE_UP_PARTS = ("gate", "up")
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router logits [T, E] -> (routing weights [T, k] float32, expert ids [T, k] int64).
+
+    As Hugging Face computes it: softmax in float32 over all experts, the top k of those
+    probabilities, and (renormalize) divided by their sum so a token's weights add up to one.
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, expert_ids
+
+
+class MoEExperts(nn.Module):
+    """Every expert's SwiGLU weights, stacked; runs each expert that has tokens once."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.tp_rank = tp_rank
+        self.intermediate_size = divide(intermediate_size, tp_size)  # this rank's share
+        size = self.intermediate_size
+        # [gate_r; up_r] per expert, as MergedColumnParallelLinear lays out a dense MLP.
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * size, hidden_size), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, size), requires_grad=False
+        )
+        for param in (self.gate_up_proj, self.down_proj):
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        # Each expert's (gate_up, down) in oneDNN's blocked layout for small batches, as the
+        # dense layers keep them (gemm.py); derived after loading, never saved.
+        self.packed_weights: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+
+    def process_weights_after_loading(self) -> None:
+        packed = [
+            (pack_weight(self.gate_up_proj[e]), pack_weight(self.down_proj[e]))
+            for e in range(self.num_experts)
+        ]
+        self.packed_weights = packed if packed[0][0] is not None else None
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ExpertShardId | None
+    ) -> None:
+        """Copy this rank's slice of one expert's gate, up ([I, hidden]) or down ([hidden, I])."""
+        self.packed_weights = None  # stale once a weight changes; rebuilt after loading
+        if not isinstance(shard_id, tuple):
+            raise ValueError("stacked experts load one expert's gate, up or down at a time")
+        expert, part = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} out of range (the layer has {self.num_experts})")
+        size, start = self.intermediate_size, self.tp_rank * self.intermediate_size
+        if param is self.gate_up_proj and part in GATE_UP_PARTS:
+            target = param[expert].narrow(0, GATE_UP_PARTS.index(part) * size, size)
+            source = loaded_weight.narrow(0, start, size)
+        elif param is self.down_proj and part == "down":
+            target, source = param[expert], loaded_weight.narrow(1, start, size)
+        else:
+            raise ValueError(f"shard {shard_id!r} does not belong in this parameter")
+        if target.shape != source.shape:
+            raise ValueError(
+                f"shape mismatch: expert slice {tuple(target.shape)}, checkpoint "
+                f"{tuple(loaded_weight.shape)}"
+            )
+        target.copy_(source)
+
+    def forward(
+        self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden [T, H], expert ids and routing weights [T, k] -> sum_k weight * expert(x).
+
+        The product is formed in ``weights``' dtype and the k rows summed before rounding to
+        hidden's dtype, the order Hugging Face's grouped experts use.
+        """
+        num_tokens, top_k = expert_ids.shape
+        flat_ids = expert_ids.flatten()
+        # Stable, so a token's slots stay in slot order within an expert's run.
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        rows = self._run_experts(hidden[order // top_k], counts)
+        weighted = rows * weights.flatten()[order].unsqueeze(1)
+        # Back to (token, slot) order, then one reduction over the slots: deterministic (no
+        # atomics on a GPU) where an index_add_ of duplicate token ids is not.
+        unsorted = torch.empty_like(weighted).index_copy_(0, order, weighted)
+        return unsorted.view(num_tokens, top_k, rows.shape[1]).sum(dim=1).to(hidden.dtype)
+
+    def _run_experts(self, sorted_hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows grouped by expert [S, H] and each expert's row count -> expert outputs [S, H]."""
+        out = sorted_hidden.new_empty(sorted_hidden.shape[0], self.down_proj.shape[1])
+        packed = self.packed_weights or [(None, None)] * self.num_experts
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            end = start + count
+            rows, (packed_gate_up, packed_down) = sorted_hidden[start:end], packed[expert]
+            gate, up = linear(rows, self.gate_up_proj[expert], None, packed_gate_up).chunk(2, -1)
+            out[start:end] = linear(
+                F.silu(gate).mul_(up), self.down_proj[expert], None, packed_down
+            )
+            start = end
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.down_proj.shape[1]}, "
+            f"intermediate_size={self.intermediate_size} (this rank)"
+        )
+
+
+class FusedMoE(nn.Module):
+    """The sparse MLP block: router (``gate``), then the k chosen experts' weighted sum.
+
+    ``renormalize``: the top-k weights are divided by their sum (Mixtral always; Qwen3-MoE when
+    ``norm_topk_prob``). ``weights_in_hidden_dtype``: the weights are rounded to the hidden dtype
+    before they scale the experts' outputs (Qwen3-MoE), or stay float32 (Mixtral); the same in
+    float32, a rounding difference in bfloat16 that Hugging Face makes per family.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        weights_in_hidden_dtype: bool,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in 1..{num_experts}, got {top_k}")
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weights_in_hidden_dtype = weights_in_hidden_dtype
+        self.tp_size = tp_size
+        self.gate = ReplicatedLinear(hidden_size, num_experts, False, tp_rank, tp_size)
+        self.experts = MoEExperts(num_experts, hidden_size, intermediate_size, tp_rank, tp_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = select_experts(self.gate(hidden), self.top_k, self.renormalize)
+        if self.weights_in_hidden_dtype:
+            weights = weights.to(hidden.dtype)
+        # Each rank summed its share of every expert's intermediate features.
+        return all_reduce(self.experts(hidden, expert_ids, weights), self.tp_size)
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}, renormalize={self.renormalize}"
