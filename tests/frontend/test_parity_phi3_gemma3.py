@@ -114,3 +114,23 @@ def test_long_contexts_with_prefix_cache_hits_match_hf(windowed):
 
 def test_long_contexts_under_a_tiny_kv_pool_match_hf(windowed):
     common.test_preemption_under_a_tiny_kv_pool_matches_hf(windowed)
+
+
+@pytest.mark.slow
+def test_long_contexts_through_the_engine_and_worker_processes_match_hf(windowed):
+    """The default engine (an engine-core process driving a worker process), async scheduling,
+    chunked prefill and a pool that forces preemption, past the window."""
+    from frontend import LLM
+
+    with LLM(
+        str(windowed.model_dir),
+        kv_cache_memory=10 * windowed.kv_bytes_per_block(),
+        block_size=common.BLOCK_SIZE,
+        seed=0,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        async_scheduling=True,
+    ) as llm:
+        outputs = llm.generate(windowed.prompts, common.GREEDY, use_tqdm=False)
+        common._check(windowed, outputs, list(range(len(windowed.prompts))))
+        assert llm.stats.num_preemptions > 0
