@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from frontend import LLM
+from tests.frontend import test_parity_hf as common
 from tests.frontend.test_parity_hf import (
     BLOCK_SIZE,
     GREEDY,
@@ -72,20 +73,12 @@ def test_batch_and_chunked_prefill_match_hf(reference):
         llm.check_all_free()
 
 
-def test_prefix_cache_hits_and_preemption_match_hf(reference):
-    with _llm(reference, enable_prefix_caching=True) as llm:
-        first = llm.generate(reference.prompts[4], GREEDY, use_tqdm=False)
-        _check(reference, first, [4])
-        rest = [5, 6, 0, 7]
-        outputs = llm.generate([reference.prompts[i] for i in rest], GREEDY, use_tqdm=False)
-        _check(reference, outputs, rest)
-        assert [o.num_cached_tokens for o in outputs[:2]] == [32, 32]
-    memory = 10 * reference.kv_bytes_per_block()
-    with _llm(reference, kv_cache_memory=memory, max_num_seqs=8) as llm:
-        outputs = llm.generate(reference.prompts, GREEDY, use_tqdm=False)
-        _check(reference, outputs, list(range(len(reference.prompts))))
-        assert llm.stats.num_preemptions > 0
-        llm.check_all_free()
+def test_prefix_cache_hits_match_hf(reference):
+    common.test_prefix_cache_hits_match_hf(reference)
+
+
+def test_preemption_under_a_tiny_kv_pool_matches_hf(reference):
+    common.test_preemption_under_a_tiny_kv_pool_matches_hf(reference)
 
 
 @pytest.mark.slow

@@ -13,13 +13,13 @@ import pytest
 
 from frontend import LLM
 from tests.conftest import MOE_ARCHS
+from tests.frontend import test_parity_hf as common
 from tests.frontend.test_parity_hf import (
     BLOCK_SIZE,
     GREEDY,
     SMALL_KV,
     Reference,
     _check,
-    _llm,
     _reference,
 )
 
@@ -33,36 +33,21 @@ def _all(reference: Reference) -> list[int]:
     return list(range(len(reference.prompts)))
 
 
+# The dense families' checks, on the MoE models.
 def test_batch_of_mixed_lengths_matches_hf(reference):
-    with _llm(reference, max_num_seqs=8) as llm:
-        outputs = llm.generate(reference.prompts, GREEDY, use_tqdm=False)
-        _check(reference, outputs, _all(reference))
-        llm.check_all_free()
+    common.test_batch_of_mixed_lengths_matches_hf(reference)
 
 
 def test_chunked_prefill_matches_hf(reference):
-    with _llm(reference, max_num_batched_tokens=16, max_num_seqs=8) as llm:
-        outputs = llm.generate(reference.prompts, GREEDY, use_tqdm=False)
-        _check(reference, outputs, _all(reference))
+    common.test_chunked_prefill_matches_hf(reference)
 
 
 def test_prefix_cache_hits_match_hf(reference):
-    with _llm(reference, enable_prefix_caching=True) as llm:
-        _check(reference, llm.generate(reference.prompts[4], GREEDY, use_tqdm=False), [4])
-        rest = [5, 6, 0, 7]
-        outputs = llm.generate([reference.prompts[i] for i in rest], GREEDY, use_tqdm=False)
-        _check(reference, outputs, rest)
-        assert [o.num_cached_tokens for o in outputs[:2]] == [32, 32]
-        llm.check_all_free()
+    common.test_prefix_cache_hits_match_hf(reference)
 
 
 def test_preemption_under_a_tiny_kv_pool_matches_hf(reference):
-    memory = 10 * reference.kv_bytes_per_block()  # the batch cannot all fit (see test_parity_hf)
-    with _llm(reference, kv_cache_memory=memory, max_num_seqs=8) as llm:
-        outputs = llm.generate(reference.prompts, GREEDY, use_tqdm=False)
-        _check(reference, outputs, _all(reference))
-        assert llm.stats.num_preemptions > 0
-        llm.check_all_free()
+    common.test_preemption_under_a_tiny_kv_pool_matches_hf(reference)
 
 
 def test_engine_and_worker_processes_match_hf(tiny_moe_model_dirs, hf_model):

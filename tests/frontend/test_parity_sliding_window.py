@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from frontend import LLM
+from tests.frontend import test_parity_hf as common
 from tests.frontend.test_parity_hf import (
     BLOCK_SIZE,
     GREEDY,
@@ -64,16 +65,9 @@ def test_batch_chunked_prefill_matches_hf(reference):
 
 
 def test_prefix_cache_hits_match_hf(reference):
-    with _llm(reference, enable_prefix_caching=True) as llm:
-        first = llm.generate(reference.prompts[4], GREEDY, use_tqdm=False)
-        _check(reference, first, [4])
-        rest = [5, 6, 0, 7]
-        outputs = llm.generate([reference.prompts[i] for i in rest], GREEDY, use_tqdm=False)
-        _check(reference, outputs, rest)
-        # Prompt 4's blocks were freed behind its window while it ran, but stay cached: both
-        # sharers still hit the two full blocks of the common prefix.
-        assert [o.num_cached_tokens for o in outputs[:2]] == [32, 32]
-        llm.check_all_free()
+    # Prompt 4's blocks are freed behind its window while it runs, but stay cached: both sharers
+    # must still hit the two full blocks of the common prefix, as the dense families do.
+    common.test_prefix_cache_hits_match_hf(reference)
 
 
 def test_requests_longer_than_the_whole_pool_match_hf(reference):
