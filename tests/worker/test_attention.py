@@ -96,16 +96,20 @@ def reference_attention(
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Dense causal attention of the request's queries over its full history, in float64; with a
     window W, query p sees only keys p - W + 1 .. p; ``sinks`` [heads] join each softmax as an
-    extra logit with a zero value (gpt-oss)."""
+    extra logit with a zero value (gpt-oss); ``softcap`` c maps each score s to c * tanh(s / c)
+    (Gemma 2)."""
     num_heads, num_kv_heads = request.query.shape[1], request.keys.shape[1]
     group = num_heads // num_kv_heads
     keys = request.keys.double().repeat_interleave(group, dim=1).transpose(0, 1)
     values = request.values.double().repeat_interleave(group, dim=1).transpose(0, 1)
     query = request.query.double().transpose(0, 1)
     scores = query @ keys.transpose(1, 2) * scale  # [heads, num_scheduled, seq_len]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     positions = request.num_computed + torch.arange(request.num_scheduled)
     distance = positions[:, None] - torch.arange(keys.shape[1])[None, :]
     visible = distance >= 0
@@ -258,6 +262,34 @@ def test_attention_sinks_match_dense_reference_on_mixed_batch(
     # The sinks matter: without them the same batch attends differently.
     plain = torch.cat([reference_attention(r, 0.25, sliding_window) for r in requests])
     assert not torch.allclose(plain.float(), expected.float(), atol=1e-3)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 13])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_a_logit_softcap_matches_dense_reference_on_mixed_batch(
+    make_backend, sliding_window, with_sinks
+):
+    requests, num_blocks = random_mixed_batch(9, 16, 8, 2, num_reqs=8)
+    # Large queries, so the scores spread past the cap and the tanh bends them.
+    for r in requests:
+        r.query.mul_(4.0)
+    sinks = torch.linspace(-2.0, 3.0, 8) if with_sinks else None
+    softcap = 2.5
+    backend = make_backend(decode_chunk_bytes=100 * 2 * 2 * HEAD_DIM * 4)
+    kv_cache = torch.zeros(TorchAttentionBackend.kv_cache_shape(num_blocks, 16, 2, HEAD_DIM))
+    for r in requests:
+        store_prefix(kv_cache, r, 16)
+    metadata, _, query, key, value = step_inputs(requests, 16)
+    output = backend.forward(
+        query, key, value, kv_cache, metadata, 0.25, sliding_window, sinks, softcap
+    )
+    expected = torch.cat(
+        [reference_attention(r, 0.25, sliding_window, sinks, softcap) for r in requests]
+    )
+    torch.testing.assert_close(output, expected.float(), atol=1e-5, rtol=1e-5)
+    assert_path_ran(backend, requests)
+    uncapped = torch.cat([reference_attention(r, 0.25, sliding_window, sinks) for r in requests])
+    assert not torch.allclose(uncapped.float(), expected.float(), atol=1e-3)
 
 
 def test_flash_attn_is_ruled_out_for_a_model_with_sinks():

@@ -72,10 +72,12 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads]
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write this step's keys and values into the cache, then attend (causal, GQA-aware).
 
         With ``sliding_window`` W a query at position p sees only the keys at p - W + 1 .. p.
         ``sinks`` (gpt-oss) is one logit per head that joins every softmax denominator with a
         zero value: attention may go "nowhere". Backends without them refuse at selection.
+        ``softcap`` c (Gemma 2) maps every score s (already scaled) to c * tanh(s / c).
         """

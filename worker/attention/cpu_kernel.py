@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_attention.c"
 # Must match CONVEYOR_ABI_VERSION in the source: a stale or foreign build is never called.
-ABI_VERSION = 5
+ABI_VERSION = 6
 # Must match the source's limits: rows per work item (query tokens x GQA group), head_dim (at
 # most MAX_HEAD_DIM, a multiple of HEAD_DIM_MULTIPLE: the kernel works on 8-float vectors).
 MAX_ROWS = 16
@@ -57,7 +57,7 @@ _ARGTYPES = [
     _ptr, _i64, _i64,  # query, token stride, head stride
     _ptr, _i32, _i64, _i32, _i32,  # kv_cache, num_kv_heads, num_blocks, block_size, head_dim
     _i32, _ptr, _i64,  # num_heads, block_table, block_table row stride
-    _ptr, _i32, _f32, _i32, _ptr,  # items, num_items, scale, sliding window (0: none), sinks
+    _ptr, _i32, _f32, _i32, _ptr, _f32,  # items, num, scale, window (0: none), sinks, softcap
     _ptr, _i64, _i32,  # output, output token stride, num_threads
 ]  # fmt: skip
 _WRITE_ARGTYPES = [
@@ -129,11 +129,13 @@ class PagedAttentionKernel:
         output: torch.Tensor,  # [num_tokens, num_heads, head_dim], dense
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] float32
+        softcap: float | None = None,
     ) -> None:
         """Write each item's query rows of ``output``; ``supports`` must hold for the inputs.
 
         With ``sliding_window`` W a query at position p reads only the keys at p - W + 1 .. p;
-        ``sinks`` (one logit per head) join every row's softmax denominator."""
+        ``sinks`` (one logit per head) join every row's softmax denominator; ``softcap`` c maps
+        each score s to c * tanh(s / c)."""
         if sinks is not None:
             sinks = sinks.detach().to(torch.float32).contiguous()
             if sinks.shape != (query.shape[1],):
@@ -148,7 +150,7 @@ class PagedAttentionKernel:
             kv_cache.data_ptr(), num_kv_heads, num_blocks, block_size, head_dim,
             query.shape[1], block_table.data_ptr(), block_table.stride(0),
             items.ctypes.data, len(items), scale, sliding_window or 0,
-            None if sinks is None else sinks.data_ptr(),
+            None if sinks is None else sinks.data_ptr(), softcap or 0.0,
             output.data_ptr(), output.stride(0), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:

@@ -62,6 +62,7 @@ class FlashAttnBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if sinks is not None:  # ruled out at selection (supports_sinks)
             raise ValueError("flash-attn 2 has no attention sinks")
@@ -85,6 +86,7 @@ class FlashAttnBackend(AttentionBackend):
             # flash-attn counts the keys left of the query's own: W - 1 for our window W. Keys
             # outside it are never read, so blocks freed behind the window are safe.
             window_size=(-1, -1) if sliding_window is None else (sliding_window - 1, 0),
+            softcap=softcap or 0.0,  # flash-attn >= 2.6; 0 means none
             block_table=metadata.block_table,
         )
         if num_tokens == query.shape[0]:

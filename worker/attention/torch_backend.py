@@ -14,6 +14,8 @@ context, each layer, each step) disappears. Where it cannot be built this file's
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -39,9 +41,9 @@ _CUDA_DECODE_CHUNK_BYTES = 64 << 20
 # matmuls. conveyor bench attention --query-lens, 8 chunks of 16 (bench model, AMD EPYC, 2
 # threads): kernel 1.2 ms vs SDPA 1.7 ms at ctx 256, even at ctx 1024; longer chunks favour SDPA.
 _KERNEL_MAX_QUERY_LEN = 16
-# Query rows per score matrix when attention sinks force the scores to be materialised (SDPA has
-# no sink): bounds the matrix to heads x 256 x context floats however long the chunk.
-_SINK_QUERY_CHUNK = 256
+# Query rows per score matrix when attention sinks or a logit soft-cap force the scores to be
+# materialised (SDPA has neither): bounds it to heads x 256 x context floats for any chunk.
+_EXPLICIT_QUERY_CHUNK = 256
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -78,6 +80,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
         kernel = self._kernel_for(query, kv_cache)
@@ -102,15 +105,26 @@ class TorchAttentionBackend(AttentionBackend):
                 output,
                 sliding_window,
                 sinks,
+                softcap,
             )
         workspace = self._decode_workspace(plan, kv_cache)
+        scores = _ScoreChanges.of(sinks, softcap)
         for chunk in plan.decode_chunks:
             _attend_decode_chunk(
-                query, kv_cache, metadata, chunk, scale, output, workspace, sliding_window, sinks
+                query, kv_cache, metadata, chunk, scale, output, workspace, sliding_window, scores
             )
         for request in plan.prefill_requests:
             _attend_prefill(
-                query, key, value, kv_cache, metadata, request, scale, output, sliding_window, sinks
+                query,
+                key,
+                value,
+                kv_cache,
+                metadata,
+                request,
+                scale,
+                output,
+                sliding_window,
+                scores,
             )
         return output
 
@@ -223,7 +237,7 @@ def _attend_decode_chunk(
     output: torch.Tensor,
     workspace: torch.Tensor | None,
     sliding_window: int | None = None,
-    sinks: torch.Tensor | None = None,
+    scores: _ScoreChanges | None = None,
 ) -> None:
     num_seqs = chunk.token_ids.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
@@ -235,13 +249,15 @@ def _attend_decode_chunk(
     # Windowed: the gather still starts at block 0 (a chunk pads every member to one length),
     # and the mask hides what lies behind each member's window, blocks since reused included.
     mask = chunk.mask if sliding_window is None else chunk.window_mask(sliding_window)
-    if sinks is None:
+    if scores is None:
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale
         )
     else:  # [kv_heads, num_seqs, group, head_dim] queries: the sink of head (kv_head, g)
-        sink = sinks.view(num_kv_heads, 1, -1, 1)
-        out = _attention_with_sinks(q.transpose(0, 1), keys, values, mask, scale, sink)
+        sink = None if scores.sinks is None else scores.sinks.view(num_kv_heads, 1, -1, 1)
+        out = _explicit_attention(
+            q.transpose(0, 1), keys, values, mask, scale, sink, scores.softcap
+        )
     output.index_copy_(0, chunk.token_ids, out.transpose(0, 1).reshape(num_seqs, -1, head_dim))
 
 
@@ -255,21 +271,21 @@ def _attend_prefill(
     scale: float,
     output: torch.Tensor,
     sliding_window: int | None = None,
-    sinks: torch.Tensor | None = None,
+    scores: _ScoreChanges | None = None,
 ) -> None:
     start, end, seq_len = request.query_start, request.query_end, request.seq_len
     query_len = end - start
     q = query[start:end].transpose(0, 1).unsqueeze(0)
     if sliding_window is not None and seq_len > sliding_window:
         _attend_prefill_windowed(
-            query, kv_cache, metadata, request, scale, output, sliding_window, sinks
+            query, kv_cache, metadata, request, scale, output, sliding_window, scores
         )
         return
     if seq_len == query_len:
         # Nothing cached before this chunk: its own keys are the whole context, no gather.
         keys = key[start:end].transpose(0, 1).unsqueeze(0)
         values = value[start:end].transpose(0, 1).unsqueeze(0)
-        out = _prefill_attention(q, keys, values, None, scale, sinks)
+        out = _prefill_attention(q, keys, values, None, scale, scores)
     else:
         block_ids = metadata.block_table[request.req_id, : request.num_blocks]
         keys, values = _gather_blocks(kv_cache, block_ids, 1)
@@ -277,7 +293,7 @@ def _attend_prefill(
         # Causal with the cached prefix in front: query i sees keys 0 .. seq_len - query_len + i.
         mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device)
         mask = mask.tril(seq_len - query_len)
-        out = _prefill_attention(q, keys, values, mask, scale, sinks)
+        out = _prefill_attention(q, keys, values, mask, scale, scores)
     output[start:end] = out[0].transpose(0, 1)
 
 
@@ -289,7 +305,7 @@ def _attend_prefill_windowed(
     scale: float,
     output: torch.Tensor,
     window: int,
-    sinks: torch.Tensor | None = None,
+    scores: _ScoreChanges | None = None,
 ) -> None:
     """A prompt chunk under a sliding window: query i (position p) sees keys p - window + 1 .. p.
 
@@ -311,7 +327,7 @@ def _attend_prefill_windowed(
     distance = query_positions - key_positions
     mask = (distance >= 0) & (distance < window)
     q = query[start:end].transpose(0, 1).unsqueeze(0)
-    out = _prefill_attention(q, keys, values, mask, scale, sinks)
+    out = _prefill_attention(q, keys, values, mask, scale, scores)
     output[start:end] = out[0].transpose(0, 1)
 
 
@@ -321,10 +337,10 @@ def _prefill_attention(
     values: torch.Tensor,
     mask: torch.Tensor | None,  # [query_len, num_keys] bool; None: causal, num_keys == query_len
     scale: float,
-    sinks: torch.Tensor | None,  # [heads]
+    scores: _ScoreChanges | None,
     repeat_kv_heads: bool | None = None,
 ) -> torch.Tensor:
-    if sinks is None:
+    if scores is None:
         if mask is None:
             return F.scaled_dot_product_attention(
                 q, keys, values, is_causal=True, scale=scale, enable_gqa=True
@@ -348,29 +364,46 @@ def _prefill_attention(
     # GQA without copies: each KV head's group of query heads as one batch entry.
     grouped = q[0].view(num_kv_heads, -1, query_len, head_dim)
     keys, values = keys[0].unsqueeze(1), values[0].unsqueeze(1)
-    sink = sinks.view(num_kv_heads, -1, 1, 1)
+    sink = None if scores.sinks is None else scores.sinks.view(num_kv_heads, -1, 1, 1)
     out = torch.empty_like(grouped)
-    for first in range(0, query_len, _SINK_QUERY_CHUNK):
-        rows = slice(first, first + _SINK_QUERY_CHUNK)
-        out[:, :, rows] = _attention_with_sinks(
-            grouped[:, :, rows], keys, values, mask[rows], scale, sink
+    for first in range(0, query_len, _EXPLICIT_QUERY_CHUNK):
+        rows = slice(first, first + _EXPLICIT_QUERY_CHUNK)
+        out[:, :, rows] = _explicit_attention(
+            grouped[:, :, rows], keys, values, mask[rows], scale, sink, scores.softcap
         )
     return out.view(1, num_heads, query_len, head_dim)
 
 
-def _attention_with_sinks(
+def _explicit_attention(
     q: torch.Tensor,  # [..., query_len, head_dim]
     keys: torch.Tensor,  # [..., num_keys, head_dim], broadcasting against q's leading dims
     values: torch.Tensor,
     visible: torch.Tensor | None,  # bool, broadcasting to [..., query_len, num_keys]
     scale: float,
-    sink: torch.Tensor,  # broadcasting to [..., query_len, 1]
+    sink: torch.Tensor | None,  # broadcasting to [..., query_len, 1]
+    softcap: float | None,
 ) -> torch.Tensor:
-    """Softmax attention whose denominator also counts a sink logit (with a zero value), as
-    gpt-oss defines it. Materialises the scores: SDPA has no sink."""
+    """Softmax attention over materialised scores, for what SDPA cannot do: a soft-cap (Gemma 2:
+    s -> c * tanh(s / c)) and a sink logit joining the denominator with a zero value (gpt-oss)."""
     scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     if visible is not None:
         scores.masked_fill_(~visible, float("-inf"))
-    sink = sink.to(scores.dtype).expand(*scores.shape[:-1], 1)
-    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    if sink is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        sink = sink.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
     return torch.matmul(probs.to(values.dtype), values)
+
+
+class _ScoreChanges(NamedTuple):
+    """What a layer changes in the scores, forcing the explicit path; None when nothing does."""
+
+    sinks: torch.Tensor | None
+    softcap: float | None
+
+    @staticmethod
+    def of(sinks: torch.Tensor | None, softcap: float | None) -> _ScoreChanges | None:
+        return None if sinks is None and softcap is None else _ScoreChanges(sinks, softcap)

@@ -9,6 +9,8 @@ requests (which query attends to which keys, where keys go in the cache) is in t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -25,6 +27,7 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         has_sinks: bool = False,
         tp_rank: int = 0,
+        logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
@@ -37,17 +40,30 @@ class Attention(nn.Module):
         # convention: the window counts the query's own key); None: every earlier key.
         self.sliding_window = sliding_window
         self.tp_rank = tp_rank
+        # Gemma 2: each score s becomes c * tanh(s / c) before the softmax.
+        self.logit_softcap = logit_softcap
         self.sinks: nn.Parameter | None = None
         if has_sinks:
             self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
             self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
+        # Set only while the runner captures CUDA graphs (worker/cuda_graphs.py): the model's
+        # graphs are cut at every attention call, which runs outside them.
+        self.graph_split: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         """q [T, H*D], k and v [T, KV*D] (or already [T, heads, D]; views are fine) -> [T, H*D]."""
+        if self.graph_split is not None:
+            return self.graph_split(self, q, k, v, metadata)
+        return self.attend(q, k, v, metadata)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """The attention itself (what ``forward`` does outside graph capture)."""
         if self.backend is None or self.kv_cache is None:
             raise RuntimeError("attention layer used before the runner bound its backend and cache")
         num_tokens = q.shape[0]
@@ -60,6 +76,7 @@ class Attention(nn.Module):
             self.scale,
             self.sliding_window,
             self.sinks,
+            self.logit_softcap,
         )
         return output.reshape(num_tokens, self.num_heads * self.head_dim)
 

@@ -15,7 +15,8 @@
  * its first row's first visible key, so keys behind every row's window are never read (their
  * blocks may already belong to another request). Attention sinks (a per-head logit that joins
  * every row's softmax denominator with a zero value, gpt-oss) start each row's running max at the
- * sink and its sum at 1: the online softmax then folds the sink in as one more key.
+ * sink and its sum at 1: the online softmax then folds the sink in as one more key. A logit
+ * soft-cap (Gemma 2) maps every score s to c * tanh(s / c) before the softmax.
  *
  * Arithmetic is on 8-float vectors (GCC/clang vector extensions: AVX on x86 with -march=native,
  * pairs of SSE/NEON registers otherwise), so head_dim must be a multiple of 8. Written out rather
@@ -26,7 +27,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define CONVEYOR_ABI_VERSION 5
+#define CONVEYOR_ABI_VERSION 6
 #define MAX_ROWS 16
 #define MAX_HEAD_DIM 256
 #define LANES 8
@@ -57,6 +58,7 @@ typedef struct {
     float scale;
     int window; /* 0: every earlier key */
     const float *sinks; /* per query head, natural-log units; NULL: none */
+    float softcap; /* natural-log units; 0: none */
     float *output;
     int64_t output_token_stride;
 } attention_args;
@@ -123,7 +125,7 @@ typedef struct {
  * starts a new block, at an address the hardware prefetcher cannot guess. */
 static inline __attribute__((always_inline)) void score_keys(
     tile_state *st, int num_rows, const float *keys, int num_keys, const float *next_keys,
-    const float *next_values, const int D) {
+    const float *next_values, const float cap, const int D) {
     for (int t = 0; t < num_keys; t++) {
         const float *k = keys + (int64_t)t * D;
         if (next_keys != NULL) {
@@ -141,7 +143,10 @@ static inline __attribute__((always_inline)) void score_keys(
                 odd += st->q[r][j + 1] * load(k + (j + 1) * LANES);
             }
             if (j < D / LANES) even += st->q[r][j] * load(k + j * LANES);
-            st->p[r][t / LANES][t % LANES] = hsum(even + odd);
+            float score = hsum(even + odd);
+            /* cap is in the scores' log2 units: c * tanh(s / c) scales with them. */
+            if (cap > 0.0f) score = cap * tanhf(score / cap);
+            st->p[r][t / LANES][t % LANES] = score;
         }
     }
 }
@@ -279,7 +284,7 @@ static inline __attribute__((always_inline)) int attend_item(
         if (pos + num < num_keys
             && !locate_keys(a, blocks, kv_head, pos + num, D, &next_keys, &next_values))
             return CONVEYOR_BAD_BLOCK;
-        score_keys(&st, num_rows, keys, num, next_keys, next_values, D);
+        score_keys(&st, num_rows, keys, num, next_keys, next_values, a->softcap * LOG2E, D);
         for (int r = 0; r < num_rows; r++) softmax_row(&st, r, num, pos, D);
         accumulate_values(&st, num_rows, values, num, D);
         pos += num;
@@ -307,17 +312,17 @@ int conveyor_paged_attention(
     const float *kv_cache, int num_kv_heads, int64_t num_blocks, int block_size, int head_dim,
     int num_heads, const int32_t *block_table, int64_t block_table_stride,
     const int32_t *items, int num_items, float scale, int window, const float *sinks,
-    float *output,
+    float softcap, float *output,
     int64_t output_token_stride, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 || head_dim % LANES
-        || head_dim > MAX_HEAD_DIM || block_size <= 0 || window < 0)
+        || head_dim > MAX_HEAD_DIM || block_size <= 0 || window < 0 || softcap < 0.0f)
         return CONVEYOR_BAD_SHAPE;
     const int group = num_heads / num_kv_heads;
     for (int i = 0; i < num_items; i++)
         if (items[i * ITEM_FIELDS + ITEM_NUM_QUERIES] * group > MAX_ROWS) return CONVEYOR_BAD_SHAPE;
     attention_args a = {query, query_token_stride, query_head_stride, kv_cache, num_blocks,
                         num_kv_heads, block_size, head_dim, num_heads, block_table,
-                        block_table_stride, scale, window, sinks, output,
+                        block_table_stride, scale, window, sinks, softcap, output,
                         output_token_stride};
     int status = CONVEYOR_OK;
     const int64_t num_pairs = (int64_t)num_items * num_kv_heads;
