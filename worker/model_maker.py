@@ -76,6 +76,8 @@ ARCHITECTURES = {
     # Gemma 3 text: (1 + w) norms, four per layer, GeGLU, scaled embedding, two sliding-window
     # layers then a global one, each kind with its own RoPE.
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    # Gemma 2: Gemma 3's block without q/k norms, one RoPE, and a soft-cap on attention logits.
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     # Mixtures of experts: Qwen3-MoE (a dense first layer, sparse after) and Mixtral.
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "mixtral": ("MixtralForCausalLM", "mixtral"),
@@ -151,8 +153,11 @@ def model_config(size: str = "tiny", arch: str = "qwen3") -> dict[str, Any]:
         config["sliding_window"] = MISTRAL_SLIDING_WINDOW
     if arch == "phi3":
         config.update(_phi3_config())
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma2"):
         config.update(_gemma3_config(size))
+        if arch == "gemma2":
+            del config["rope_local_base_freq"]
+            config.update(_gemma2_changes())
         del config["hidden_act"]  # Gemma names it hidden_activation
     if arch in ("qwen3_moe", "mixtral"):
         config.update(_moe_config(arch, config["intermediate_size"]))
@@ -307,6 +312,17 @@ def _fused_phi3_weights(
     return fused
 
 
+def _gemma2_changes() -> dict[str, Any]:
+    return {
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        # Low enough that the tiny model's attention logits (spread ~QK_GAIN**2) reach it, so a
+        # missing cap shows (released Gemma 2: 50 on attention, 30 on the final logits).
+        "attn_logit_softcapping": 8.0,
+        "final_logit_softcapping": 30.0,
+    }
+
+
 def _gemma3_layer_weights(
     config: dict[str, Any], generator: torch.Generator
 ) -> dict[str, torch.Tensor]:
@@ -317,18 +333,25 @@ def _gemma3_layer_weights(
     q_size = config["num_attention_heads"] * head_dim
     kv_size = config["num_key_value_heads"] * head_dim
     inter = config["intermediate_size"]
+    # Gemma 3's q/k norms set the spread of the attention logits; Gemma 2 has none, so its
+    # projections do, as the Llama-style families' do.
+    qk_norm = config["model_type"] == "gemma3_text"
+    qk_std = (1.0 if qk_norm else QK_GAIN) / math.sqrt(hidden)
 
     def norm(size: int, scale: float) -> torch.Tensor:
         return _around((size,), scale, generator) - 1.0
 
-    return {
+    weights = {
         "input_layernorm.weight": norm(hidden, 1.0),
-        "self_attn.q_proj.weight": _normal((q_size, hidden), 1 / math.sqrt(hidden), generator),
-        "self_attn.k_proj.weight": _normal((kv_size, hidden), 1 / math.sqrt(hidden), generator),
+        "self_attn.q_proj.weight": _normal((q_size, hidden), qk_std, generator),
+        "self_attn.k_proj.weight": _normal((kv_size, hidden), qk_std, generator),
         "self_attn.v_proj.weight": _normal((kv_size, hidden), 1 / math.sqrt(hidden), generator),
         "self_attn.o_proj.weight": _normal((hidden, q_size), 1 / math.sqrt(q_size), generator),
-        "self_attn.q_norm.weight": norm(head_dim, QK_NORM_GAIN),
-        "self_attn.k_norm.weight": norm(head_dim, QK_NORM_GAIN),
+    }
+    if qk_norm:
+        weights["self_attn.q_norm.weight"] = norm(head_dim, QK_NORM_GAIN)
+        weights["self_attn.k_norm.weight"] = norm(head_dim, QK_NORM_GAIN)
+    return weights | {
         "post_attention_layernorm.weight": norm(hidden, GEMMA3_ATTENTION_OUT_SCALE),
         "pre_feedforward_layernorm.weight": norm(hidden, 1.0),
         "mlp.gate_proj.weight": _normal((inter, hidden), 1 / math.sqrt(hidden), generator),
@@ -383,7 +406,7 @@ def _sparse_mlp_weights(
 def make_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights under Hugging Face tensor names, the same for the same config and seed."""
     generator = torch.Generator().manual_seed(seed)
-    if config["model_type"] == "gemma3_text":
+    if config["model_type"] in ("gemma3_text", "gemma2"):
         return {name: t.contiguous() for name, t in _gemma3_weights(config, generator).items()}
     vocab, hidden = config["vocab_size"], config["hidden_size"]
     tensors = {"model.embed_tokens.weight": _normal((vocab, hidden), 1.0, generator)}
@@ -475,7 +498,11 @@ def write_model_dir(
     }
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation_config)
-    save_file(make_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = make_weights(config, seed)
+    if config["torch_dtype"] != "float32":  # the weights are drawn in float32, then rounded
+        dtype = getattr(torch, config["torch_dtype"])
+        weights = {name: tensor.to(dtype) for name, tensor in weights.items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 

@@ -1,7 +1,8 @@
-"""Greedy parity with transformers for Phi-3 and Gemma 3, through the engine.
+"""Greedy parity with transformers for Phi-3, Gemma 3 and Gemma 2, through the engine.
 
-Both generated models window their attention: Phi-3 every layer (20 tokens), Gemma 3 two
-sliding layers (24 tokens) then a global one. The checks are test_parity_hf.py's, run twice:
+The generated models window their attention: Phi-3 every layer (20 tokens), Gemma 3 and Gemma 2
+two sliding layers (24 tokens) then a global one; Gemma 2 also caps its attention logits. The
+checks are test_parity_hf.py's, run twice:
 
 - Within the window, on a copy of each model whose window is out of reach of every prompt: the
   rest of each family (Phi-3's fused checkpoint tensors and partial rotary; Gemma's (1 + w)
@@ -28,7 +29,7 @@ from tests.frontend.test_parity_hf import NUM_NEW_TOKENS, PROMPT_LENGTHS, Refere
 from tests.worker.test_phi3_gemma3 import LONGROPE
 from worker.model_maker import MAX_POSITION_EMBEDDINGS, ensure_model, model_config
 
-FAMILIES = ("phi3", "gemma3")
+FAMILIES = ("phi3", "gemma3", "gemma2")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -85,6 +86,17 @@ def test_longrope_with_partial_rotary_matches_hf_within_the_original_context(
         "phi3", tmp_path_factory, rope_scaling=LONGROPE, max_position_embeddings=16384
     )
     common.test_batch_of_mixed_lengths_matches_hf(_reference(model_dir, hf_model))
+
+
+def test_gemma2s_attention_softcap_changes_hfs_tokens(hf_model, tmp_path_factory):
+    """Gemma 2's parity (every test here, family gemma2) means something for the cap on the
+    attention logits: without it HF itself continues differently."""
+    capped = _reference(_edited_copy("gemma2", tmp_path_factory), hf_model)
+    uncapped = _reference(
+        _edited_copy("gemma2", tmp_path_factory, attn_logit_softcapping=None), hf_model
+    )
+    assert capped.config["attn_logit_softcapping"] is not None
+    assert capped.tokens != uncapped.tokens
 
 
 def test_final_logit_softcapping_matches_hf(hf_model, tmp_path_factory):

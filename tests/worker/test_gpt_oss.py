@@ -74,3 +74,11 @@ def test_missing_or_unpaired_expert_tensors_are_refused(tmp_path):
     _rewrite(source, tmp_path / "missing", drop_both)
     with pytest.raises(ModelLoadError, match="down_proj_blocks"):
         load_model(str(tmp_path / "missing"), torch.float32, CPU)
+
+
+def test_greedy_output_depends_on_the_whole_context(hf_model):
+    from tests.worker import test_model_maker
+
+    test_model_maker.test_greedy_output_depends_on_the_whole_context(
+        ensure_model("tiny", "gpt_oss"), hf_model
+    )

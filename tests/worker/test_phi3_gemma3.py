@@ -33,7 +33,8 @@ from worker.models.decoder import head_dim_of, kv_sliding_window, layer_sliding_
 
 CPU = torch.device("cpu")
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 3, 5
-ARCHS = ("phi3", "gemma3")
+ARCHS = ("phi3", "gemma3", "gemma2")
+CLASSES = {"phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -44,7 +45,7 @@ def test_transformers_loads_every_generated_tensor(arch: str):
         ensure_model("tiny", arch), dtype=torch.float32, output_loading_info=True
     )
     assert not any(info.values()), info  # missing, unexpected, mismatched, errors
-    assert type(model).__name__ == {"phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[arch]
+    assert type(model).__name__ == CLASSES[arch]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -237,7 +238,7 @@ def test_gelu_and_mul_is_gemmas_mlp_activation():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
         ({"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported"),
     ],
 )

@@ -1,4 +1,6 @@
-"""Gemma 3, text only (``Gemma3ForCausalLM``, model_type ``gemma3_text``: the 1B model).
+"""Gemma 3, text only (``Gemma3ForCausalLM``, model_type ``gemma3_text``: the 1B model), and
+Gemma 2 (``Gemma2ForCausalLM``), the same block without q/k norms, with one RoPE for every layer
+and a soft-cap on the attention logits.
 
 Runs in worker processes. The block differs from Llama's enough to be written out here:
 
@@ -14,8 +16,10 @@ Runs in worker processes. The block differs from Llama's enough to be written ou
   ``rope_theta`` with its scaling (linear, factor 8, on the larger models), sliding layers the
   local base (``rope_local_base_freq``). transformers 5 keeps both in ``rope_parameters`` keyed by
   layer kind; the model looks up both tables once per step.
-- ``final_logit_softcapping`` (None in Gemma 3, 30 in Gemma 2) caps the logits: c * tanh(x / c).
-  A softcap on the attention logits (``attn_logit_softcapping``) is refused.
+- ``final_logit_softcapping`` (None in Gemma 3, 30 in Gemma 2) caps the logits: c * tanh(x / c);
+  ``attn_logit_softcapping`` (Gemma 2: 50) caps each attention score the same way, in every
+  backend (the CPU kernel per score, the torch path on materialised scores, flash-attn's
+  ``softcap``).
 
 The selective-batching layout is the decoder's: every op but attention on the flat token stream,
 the residual add folded into the next norm, and ``output_rows`` finishing only the sampled rows.
@@ -50,8 +54,6 @@ SLIDING, GLOBAL = "sliding_attention", "full_attention"
 
 def check_supported(config: Any) -> None:
     """Refuse, at load, the settings transformers honours and we do not."""
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise ValueError("attn_logit_softcapping is not supported (Gemma 3 sets it to null)")
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention is not supported (causal attention only)")
     activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
@@ -60,7 +62,14 @@ def check_supported(config: Any) -> None:
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, config: Any, tp_rank: int, tp_size: int, sliding_window: int | None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        tp_rank: int,
+        tp_size: int,
+        sliding_window: int | None,
+        qk_norm: bool = True,
+    ) -> None:
         super().__init__()
         head_dim = head_dim_of(config)
         self.head_dim = head_dim
@@ -77,8 +86,10 @@ class Gemma3Attention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * head_dim, config.hidden_size, bias, tp_rank, tp_size
         )
-        self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
         # The q and k norm scales side by side, one row per head: [heads + kv_heads, head_dim].
         self.qk_norm_scale: torch.Tensor | None = None
         self.attn = Attention(
@@ -87,10 +98,12 @@ class Gemma3Attention(nn.Module):
             head_dim,
             config.query_pre_attn_scalar**-0.5,
             sliding_window,
+            logit_softcap=getattr(config, "attn_logit_softcapping", None),
         )
 
     def process_weights_after_loading(self) -> None:
-        self.qk_norm_scale = self._stacked_qk_norm_scale()
+        if self.qk_norm:
+            self.qk_norm_scale = self._stacked_qk_norm_scale()
 
     def _stacked_qk_norm_scale(self) -> torch.Tensor:
         num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
@@ -106,10 +119,13 @@ class Gemma3Attention(nn.Module):
         num_tokens, q_size, kv_size = qkv.shape[0], self.qkv_proj.q_size, self.qkv_proj.kv_size
         # Queries and keys side by side: one norm and one rotation for both (see decoder.py).
         qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
-        scale = self.qk_norm_scale
-        if scale is None:  # weights loaded without process_weights_after_loading
-            scale = self._stacked_qk_norm_scale()
-        qk = rotate_(gemma_rms_normalize(qk, scale, self.q_norm.eps), angles)
+        if self.qk_norm:
+            scale = self.qk_norm_scale
+            if scale is None:  # weights loaded without process_weights_after_loading
+                scale = self._stacked_qk_norm_scale()
+            qk = gemma_rms_normalize(qk, scale, self.q_norm.eps)
+        # In place: qk is the fresh norm output or a slice of qkv, this layer's own buffer.
+        qk = rotate_(qk, angles)
         num_heads = self.qkv_proj.num_heads
         v = qkv[:, q_size + kv_size :]
         return self.attn(qk[:, :num_heads], qk[:, num_heads:], v, metadata)
@@ -132,11 +148,18 @@ class Gemma3MLP(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: Any, tp_rank: int, tp_size: int, sliding_window: int | None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        tp_rank: int,
+        tp_size: int,
+        sliding_window: int | None,
+        qk_norm: bool = True,
+    ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
-        self.self_attn = Gemma3Attention(config, tp_rank, tp_size, sliding_window)
+        self.self_attn = Gemma3Attention(config, tp_rank, tp_size, sliding_window, qk_norm)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.mlp = Gemma3MLP(config, tp_rank, tp_size)
@@ -168,7 +191,7 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, config: Any, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: Any, tp_rank: int, tp_size: int, qk_norm: bool = True) -> None:
         super().__init__()
         check_supported(config)
         self.embed_tokens = VocabParallelEmbedding(
@@ -192,7 +215,7 @@ class Gemma3Model(nn.Module):
         windows = layer_sliding_windows(config)
         self.layer_kinds = [GLOBAL if window is None else SLIDING for window in windows]
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, tp_rank, tp_size, window) for window in windows
+            Gemma3DecoderLayer(config, tp_rank, tp_size, window, qk_norm) for window in windows
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -231,3 +254,12 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         if cap is not None:  # in the model dtype, as transformers does, before the float cast
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2 (2B, 9B, 27B): Gemma 3's block without q/k norms. Its one RoPE is read for both
+    layer kinds (``rope_parameters`` is not nested by kind), and its ``attn_logit_softcapping``
+    reaches every attention layer."""
+
+    def build_model(self, hf_config: Any, tp_rank: int, tp_size: int) -> nn.Module:
+        return Gemma3Model(hf_config, tp_rank, tp_size, qk_norm=False)

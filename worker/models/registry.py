@@ -6,7 +6,7 @@ Runs in worker processes.
 from __future__ import annotations
 
 from worker.models.decoder import DecoderForCausalLM
-from worker.models.gemma3 import Gemma3ForCausalLM
+from worker.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from worker.models.gpt_oss import GptOssForCausalLM
 from worker.models.llama import LlamaForCausalLM, MistralForCausalLM
 from worker.models.mixtral import MixtralForCausalLM
@@ -24,6 +24,7 @@ MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
 }
 
