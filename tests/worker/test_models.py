@@ -33,7 +33,16 @@ class DenseAttention(AttentionBackend):
         return (0,)
 
     def forward(
-        self, query, key, value, kv_cache, metadata, scale, sliding_window=None, sinks=None
+        self,
+        query,
+        key,
+        value,
+        kv_cache,
+        metadata,
+        scale,
+        sliding_window=None,
+        sinks=None,
+        softcap=None,
     ):
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_cpu
@@ -45,6 +54,8 @@ class DenseAttention(AttentionBackend):
             k = key[s:e].repeat_interleave(group, dim=1).transpose(0, 1)
             v = value[s:e].repeat_interleave(group, dim=1).transpose(0, 1)
             scores = (q @ k.transpose(1, 2)) * scale
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
             hidden = torch.ones(e - s, e - s, dtype=torch.bool).triu(1)
             if sliding_window is not None:
                 hidden |= torch.ones(e - s, e - s, dtype=torch.bool).tril(-sliding_window)
