@@ -8,7 +8,9 @@ Sections:
           x @ W^T pre-transposed, oneDNN with the weight packed once (what the layers use for
           small batches), MKL packed for one exact batch size.
   ops     the small ops, the straightforward version (as Hugging Face writes them) against ours:
-          residual add + RMSNorm, q/k head norms + RoPE, SiLU * up.
+          residual add + RMSNorm, q/k head norms + RoPE, SiLU * up; with --compile also ours
+          through torch.compile (static shapes, one compile per row count: minutes); with
+          --device cuda the ops run on the GPU in bfloat16 (the other sections are CPU only).
   model   one forward with a stub attention that only copies q (so the time is everything but
           attention), decode-sized and prefill-sized, with and without packed weights, and the
           LM head on 64 rows.
@@ -40,22 +42,31 @@ from worker.worker import keep_freed_memory_in_heap
 EPS = 1e-6
 
 
-def best_of(variants: dict[str, Callable[[], object]], budget_s: float) -> dict[str, float]:
-    """Seconds per call of each variant: the best of interleaved rounds within ~budget_s."""
+def best_of(
+    variants: dict[str, Callable[[], object]],
+    budget_s: float,
+    sync: Callable[[], None] = lambda: None,
+) -> dict[str, float]:
+    """Seconds per call of each variant: the best of interleaved rounds within ~budget_s.
+    ``sync`` drains an asynchronous device before each clock read (CUDA)."""
     for fn in variants.values():  # warm-up: first-call allocations, oneDNN kernel creation
         fn()
         fn()
+    sync()
     start = time.perf_counter()
     for fn in variants.values():
         fn()
+    sync()
     one_round = max(time.perf_counter() - start, 1e-6)
     calls = max(1, int(budget_s / 12 / one_round))
     best = dict.fromkeys(variants, float("inf"))
     for _ in range(12):
         for name, fn in variants.items():
+            sync()
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
+            sync()
             best[name] = min(best[name], (time.perf_counter() - start) / calls)
     return best
 
@@ -147,29 +158,50 @@ def ours_qk_norm_rope(qkv, q_size, kv_size, head_dim, qk_weight, angles):
 
 
 class OpCases:
-    """The small ops of one layer of ``config``, reference and ours, at a given row count."""
+    """The small ops of one layer of ``config``, reference and ours (and ours compiled), at a
+    given row count."""
 
-    def __init__(self, config) -> None:
+    def __init__(
+        self,
+        config,
+        compile_ops: bool = False,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.device, self.dtype = torch.device(device), dtype
         hidden = config.hidden_size
         self.head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
         self.q_size = config.num_attention_heads * self.head_dim
         self.kv_size = config.num_key_value_heads * self.head_dim
         self.inter = config.intermediate_size
-        self.rope = RotaryEmbedding.from_config(config, self.head_dim)
-        self.norm = RMSNorm(hidden, EPS)
-        self.q_weight, self.k_weight = torch.rand(self.head_dim), torch.rand(self.head_dim)
+        self.rope = RotaryEmbedding.from_config(config, self.head_dim).to(device)
+        self.norm = RMSNorm(hidden, EPS).to(device, dtype)
+        self.q_weight, self.k_weight = (
+            torch.rand(self.head_dim, device=device, dtype=dtype) for _ in range(2)
+        )
         heads, kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
         self.qk_weight = torch.cat(
             [self.q_weight.expand(heads, -1), self.k_weight.expand(kv_heads, -1)]
         )
         self.act = SiluAndMul()
+        self.compiled = None
+        if compile_ops:
+            # Static shapes: the best case for generated kernels (no shape guards in them).
+            self.compiled = {
+                "add+rmsnorm": torch.compile(self.norm.forward, dynamic=False),
+                "qk norm+rope": torch.compile(ours_qk_norm_rope, dynamic=False),
+                "silu*up": torch.compile(self.act.forward, dynamic=False),
+            }
 
     def at(self, num_rows: int) -> dict[str, dict[str, Callable[[], object]]]:
-        x = torch.randn(num_rows, self.norm.weight.shape[0])
+        like = {"device": self.device, "dtype": self.dtype}
+        x = torch.randn(num_rows, self.norm.weight.shape[0], **like)
         residual = torch.randn_like(x)
-        qkv = torch.randn(num_rows, self.q_size + 2 * self.kv_size)
-        positions = torch.randint(0, min(self.rope.num_positions, 4096), (num_rows,))
-        gate_up = torch.randn(num_rows, 2 * self.inter)
+        qkv = torch.randn(num_rows, self.q_size + 2 * self.kv_size, **like)
+        positions = torch.randint(
+            0, min(self.rope.num_positions, 4096), (num_rows,), device=self.device
+        )
+        gate_up = torch.randn(num_rows, 2 * self.inter, **like)
         sizes = (self.q_size, self.kv_size, self.head_dim)
 
         def ours_rope():
@@ -178,7 +210,7 @@ class OpCases:
             return ours_qk_norm_rope(qkv, *sizes, self.qk_weight, angles)
 
         weights = (self.q_weight, self.k_weight, self.rope, positions)
-        return {
+        cases = {
             "add+rmsnorm": {
                 "reference": lambda: reference_add_norm(x, residual, self.norm.weight),
                 "ours": lambda: self.norm(x, residual),
@@ -192,14 +224,30 @@ class OpCases:
                 "ours": lambda: self.act(gate_up),
             },
         }
+        if self.compiled is not None:
+            compiled = self.compiled
+
+            def compiled_rope():
+                angles = self.rope.angles(positions, qkv.dtype)
+                return compiled["qk norm+rope"](qkv, *sizes, self.qk_weight, angles)
+
+            cases["add+rmsnorm"]["compiled"] = lambda: compiled["add+rmsnorm"](x, residual)
+            cases["qk norm+rope"]["compiled"] = compiled_rope
+            cases["silu*up"]["compiled"] = lambda: compiled["silu*up"](gate_up)
+        return cases
 
 
-def bench_ops(config, rows: list[int], budget_s: float) -> None:
-    print("\n== small ops: reference (HF-style) vs ours ==")
-    cases = OpCases(config)
+def bench_ops(
+    config, rows: list[int], budget_s: float, compile_ops: bool = False, device: str = "cpu"
+) -> None:
+    on_cuda = device == "cuda"
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    print(f"\n== small ops: reference (HF-style) vs ours, {device}, {dtype} ==")
+    cases = OpCases(config, compile_ops, device, dtype)
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     for num_rows in rows:
         for name, variants in cases.at(num_rows).items():
-            print_row(f"M={num_rows:<5d} {name}", best_of(variants, budget_s))
+            print_row(f"M={num_rows:<5d} {name}", best_of(variants, budget_s, sync))
 
 
 class CopyAttention(AttentionBackend):
@@ -211,7 +259,7 @@ class CopyAttention(AttentionBackend):
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
         return (0,)
 
-    def forward(self, query, key, value, kv_cache, metadata, scale):
+    def forward(self, query, key, value, kv_cache, metadata, scale, *window_sinks_softcap):
         return query.clone()
 
 
@@ -291,6 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--section", choices=("all", "matmul", "ops", "model"), default="all")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--budget", type=float, default=0.5, help="seconds per measurement")
+    parser.add_argument(
+        "--compile", action="store_true", help="ops section: also ours through torch.compile"
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="ops section: where they run"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     keep_freed_memory_in_heap()  # as the worker does: no page faults on reused buffers
@@ -301,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.section in ("all", "matmul"):
             bench_matmuls(config, rows, args.budget)
         if args.section in ("all", "ops"):
-            bench_ops(config, rows, args.budget)
+            bench_ops(config, rows, args.budget, args.compile, args.device)
         if args.section in ("all", "model"):
             bench_model(args.model, args.budget)
     return 0

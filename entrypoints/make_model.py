@@ -1,6 +1,6 @@
 """``conveyor make-model OUT``: a deterministic random-weight model in Hugging Face format.
 
-    conveyor make-model OUT --size tiny|small|bench [--arch ARCH] [--seed N]
+    conveyor make-model OUT --size tiny|small|bench|qwen3-0.6b [--arch ARCH] [--seed N]
 
 ARCH: qwen3 (default), qwen2, llama, mistral, phi3, gemma3, qwen3_moe, mixtral
 (worker/model_maker.py says what each exercises).
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         "--arch",
         choices=sorted(ARCHITECTURES),
         default="qwen3",
-        help="model family (tiny and small only; bench is Qwen3)",
+        help="model family (tiny and small only; bench and qwen3-0.6b are Qwen3)",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

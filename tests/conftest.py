@@ -3,6 +3,8 @@
 The models live under $CONVEYOR_CACHE when it is set, else under pytest's cache directory; the
 variable is set here for the whole session so subprocesses (servers, workers) find the same copy.
 Generation is safe when both pytest-xdist workers ask at once.
+
+The suite runs on the CPU unless CONVEYOR_TEST_DEVICE=cuda asks for the GPU (tests/devices.py).
 """
 
 from __future__ import annotations
@@ -13,11 +15,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.devices import check_cuda_run, pin_test_device
+
+# On import, before any test module initialises CUDA: every process of a CPU run sees no GPU.
+pin_test_device()
+
 ARCHS = ("qwen3", "qwen2", "llama")
 MOE_ARCHS = ("qwen3_moe", "mixtral")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    check_cuda_run(config)
     cache = getattr(config, "cache", None)
     if "CONVEYOR_CACHE" not in os.environ and cache is not None:
         os.environ["CONVEYOR_CACHE"] = str(cache.mkdir("conveyor-models"))

@@ -60,6 +60,9 @@ class InputBatch:
         # Block 0 is the KV manager's null block, so 0 is a safe pad for unused entries.
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int32)
+        # Rows whose block table changed since ``take_changed_block_rows``: the runner mirrors
+        # only those into its device copy of the table.
+        self._block_rows_changed = np.zeros(max_num_seqs, dtype=bool)
         self.num_reqs = 0
         self.req_ids: list[int] = []
         self.row_states: list[RequestState] = []
@@ -108,6 +111,7 @@ class InputBatch:
                 end = start + len(block_ids)
                 self.block_table[row, start:end] = block_ids
                 self.num_blocks[row] = end
+                self._block_rows_changed[row] = True
         self.num_computed_tokens[rows] = cached.num_computed_tokens
         self.num_scheduled_tokens[rows] = cached.num_scheduled_tokens
 
@@ -137,6 +141,7 @@ class InputBatch:
         self.block_table[row, : len(block_ids)] = block_ids
         self.block_table[row, len(block_ids) :] = 0
         self.num_blocks[row] = len(block_ids)
+        self._block_rows_changed[row] = True
         self.num_scheduled_tokens[row] = 0
         return row
 
@@ -163,6 +168,7 @@ class InputBatch:
                 self.block_table,
             ):
                 array[dst] = array[src]
+            self._block_rows_changed[dst] = True
             for hole, mover in zip(holes, movers):
                 self.req_ids[hole] = self.req_ids[mover]
                 self.row_states[hole] = self.row_states[mover]
@@ -190,6 +196,12 @@ class InputBatch:
 
     def prompt_token_ids(self, row: int) -> np.ndarray:
         return self.token_ids[row, : self.num_prompt_tokens[row]]
+
+    def take_changed_block_rows(self) -> np.ndarray:
+        """Rows whose block table changed since the last call (new, moved or given blocks)."""
+        rows = np.flatnonzero(self._block_rows_changed[: self.num_reqs])
+        self._block_rows_changed[:] = False
+        return rows
 
     def scheduled_rows(self) -> np.ndarray:
         """Rows with tokens this step, in row order: the order of the step's flat stream."""

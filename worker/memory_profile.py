@@ -3,7 +3,9 @@
 Runs in worker processes (CUDA only; on CPU the KV budget is a configured byte count). One
 forward at the full token budget, split into as many requests as the width cap allows, plus
 logits for every request, shows the activation peak; whatever the weights, that peak and other
-processes leave below ``gpu_memory_utilization`` of the device goes to KV blocks.
+processes leave below ``gpu_memory_utilization`` of the device goes to KV blocks. The decode
+CUDA graphs are captured right after that step (they never read the KV cache) and the memory they
+keep is subtracted too: graph memory is never available to anything else.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def run_worst_case_step(runner: ModelRunner) -> None:
 
 
 def profile_num_blocks(runner: ModelRunner, utilization: float) -> int:
-    """Run the worst-case step once; the KV blocks that fit in what it leaves free (CUDA)."""
+    """Run the worst-case step once, capture the decode graphs; the KV blocks that fit in what
+    both leave free (CUDA)."""
     torch.cuda.synchronize(runner.device)
     torch.cuda.reset_peak_memory_stats(runner.device)
     run_worst_case_step(runner)
@@ -69,4 +72,7 @@ def profile_num_blocks(runner: ModelRunner, utilization: float) -> int:
     # The peak includes the temporary cache; it is small (the dummy requests' blocks only).
     total, peak = measure_cuda_memory(runner.device)
     torch.cuda.empty_cache()
-    return num_blocks_for_cuda(total, peak, utilization, runner.bytes_per_block())
+    # Captured after the peak was read: the graphs' pool is held for good, on top of what a
+    # step's activations need, so the two add up.
+    graph_bytes = runner.capture_cuda_graphs()
+    return num_blocks_for_cuda(total, peak + graph_bytes, utilization, runner.bytes_per_block())

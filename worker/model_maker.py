@@ -63,7 +63,27 @@ SIZES: dict[str, dict[str, int]] = {
         intermediate_size=1536,
         vocab_size=8192,
     ),
+    # Qwen3-0.6B's shapes (about 0.6 B parameters, tied embeddings, bfloat16 on disk): what
+    # `conveyor gpu-check` measures on a GPU and the CUDA tests run at head_dim 128. Qwen3 only.
+    "qwen3-0.6b": dict(
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+    ),
 }
+# What the qwen3-0.6b size sets beyond SIZES, as Qwen3-0.6B's config.json has it.
+QWEN3_0_6B_EXTRA = {
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "torch_dtype": "bfloat16",
+}
+# The stdlib corpus trains at most about this many tokens; a larger vocabulary gets a tokenizer of
+# this size, its other embedding rows unused (as Qwen's own 151,936 rows hold 151,669 tokens).
+MAX_TOKENIZER_VOCAB = 8192
 ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
@@ -122,8 +142,8 @@ def model_config(size: str = "tiny", arch: str = "qwen3") -> dict[str, Any]:
         raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
-    if size == "bench" and arch != "qwen3":
-        raise ValueError("the bench model is Qwen3 only")
+    if size in ("bench", "qwen3-0.6b") and arch != "qwen3":
+        raise ValueError(f"the {size} model is Qwen3 only")
     architecture, model_type = ARCHITECTURES[arch]
     config: dict[str, Any] = {
         "architectures": [architecture],
@@ -144,6 +164,8 @@ def model_config(size: str = "tiny", arch: str = "qwen3") -> dict[str, Any]:
         "torch_dtype": "float32",
         "use_cache": True,
     }
+    if size == "qwen3-0.6b":
+        config.update(QWEN3_0_6B_EXTRA)
     if arch in ("qwen3", "qwen2", "qwen3_moe"):
         config.update(use_sliding_window=False, sliding_window=None)
         config["max_window_layers"] = config["num_hidden_layers"]
@@ -485,7 +507,8 @@ def write_model_dir(
     if any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty")
     config = model_config(size, arch)
-    special_ids = write_tokenizer(out, config["vocab_size"], MAX_POSITION_EMBEDDINGS)
+    num_tokens = min(config["vocab_size"], MAX_TOKENIZER_VOCAB)
+    special_ids = write_tokenizer(out, num_tokens, config["max_position_embeddings"])
     if (special_ids[ENDOFTEXT], special_ids[IM_END]) != (
         config["bos_token_id"],
         config["eos_token_id"],

@@ -1,24 +1,40 @@
 """The model runner: one worker's model, KV cache and persistent batch; runs one step at a time.
 
 Runs in worker processes. Each step: fold the scheduler's diff into the persistent batch, gather
-the flat token stream, run the model, compute logits only for requests that sample, sample, and
-append the sampled tokens to the worker's own mirror (they never come back from the engine).
+the flat token stream, build the sampling inputs, run the model (a decode-only step on CUDA
+replays captured graphs), compute logits only for requests that sample, sample, and append the
+sampled tokens to the worker's own mirror (they never come back from the engine).
+
+On CUDA a step never waits on the device but once: every input goes up asynchronously before the
+forward is launched, and the sampled tokens come down through an event (worker/device_buffers.py).
 """
 
 from __future__ import annotations
+
+import logging
+import time
+from typing import Any
 
 import torch
 
 from protocol import EngineConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from worker.attention.selector import select_backend
+from worker.cuda_graphs import DecodeGraphs, capture_decode_graphs, capture_sizes
+from worker.device_buffers import HostCopier
 from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_memory
 from worker.loader import load_model, resolve_dtype
 from worker.memory_profile import profile_num_blocks
-from worker.sampler import Sampler, logprobs_to_wire
-from worker.sampling_metadata import make_sampling_metadata
-from worker.step_inputs import prepare_step_inputs
+from worker.sampler import Sampler, SamplerOutput, logprobs_to_wire
+from worker.sampling_metadata import (
+    SamplingMetadata,
+    make_sampling_metadata,
+    with_grammar_bitmask,
+)
+from worker.step_inputs import StepInputBuffers, StepInputs
 from worker.structured_output import GrammarRuntime
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -48,6 +64,11 @@ class ModelRunner:
             max_blocks_per_req=-(-max_model_len // self.block_size),
             make_generator=self._make_generator,
         )
+        self.inputs = StepInputBuffers(self.batch, config.scheduler.max_num_batched_tokens, device)
+        self._host_copier = HostCopier(device)
+        # Captured while profiling memory on CUDA (capture_cuda_graphs); None: every step eager.
+        self.decode_graphs: DecodeGraphs | None = None
+        self.cuda_graph_bytes = 0
         self.num_blocks: int | None = None
         # Structured outputs, made when the first structured request arrives: its tokenizer
         # then loads on a thread while that request's prompt is computed (and never, for a
@@ -74,6 +95,51 @@ class ModelRunner:
         if self.device.type == "cuda":
             return profile_num_blocks(self, self.config.cache.gpu_memory_utilization)
         return num_blocks_for_memory(self.config.cache.kv_cache_memory, self.bytes_per_block())
+
+    def capture_cuda_graphs(self) -> int:
+        """Capture the decode graphs (CUDA, unless enforce_eager); the device bytes they keep.
+
+        Called by the memory profiler after its worst-case step and before the KV cache exists:
+        the graphs never read the cache, and the bytes returned are left out of its budget. A
+        model whose forward cannot be captured (an op that reads a device value on the host)
+        runs eagerly, with a warning saying why.
+        """
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return 0
+        sched = self.config.scheduler
+        sizes = capture_sizes(sched.max_num_seqs, sched.max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved(self.device)
+        start = time.perf_counter()
+        try:
+            self.decode_graphs = capture_decode_graphs(
+                self.model,
+                self.inputs.input_ids.device_tensor,
+                self.inputs.positions.device_tensor,
+                sizes,
+                self.block_size,
+            )
+        except Exception as error:  # capture refuses ops that sync; eager still works
+            logger.warning(
+                "CUDA graphs off, decode steps run eagerly: capturing the model failed (%s: %s)",
+                type(error).__name__,
+                error,
+            )
+            self.decode_graphs = None
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        kept = max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        self.cuda_graph_bytes = kept
+        if self.decode_graphs is not None:
+            logger.info(
+                "captured decode CUDA graphs for %d batch sizes (1 .. %d) in %.1f s, %.0f MiB",
+                len(sizes),
+                sizes[-1],
+                time.perf_counter() - start,
+                kept / (1 << 20),
+            )
+        return kept
 
     def kv_sliding_window(self) -> int | None:
         """How far back every layer attends (None: some layer sees the whole context)."""
@@ -109,20 +175,19 @@ class ModelRunner:
         rows = batch.scheduled_rows()
         if len(rows) == 0:
             return ModelRunnerOutput(step_id=scheduler_output.step_id)
-        inputs = prepare_step_inputs(batch, rows, self.block_size, self.device)
-        # Only the sampled rows leave the last layer: the rest only had to fill the KV cache.
-        hidden = self.model.forward(
-            inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices
-        )
-        sampling_rows = inputs.sampling_rows
-        if len(sampling_rows) == 0:
-            return ModelRunnerOutput(step_id=scheduler_output.step_id)
-        logits = self.model.compute_logits(hidden)
-        row_list = sampling_rows.tolist()
+        inputs = self.inputs.prepare(batch, rows, self.block_size)
+        row_list = inputs.sampling_rows.tolist()
         params = [batch.row_states[row].sampling_params for row in row_list]
-        output = self.sampler(logits, self._sampling_metadata(row_list, params))
-        sampled = output.sampled_token_ids.cpu().numpy()
-        batch.append_sampled(sampling_rows, sampled)
+        # The sampling inputs are built before the forward is launched: their uploads queue
+        # ahead of the model's kernels, and no host work stands between forward and sampler.
+        matchers, ended = self._grammar_matchers(row_list, params)
+        sampling = self._sampling_metadata(row_list, params, ended) if row_list else None
+        hidden = self._forward(inputs)
+        if sampling is None:
+            return ModelRunnerOutput(step_id=scheduler_output.step_id)
+        output = self._sample(hidden, sampling, matchers)
+        sampled = output.sampled_token_ids.numpy()
+        batch.append_sampled(inputs.sampling_rows, sampled)
         if any(p.grammar for p in params):
             for row, token_id in zip(row_list, sampled.tolist()):
                 matcher = batch.row_states[row].matcher
@@ -135,7 +200,36 @@ class ModelRunner:
             logprobs=logprobs_to_wire(output, [p.logprobs for p in params]),
         )
 
-    def _sampling_metadata(self, rows: list[int], params: list[SamplingParams]):
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states of the tokens that sample: a graph replay when one fits, else eager."""
+        graphs = self.decode_graphs
+        num_tokens = inputs.num_tokens
+        if graphs is not None and inputs.decode_only and graphs.padded_size(num_tokens):
+            hidden = graphs.run(num_tokens, inputs.metadata)
+            if inputs.every_token_samples:
+                return hidden
+            return hidden.index_select(0, inputs.logits_indices)
+        # Only the sampled rows leave the last layer: the rest only had to fill the KV cache.
+        return self.model.forward(
+            inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices
+        )
+
+    def _sample(
+        self, hidden: torch.Tensor, sampling: SamplingMetadata, matchers: list[tuple[int, Any]]
+    ) -> SamplerOutput:
+        """Logits, then the sampler; its output on the host."""
+        if matchers:
+            # The one sampling input filled after the forward was launched: the grammar masks
+            # are host work (Rust threads, GIL released) that overlaps the GPU's forward.
+            bitmask = self._grammars.bitmask(matchers)
+            grammar_rows = [i for i, _ in matchers]
+            sampling = with_grammar_bitmask(sampling, bitmask, grammar_rows, self.device)
+        logits = self.model.compute_logits(hidden)
+        return self._host_copier.to_host(self.sampler(logits, sampling))
+
+    def _sampling_metadata(
+        self, rows: list[int], params: list[SamplingParams], grammar_ended: set[int]
+    ) -> SamplingMetadata:
         batch = self.batch
         generators = {}
         for i, row in enumerate(rows):
@@ -151,7 +245,6 @@ class ModelRunner:
         num_output_tokens = None
         if any(p.min_tokens for p in params):
             num_output_tokens = (batch.num_tokens[rows] - batch.num_prompt_tokens[rows]).tolist()
-        bitmask, grammar_rows, ended = self._grammar_masks(rows, params)
         return make_sampling_metadata(
             params,
             generators,
@@ -161,18 +254,16 @@ class ModelRunner:
             self.device,
             num_output_tokens,
             self.config.model.eos_token_ids,
-            bitmask,
-            ended,
-            grammar_rows,
+            grammar_ended_rows=grammar_ended,
         )
 
-    def _grammar_masks(
+    def _grammar_matchers(
         self, rows: list[int], params: list[SamplingParams]
-    ) -> tuple[torch.Tensor | None, list[int], set[int]]:
-        """The step's grammar bitmask (None without structured rows), the rows it is for, and
-        the rows whose grammar is complete."""
+    ) -> tuple[list[tuple[int, Any]], set[int]]:
+        """(sampling row, matcher) of each structured row, and the rows whose grammar is
+        complete (min_tokens gives way to EOS there)."""
         if not any(p.grammar for p in params):
-            return None, [], set()
+            return [], set()
         if self._grammars is None:  # a request resumed into a worker that never saw it arrive
             self._grammars = self._make_grammar_runtime()
         matchers = []
@@ -182,8 +273,7 @@ class ModelRunner:
                 if state.matcher is None:
                     state.matcher = self._grammars.new_matcher(p.grammar)
                 matchers.append((i, state.matcher))
-        ended = {i for i, matcher in matchers if matcher.is_stopped()}
-        return self._grammars.bitmask(matchers), [i for i, _ in matchers], ended
+        return matchers, {i for i, matcher in matchers if matcher.is_stopped()}
 
     def _make_grammar_runtime(self) -> GrammarRuntime:
         model = self.config.model

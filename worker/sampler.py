@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from protocol.messages import Logprobs
+from worker.device_buffers import to_device
 from worker.sampling_metadata import SamplingMetadata, TokenConstraints
 from worker.structured_output import apply_bitmask
 
@@ -114,7 +115,9 @@ def apply_token_constraints(logits: torch.Tensor, constraints: TokenConstraints)
         rows, token_ids, values = constraints.bias
         logits.index_put_((rows, token_ids), values.to(logits.dtype), accumulate=True)
     if constraints.banned is not None:
-        logits.index_put_(constraints.banned, torch.tensor(float("-inf"), device=logits.device))
+        # new_full fills on the device; a torch.tensor(..., device=...) scalar would upload
+        # from the host and wait for the device.
+        logits.index_put_(constraints.banned, logits.new_full((), float("-inf")))
     if constraints.grammar_bitmask is not None:
         rows = constraints.grammar_rows
         if rows is None or len(rows) == logits.shape[0]:
@@ -158,9 +161,9 @@ def _count_output_tokens(
     if sum(lengths) == 0:
         return counts
     flat = [token for ids in output_token_ids for token in ids]
-    token_ids = torch.tensor(flat, dtype=torch.int64).to(like.device, non_blocking=True)
+    token_ids = to_device(torch.tensor(flat, dtype=torch.int64), like.device)
     rows = torch.repeat_interleave(torch.arange(num_rows), torch.tensor(lengths))
-    rows = rows.to(like.device, non_blocking=True)
+    rows = to_device(rows, like.device)
     ones = torch.ones(len(flat), dtype=like.dtype, device=like.device)
     return counts.index_put_((rows, token_ids), ones, accumulate=True)
 

@@ -4,17 +4,20 @@ Runs in worker processes. The model runner calls ``make_sampling_metadata`` with
 parameters of the requests whose prompt is complete this step (batch order) and hands the result
 to the ``Sampler``. Every decision that needs a Python value (is anyone greedy, what is the largest
 top-k) is made here on the host, so the sampler never synchronises with the device to decide which
-kernels to run.
+kernels to run. Every tensor is built on the host and uploaded asynchronously (``to_device``): a
+``torch.tensor(values, device="cuda")`` would block until the device caught up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
 
 from protocol.sampling_params import SamplingParams
+from worker.device_buffers import to_device
 
 # Below this a temperature only amplifies float noise (logits / 1e-6 overflow into ties or NaN), and
 # the distribution is already a point mass on the argmax: treat the row as greedy.
@@ -127,7 +130,7 @@ def make_sampling_metadata(
     logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
     use_top_k = any(k > 0 for k in top_ks)
     return SamplingMetadata(
-        temperature=torch.tensor(temperatures, dtype=torch.float32, device=device),
+        temperature=_tensor(temperatures, torch.float32, device),
         top_k=_tensor_if(use_top_k, top_ks, torch.int64, device),
         top_p=_tensor_if(any(p < 1.0 for p in top_ps), top_ps, torch.float32, device),
         min_p=_tensor_if(any(p > 0.0 for p in min_ps), min_ps, torch.float32, device),
@@ -158,6 +161,21 @@ def make_sampling_metadata(
     )
 
 
+def with_grammar_bitmask(
+    metadata: SamplingMetadata, bitmask: torch.Tensor, rows: list[int], device: torch.device
+) -> SamplingMetadata:
+    """``metadata`` with the step's grammar bitmask (host, [len(rows), ceil(V / 32)] int32) for
+    the sampling rows ``rows`` added. The runner fills the masks after launching the forward, so
+    they arrive apart from the rest."""
+    constraints = metadata.token_constraints or TokenConstraints()
+    constraints = dataclasses.replace(
+        constraints,
+        grammar_bitmask=to_device(bitmask, device),
+        grammar_rows=_tensor(rows, torch.int64, device),
+    )
+    return dataclasses.replace(metadata, token_constraints=constraints)
+
+
 def make_token_constraints(
     params: list[SamplingParams],
     num_output_tokens: list[int] | None,
@@ -180,7 +198,7 @@ def make_token_constraints(
             bias_ids += p.logit_bias.keys()
             bias_values += p.logit_bias.values()
         if p.allowed_token_ids is not None:
-            allowed[row] = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=device)
+            allowed[row] = _tensor(p.allowed_token_ids, torch.int64, device)
         min_tokens_due = num_output_tokens is not None and num_output_tokens[row] < p.min_tokens
         if min_tokens_due and row not in grammar_ended_rows:
             # vLLM's min_tokens: no stop token (EOS too, unless ignored) before the minimum.
@@ -193,11 +211,11 @@ def make_token_constraints(
         return None
 
     def ids(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return _tensor(values, torch.int64, device)
 
     return TokenConstraints(
         bias=(
-            (ids(bias_rows), ids(bias_ids), torch.tensor(bias_values, device=device))
+            (ids(bias_rows), ids(bias_ids), _tensor(bias_values, torch.float32, device))
             if bias_rows
             else None
         ),
@@ -216,10 +234,14 @@ def _effective_temperature(p: SamplingParams) -> float:
     return p.temperature
 
 
+def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
 def _tensor_if(
     used: bool, values: list, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor | None:
-    return torch.tensor(values, dtype=dtype, device=device) if used else None
+    return _tensor(values, dtype, device) if used else None
 
 
 def _penalty_tensor(
@@ -235,4 +257,4 @@ def _pad_prompts(prompts: list[list[int]], vocab_size: int, device: torch.device
     padded = torch.full((len(prompts), width), vocab_size, dtype=torch.int64)
     for row, prompt in enumerate(prompts):
         padded[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
-    return padded.to(device)
+    return to_device(padded, device)

@@ -3,6 +3,11 @@
 Runs in worker processes. The step's tokens form one flat stream, request after request in row
 order (selective batching: every token-wise op runs on ``[num_tokens, hidden]``). Nothing here
 loops over tokens in Python; per-request work is limited to what numpy does in C.
+
+The arrays land in buffers that live as long as the runner (``StepInputBuffers``): on CUDA,
+page-locked host buffers copied asynchronously into fixed device buffers (the addresses a CUDA
+graph reads), and a device copy of the block table that only the rows the step's diff changed are
+written into. On CPU the host buffers are the inputs and the table is the batch's own array.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import numpy as np
 import torch
 
 from worker.attention.backend import AttentionMetadata
-from worker.attention.metadata_builder import build_attention_metadata
+from worker.attention.metadata_builder import step_layout
+from worker.device_buffers import StagingBuffer, StepUploads
 from worker.input_batch import InputBatch
 
 
@@ -27,33 +33,110 @@ class StepInputs:
     # [S] batch rows that sample this step, aligned with logits_indices.
     sampling_rows: np.ndarray
 
+    @property
+    def num_tokens(self) -> int:
+        return self.metadata.num_actual_tokens
 
-def prepare_step_inputs(
-    batch: InputBatch, rows: np.ndarray, block_size: int, device: torch.device
-) -> StepInputs:
-    """Inputs for the scheduled ``rows`` (in that order) of ``batch``."""
-    num_scheduled = batch.num_scheduled_tokens[rows]
-    num_computed = batch.num_computed_tokens[rows]
-    # Only the columns some scheduled request uses: the table is sized for max_model_len.
-    num_columns = max(int(batch.num_blocks[rows].max()), 1)
-    metadata, positions = build_attention_metadata(
-        num_scheduled, num_computed, batch.block_table[rows, :num_columns], block_size, device
-    )
-    token_rows = np.repeat(rows, num_scheduled)
-    input_ids = batch.token_ids[token_rows, positions].astype(np.int64)
-    # A request samples once its known history is in the cache after this step; a prompt chunk
-    # that stops short of the end produces no token (its logits would be thrown away).
-    samples = num_computed + num_scheduled >= batch.num_tokens[rows]
-    last_token = np.cumsum(num_scheduled) - 1
-    return StepInputs(
-        input_ids=_to_device(input_ids, device),
-        positions=_to_device(positions.astype(np.int64, copy=False), device),
-        metadata=metadata,
-        logits_indices=_to_device(last_token[samples].astype(np.int64), device),
-        sampling_rows=rows[samples],
-    )
+    @property
+    def decode_only(self) -> bool:
+        """Every scheduled request runs one token: the step CUDA graphs are captured for."""
+        return self.metadata.max_query_len == 1
+
+    @property
+    def every_token_samples(self) -> bool:
+        """logits_indices is 0 .. T-1: the hidden states need no gather before the LM head."""
+        return len(self.sampling_rows) == self.num_tokens
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    return tensor if device.type == "cpu" else tensor.to(device)
+class DeviceBlockTable:
+    """The batch's block table where attention reads it, kept up to date row by row.
+
+    ``mirror`` (default: off the CPU) keeps a copy on the device into which only the rows the
+    diff changed are written; without it the table is the batch's own array, shared.
+    """
+
+    def __init__(self, batch: InputBatch, device: torch.device, mirror: bool | None = None) -> None:
+        self.device = device
+        self.mirror = device.type != "cpu" if mirror is None else mirror
+        self._host_table = batch.block_table
+        shape = batch.block_table.shape
+        self._scheduled_rows = StagingBuffer(shape[0], torch.int64, device)
+        if not self.mirror:
+            # Always current, never copied.
+            self.table = torch.from_numpy(batch.block_table)
+            return
+        self.table = torch.zeros(shape, dtype=torch.int32, device=device)
+        self._staged = torch.zeros(shape, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._changed_rows = StagingBuffer(shape[0], torch.int64, device)
+
+    def apply_changes(self, changed_rows: np.ndarray) -> None:
+        """Copy the rows the diff changed (``InputBatch.take_changed_block_rows``) over."""
+        if not self.mirror or len(changed_rows) == 0:
+            return
+        count = len(changed_rows)
+        staged = self._staged[:count]
+        staged.numpy()[:] = self._host_table[changed_rows]
+        rows = self._changed_rows.stage(changed_rows)
+        self.table.index_copy_(0, rows, staged.to(self.device, non_blocking=True))
+
+    def rows_of(self, rows: np.ndarray) -> torch.Tensor:
+        """[len(rows), max_blocks] int32: the table rows of a step's requests, in step order."""
+        count = len(rows)
+        if count and rows[0] == 0 and rows[-1] == count - 1:  # rows are 0 .. count-1
+            return self.table[:count]
+        return self.table.index_select(0, self._scheduled_rows.stage(rows))
+
+
+class StepInputBuffers:
+    """The runner's input buffers, sized once for the largest step the scheduler can make."""
+
+    def __init__(
+        self,
+        batch: InputBatch,
+        max_num_tokens: int,
+        device: torch.device,
+        mirror_block_table: bool | None = None,
+    ) -> None:
+        max_num_reqs = batch.max_num_seqs
+        self.input_ids = StagingBuffer(max_num_tokens, torch.int64, device)
+        self.positions = StagingBuffer(max_num_tokens, torch.int64, device)
+        self.slot_mapping = StagingBuffer(max_num_tokens, torch.int64, device)
+        self.query_start_loc = StagingBuffer(max_num_reqs + 1, torch.int32, device)
+        self.seq_lens = StagingBuffer(max_num_reqs, torch.int32, device)
+        self.logits_indices = StagingBuffer(max_num_reqs, torch.int64, device)
+        self.block_table = DeviceBlockTable(batch, device, mirror_block_table)
+        self._uploads = StepUploads(device)
+
+    def prepare(self, batch: InputBatch, rows: np.ndarray, block_size: int) -> StepInputs:
+        """Inputs for the scheduled ``rows`` (in that order) of ``batch``, on the device."""
+        # The host buffers are about to be rewritten: the previous step's copies must have run.
+        self._uploads.wait()
+        self.block_table.apply_changes(batch.take_changed_block_rows())
+        num_scheduled = batch.num_scheduled_tokens[rows]
+        num_computed = batch.num_computed_tokens[rows]
+        layout = step_layout(num_scheduled, num_computed, batch.block_table, block_size, rows)
+        token_rows = np.repeat(rows, num_scheduled)
+        # A request samples once its known history is in the cache after this step; a prompt
+        # chunk that stops short of the end produces no token (its logits would be thrown away).
+        samples = num_computed + num_scheduled >= batch.num_tokens[rows]
+        last_token = layout.query_start_loc[1:] - 1
+        metadata = AttentionMetadata(
+            num_actual_tokens=layout.num_tokens,
+            slot_mapping=self.slot_mapping.stage(layout.slot_mapping),
+            query_start_loc=self.query_start_loc.stage(layout.query_start_loc),
+            seq_lens=self.seq_lens.stage(layout.seq_lens),
+            block_table=self.block_table.rows_of(rows),
+            max_query_len=layout.max_query_len,
+            max_seq_len=layout.max_seq_len,
+            query_start_loc_cpu=layout.query_start_loc,
+            seq_lens_cpu=layout.seq_lens,
+        )
+        inputs = StepInputs(
+            input_ids=self.input_ids.stage(batch.token_ids[token_rows, layout.positions]),
+            positions=self.positions.stage(layout.positions),
+            metadata=metadata,
+            logits_indices=self.logits_indices.stage(last_token[samples]),
+            sampling_rows=rows[samples],
+        )
+        self._uploads.uploaded()
+        return inputs

@@ -23,10 +23,11 @@ from transformers import AutoTokenizer
 from frontend import LLM
 from frontend.engine_args import DEFAULT_MODEL_DIR
 from protocol import SamplingParams
+from tests.devices import MODEL_TEST_DTYPE, logprob_tolerance
 
 ARCHS = ("qwen3", "qwen2", "llama")
 NUM_NEW_TOKENS = 32
-LOGPROB_TOLERANCE = 1e-4
+LOGPROB_TOLERANCE = logprob_tolerance(MODEL_TEST_DTYPE)
 TIE_GAP = 1e-4
 BLOCK_SIZE = 16
 # Prompts 4, 5 and 6 share their first 40 tokens (two full blocks): prefix-cache candidates.
@@ -130,6 +131,9 @@ def _check(reference: Reference, outputs, indices: list[int]) -> None:
 
 def _llm(reference: Reference, **engine_args) -> LLM:
     engine_args.setdefault("kv_cache_memory", SMALL_KV)
+    # Explicit, so a CONVEYOR_TEST_DEVICE=cuda run compares float32 with float32 (dtype "auto"
+    # would be bfloat16 there).
+    engine_args.setdefault("dtype", MODEL_TEST_DTYPE)
     # In-process: these tests are about the model, scheduler and sampler, which are the same code
     # in both modes; the process path's parity with this one is tested in test_engine_client and
     # test_multiproc_executor, and an engine start per test would double this file's time.
@@ -252,7 +256,9 @@ def test_the_default_models_recommended_repetition_penalty_decodes_as_hf_does(hf
     params = SamplingParams(
         temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, repetition_penalty=penalty
     )
-    with LLM(str(DEFAULT_MODEL_DIR), engine="inprocess", kv_cache_memory=SMALL_KV) as llm:
+    with LLM(
+        str(DEFAULT_MODEL_DIR), engine="inprocess", kv_cache_memory=SMALL_KV, dtype=MODEL_TEST_DTYPE
+    ) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     failures = []
     for prompt, output in zip(prompts, outputs):

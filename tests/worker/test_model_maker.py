@@ -163,3 +163,15 @@ def test_conveyor_make_model(tmp_path: Path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([str(tmp_path / "b"), "--size", "bench", "--arch", "llama"])
     assert exit_info.value.code == 2 and "Qwen3 only" in capsys.readouterr().err
+
+
+def test_the_qwen3_0_6b_size_has_qwen3_0_6bs_shapes():
+    """What gpu-check measures; its weights (1.2 GB) are generated on the GPU machine only."""
+    config = model_config("qwen3-0.6b")
+    shapes = {k: config[k] for k in ("hidden_size", "num_hidden_layers", "head_dim", "vocab_size")}
+    assert shapes == dict(hidden_size=1024, num_hidden_layers=28, head_dim=128, vocab_size=151936)
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (16, 8)
+    assert config["torch_dtype"] == "bfloat16" and config["max_position_embeddings"] == 40960
+    assert config["tie_word_embeddings"]
+    with pytest.raises(ValueError, match="Qwen3 only"):
+        model_config("qwen3-0.6b", "llama")

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from worker.device_buffers import array_to_device
+
 
 @dataclass(frozen=True)
 class DecodeChunk:
@@ -175,4 +177,4 @@ def _chunk_decodes(
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
+    return array_to_device(array, device)

@@ -1,0 +1,169 @@
+"""``conveyor gpu-check``: check a GPU machine end to end with one command, and print a table.
+
+    conveyor gpu-check [--wheels DIR] [--skip-tests] [--json FILE]
+    conveyor gpu-check --dry-run
+
+1. ``--wheels DIR``: install what this checkout needs and the machine lacks from wheels carried
+   there (pip, no index: such a machine may reach no registry; docs/performance.md#gpu says how to
+   download them for its Python);
+2. the CUDA tests (``pytest -m cuda``, with ``CONVEYOR_TEST_DEVICE=cuda``);
+3. a random-weight model with Qwen3-0.6B's shapes in bfloat16, generated once into the model cache;
+4. decode step time and output tok/s at batch 1, 16, 64 and 256 with CUDA graphs and eagerly,
+   prefill tok/s at 2k, 8k and 32k-token prompts, peak GPU memory, launches per decode step, and
+   the decode step against the weight-read limit (benchmarks/gpu_check.py).
+
+``--dry-run`` does all of it on the CPU with the tiny test model and small shapes: the CUDA tests
+are only collected, and what only CUDA has reads "n/a". The test suite runs it.
+
+Runs in the caller's process, from a checkout: the tests and pyproject.toml are read from the
+current directory. Only the standard library is imported before the install step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+CUDA_TEST_FILES = ("tests/worker/test_cuda.py", "tests/worker/test_attention.py")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="conveyor gpu-check",
+        description="Install from carried wheels, run the CUDA tests, measure a Qwen3-0.6B-shaped "
+        "model's decode and prefill, print a table.",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="everything on CPU, tiny shapes")
+    parser.add_argument("--wheels", type=Path, help="install missing requirements from here")
+    parser.add_argument("--skip-tests", action="store_true", help="do not run the CUDA tests")
+    parser.add_argument("--model", type=Path, help="measure this model directory instead")
+    parser.add_argument("--batches", default=None, help="decode batch sizes (default 1,16,64,256)")
+    parser.add_argument("--prompts", default=None, help="prefill lengths (default 2048,8192,32768)")
+    parser.add_argument("--context", type=int, default=None, help="tokens per decode request")
+    parser.add_argument("--steps", type=int, default=None, help="timed decode steps per mode")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--json", type=Path, help="also write the report as JSON here")
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------ 1. carried wheels
+
+
+def _requirements(pyproject: Path) -> list[str]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: no TOML reader in the standard library
+        return []
+    return list(tomllib.loads(pyproject.read_text())["project"]["dependencies"])
+
+
+def _installed(requirement: str) -> bool:
+    name = re.match(r"[A-Za-z0-9._-]+", requirement).group(0)
+    try:
+        importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def install_from_wheels(wheels: Path) -> None:
+    """pip-install, from ``wheels`` only, the requirements this environment lacks (and
+    flash-attn, when a wheel of it was carried)."""
+    missing = [r for r in _requirements(Path("pyproject.toml")) if not _installed(r)]
+    if any(wheels.glob("flash_attn-*.whl")) and not _installed("flash-attn"):
+        missing.append("flash-attn")
+    if not missing:
+        print(f"wheels: nothing to install from {wheels}", flush=True)
+        return
+    print(f"wheels: installing {', '.join(missing)} from {wheels}", flush=True)
+    command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links"]
+    subprocess.run([*command, str(wheels), *missing], check=True)
+    importlib.invalidate_caches()
+
+
+# ------------------------------------------------------------------ 2. the CUDA tests
+
+
+def run_cuda_tests(dry_run: bool) -> tuple[str, bool]:
+    """(pytest's summary line, whether it passed). The dry run only collects them."""
+    files = [f for f in CUDA_TEST_FILES if Path(f).is_file()]
+    if not files:
+        return "not run: no tests/ in the current directory (run from a checkout)", True
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"]
+    command += ["--collect-only", *files] if dry_run else ["-rs", *files]
+    env = os.environ | {"CONVEYOR_TEST_DEVICE": "cpu" if dry_run else "cuda"}
+    print(f"tests: {' '.join(command[1:])}", flush=True)
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    if result.returncode != 0 or not dry_run:
+        print("\n".join(lines[-40:]), result.stderr[-2000:], sep="\n", flush=True)
+    summary = lines[-1].strip("= ") if lines else f"pytest exited {result.returncode}"
+    return summary, result.returncode == 0
+
+
+# ------------------------------------------------------------------ 3 and 4. the model, the table
+
+
+def _ints(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    return default if text is None else tuple(int(x) for x in text.split(","))
+
+
+def make_plan(args: argparse.Namespace):
+    from benchmarks.gpu_check import CheckPlan
+    from worker.model_maker import ensure_model
+
+    if args.dry_run:
+        return CheckPlan(
+            model_dir=args.model or ensure_model("tiny", "qwen3"),
+            device="cpu",
+            dtype="float32",
+            decode_batches=_ints(args.batches, (1, 16, 64, 256)),
+            decode_context=args.context or 32,
+            decode_steps=args.steps or 4,
+            prefill_lens=_ints(args.prompts, (128, 512, 2048)),
+            kv_cache_memory=128 << 20,
+        )
+    return CheckPlan(
+        model_dir=args.model or ensure_model("qwen3-0.6b", "qwen3"),
+        device="cuda",
+        dtype="bfloat16",
+        decode_batches=_ints(args.batches, (1, 16, 64, 256)),
+        decode_context=args.context or 256,
+        decode_steps=args.steps or 20,
+        prefill_lens=_ints(args.prompts, (2048, 8192, 32768)),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.wheels is not None:
+        install_from_wheels(args.wheels)
+    from runtime.logs import configure_logging
+    from worker.model_maker import model_cache_dir
+
+    configure_logging("gpu-check")
+    # The tests and the measurement share one generated model (pytest would use its own cache).
+    os.environ.setdefault("CONVEYOR_CACHE", str(model_cache_dir()))
+    tests, passed = ("skipped (--skip-tests)", True)
+    if not args.skip_tests:
+        tests, passed = run_cuda_tests(args.dry_run)
+    from benchmarks.gpu_check import format_report, measure, report_as_dict
+
+    report = measure(make_plan(args))
+    report.tests = tests
+    print(format_report(report), flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(report_as_dict(report), indent=2) + "\n")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""``conveyor gpu-check --dry-run``: the whole GPU check on CPU, tiny shapes, in a child process.
+
+What it cannot do here (run the CUDA tests, capture graphs, count launches, read GPU memory) reads
+"n/a" or is only collected; everything else (the wheel-less path, the model, the worker driven by
+hand, the timings, the table and its JSON) runs for real.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.commands import CONVEYOR
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_dry_run_goes_end_to_end_on_cpu(tmp_path):
+    report_file = tmp_path / "report.json"
+    command = [*CONVEYOR, "gpu-check", "--dry-run", "--steps", "2", "--json", str(report_file)]
+    # From the checkout: gpu-check finds the CUDA tests there, and collects them.
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "| batch | graphs ms/step | graphs tok/s | eager ms/step" in result.stdout
+    report = json.loads(report_file.read_text())
+    assert report["device_name"] == "CPU" and report["dtype"] == "float32"
+    assert [row["batch"] for row in report["decode"]] == [1, 16, 64, 256]
+    for row in report["decode"]:
+        assert row["eager_s"] > 0
+        assert row["graphs_s"] is row["eager_launches"] is row["graphs_launches"] is None
+    assert [row["prompt_len"] for row in report["prefill"]] == [128, 512, 2048]
+    assert report["peak_memory"] is None and report["weight_read_s"] > 0
+    # The CUDA tests are collected (they would skip here), not run.
+    assert "collected" in report["tests"] and "error" not in report["tests"]

@@ -1,0 +1,280 @@
+"""What only a GPU can check: a decode step that never waits on the device, CUDA graphs against
+eager, CUDA against CPU, flash-attn against the torch backend at head_dim 128, memory profiling
+with a 16k prompt on the torch path, and tensor parallelism over NCCL.
+
+Skipped unless the run asks for the GPU (CONVEYOR_TEST_DEVICE=cuda, tests/devices.py) on a machine
+that has one; ``conveyor gpu-check`` runs them. The head_dim-128 tests use the random model with
+Qwen3-0.6B's shapes (generated once into the model cache, about 1.2 GB).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from frontend import LLM
+from frontend.engine_args import EngineArgs
+from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from tests.devices import logprob_tolerance, requires_cuda
+from tests.worker.test_attention import Request, make_request, reference_attention, step_inputs
+from worker.attention.flash_attn_backend import FlashAttnBackend, flash_attn_import_error
+from worker.attention.torch_backend import TorchAttentionBackend
+from worker.model_runner import ModelRunner
+
+pytestmark = [pytest.mark.cuda, requires_cuda()]
+
+CUDA = torch.device("cuda")
+# Two logprobs: where greedy tokens differ, the other run's token is among this run's top two.
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+needs_flash_attn = pytest.mark.skipif(
+    flash_attn_import_error() is not None, reason="needs flash_attn (docs/serving.md#cuda)"
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3_0_6b_dir():
+    from worker.model_maker import ensure_model
+
+    return ensure_model("qwen3-0.6b", "qwen3")
+
+
+def _prompts(num: int, vocab: int = 2000, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, int(rng.integers(5, 60))).tolist() for _ in range(num)]
+
+
+def _generate(model_dir, prompts, **engine_args) -> list:
+    engine_args.setdefault("kv_cache_memory", 64 << 20)
+    engine_args.setdefault("gpu_memory_utilization", 0.3)
+    with LLM(str(model_dir), engine="inprocess", seed=0, **engine_args) as llm:
+        return [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def _first_difference(a, b) -> int:
+    return next(
+        (p for p, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids)
+    )
+
+
+def _assert_same_tokens_but_near_ties(ours: list, theirs: list, tie: float = 1e-3) -> None:
+    """Equal greedy tokens, logprobs within float32 tolerance up to where they differ, and
+    where they do, the two candidates nearly tie."""
+    for a, b in zip(ours, theirs):
+        diverge = _first_difference(a, b)
+        for p in range(diverge):
+            token = a.token_ids[p]
+            assert abs(a.logprobs[p][token] - b.logprobs[p][token]) < logprob_tolerance("float32")
+        if diverge == len(a.token_ids):
+            continue
+        top = a.logprobs[diverge]
+        gap = abs(top[a.token_ids[diverge]] - top.get(b.token_ids[diverge], float("-inf")))
+        assert gap < tie, f"tokens differ at {diverge} with a logprob gap of {gap:.3g}"
+
+
+# ------------------------------------------------------------------ the step itself
+
+
+def _runner(model_dir, **engine_args) -> ModelRunner:
+    args = dict(max_num_seqs=8, max_model_len=256, block_size=16, device="cuda")
+    args["gpu_memory_utilization"] = 0.3
+    args.update(engine_args)
+    config = EngineArgs(model=str(model_dir), **args).create_engine_config()
+    runner = ModelRunner(config, CUDA)
+    runner.initialize_cache(runner.determine_num_blocks())  # profiles memory, captures graphs
+    return runner
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_a_steady_decode_step_never_synchronises_with_the_device(tiny_model_dir, enforce_eager):
+    runner = _runner(tiny_model_dir, dtype="float32", enforce_eager=enforce_eager)
+    assert (runner.decode_graphs is None) == enforce_eager
+    # Every sampling feature on at once: filters, a seed, logprobs, penalties, min_tokens.
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50),
+        SamplingParams(temperature=1.0, seed=7, min_p=0.05),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, min_tokens=50, stop_token_ids=[5]),
+    ]
+    prompts = _prompts(len(params))
+    new = [
+        NewRequestData(i, prompt, p, list(range(1 + 4 * i, 5 + 4 * i)), 0, len(prompt))
+        for i, (prompt, p) in enumerate(zip(prompts, params))
+    ]
+    runner.execute_model(SchedulerOutput(1, new))
+    lengths = [len(p) for p in prompts]
+
+    def decode(step: int):
+        cached = CachedRequestData(
+            req_ids=list(range(len(params))),
+            new_block_ids=[[] for _ in params],
+            num_computed_tokens=[n + step - 2 for n in lengths],
+            num_scheduled_tokens=[1] * len(params),
+            resumed_token_ids={},
+        )
+        return runner.execute_model(SchedulerOutput(step, scheduled_cached_reqs=cached))
+
+    for step in (2, 3):  # the first decodes plan and allocate what later ones reuse
+        decode(step)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = decode(4)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(out.sampled_token_ids) == len(params)
+
+
+def test_graphs_and_enforce_eager_give_the_same_tokens(tiny_model_dir):
+    # 5 and 11 requests: batches that are padded up to a captured size.
+    for num in (5, 11):
+        prompts = _prompts(num, seed=num)
+        graphs = _generate(tiny_model_dir, prompts, device="cuda", dtype="float32")
+        eager = _generate(
+            tiny_model_dir, prompts, device="cuda", dtype="float32", enforce_eager=True
+        )
+        assert [g.token_ids for g in graphs] == [e.token_ids for e in eager]
+
+
+def test_cuda_float32_tokens_equal_cpu_float32_tokens(tiny_model_dir):
+    prompts = _prompts(8)
+    cuda = _generate(tiny_model_dir, prompts, device="cuda", dtype="float32")
+    cpu = _generate(tiny_model_dir, prompts, device="cpu", dtype="float32")
+    _assert_same_tokens_but_near_ties(cuda, cpu)
+
+
+# ------------------------------------------------------------------ attention at head_dim 128
+
+
+@needs_flash_attn
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (8, 8)])
+def test_bf16_flash_attn_matches_the_torch_backend_at_head_dim_128(num_heads, num_kv_heads):
+    head_dim, block_size, dtype = 128, 256, torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    pool = np.random.default_rng(0).permutation(16).tolist()
+    requests = []
+    for num_computed, num_scheduled in [(300, 1), (0, 200), (37, 1), (260, 90), (511, 1)]:
+        n = -(-(num_computed + num_scheduled) // block_size)
+        block_ids, pool = pool[:n], pool[n:]
+        requests.append(
+            make_request(
+                gen,
+                num_computed,
+                num_scheduled,
+                num_heads,
+                num_kv_heads,
+                block_ids,
+                dtype,
+                head_dim,
+            )
+        )
+    outputs = []
+    for backend in (FlashAttnBackend(), TorchAttentionBackend()):
+        kv_cache = torch.zeros(
+            backend.kv_cache_shape(16, block_size, num_kv_heads, head_dim), dtype=dtype, device=CUDA
+        )
+        # Step 1 writes the cached prefixes through the backend's own forward (its own layout).
+        prefixes = [
+            Request(0, r.keys[: r.num_computed], r.values[: r.num_computed],
+                    torch.zeros(r.num_computed, num_heads, head_dim, dtype=dtype), r.block_ids)
+            for r in requests if r.num_computed
+        ]  # fmt: skip
+        for step in (prefixes, requests):
+            metadata, _, query, key, value = step_inputs(step, block_size, CUDA)
+            output = backend.forward(query, key, value, kv_cache, metadata, head_dim**-0.5)
+        outputs.append(output.float().cpu())
+    expected = torch.cat([reference_attention(r, head_dim**-0.5) for r in requests]).float()
+    torch.testing.assert_close(outputs[0], outputs[1], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outputs[0], expected, atol=2e-2, rtol=2e-2)
+
+
+@needs_flash_attn
+def test_bf16_flash_attn_and_torch_backend_models_agree_in_logprobs(qwen3_0_6b_dir):
+    """The whole Qwen3-0.6B-shaped model, teacher-forced: the same prompts (prefill) and one
+    decode step through each backend; the top logprobs agree within bfloat16's tolerance."""
+    prompts = _prompts(4, vocab=8000, seed=3)
+    wants = SamplingParams(temperature=0.0, logprobs=5)
+    tops = []
+    for backend in ("flash-attn", "torch"):
+        runner = _runner(
+            qwen3_0_6b_dir, dtype="bfloat16", attention_backend=backend, block_size=256
+        )
+        new = [NewRequestData(i, p, wants, [1 + i], 0, len(p)) for i, p in enumerate(prompts)]
+        first = runner.execute_model(SchedulerOutput(1, new))
+        cached = CachedRequestData(
+            req_ids=list(range(len(prompts))),
+            new_block_ids=[[] for _ in prompts],
+            num_computed_tokens=[len(p) for p in prompts],
+            num_scheduled_tokens=[1] * len(prompts),
+            resumed_token_ids={},
+        )
+        # The decode step feeds each backend its own first token; compare where they agree.
+        second = runner.execute_model(SchedulerOutput(2, scheduled_cached_reqs=cached))
+        tops.append((first, second))
+        del runner
+        torch.cuda.empty_cache()
+    tolerance = logprob_tolerance("bfloat16")
+    for step in (0, 1):
+        a, b = tops[0][step], tops[1][step]
+        for row in range(len(prompts)):
+            if step == 1 and tops[0][0].sampled_token_ids[row] != tops[1][0].sampled_token_ids[row]:
+                continue
+            got, want = a.logprobs.logprobs[row][1:], b.logprobs.logprobs[row][1:]
+            assert max(abs(x - y) for x, y in zip(got, want)) < tolerance, (step, row)
+
+
+# ------------------------------------------------------------------ memory
+
+
+def test_memory_profiling_leaves_room_and_a_16k_prompt_chunk_never_holds_a_score_matrix(
+    qwen3_0_6b_dir,
+):
+    utilization, prompt_len, chunk = 0.5, 16384, 4096
+    runner = _runner(
+        qwen3_0_6b_dir,
+        dtype="bfloat16",
+        attention_backend="torch",
+        max_model_len=prompt_len + 64,
+        max_num_batched_tokens=chunk,
+        max_num_seqs=4,
+        gpu_memory_utilization=utilization,
+    )
+    total = torch.cuda.get_device_properties(CUDA).total_memory
+    assert torch.cuda.memory_reserved(CUDA) <= utilization * total + (512 << 20)
+    prompt = np.random.default_rng(0).integers(3, 8000, prompt_len).tolist()
+    blocks = list(range(1, 1 + -(-(prompt_len + 1) // 16)))
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated(CUDA)
+    torch.cuda.reset_peak_memory_stats(CUDA)
+    out = runner.execute_model(
+        SchedulerOutput(1, [NewRequestData(0, prompt, GREEDY, blocks, 0, chunk)])
+    )
+    for start in range(chunk, prompt_len, chunk):
+        cached = CachedRequestData([0], [[]], [start], [chunk], {})
+        out = runner.execute_model(
+            SchedulerOutput(1 + start // chunk, scheduled_cached_reqs=cached)
+        )
+    assert len(out.sampled_token_ids) == 1
+    # A masked chunk through SDPA's math kernel would hold 16 heads x 4096 x 16384 scores
+    # (2 GiB in bfloat16, twice that in float32); chunk activations are ~0.2 GiB.
+    assert torch.cuda.max_memory_allocated(CUDA) - baseline < (1 << 30)
+
+
+# ------------------------------------------------------------------ tensor parallel
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensor_parallel_over_nccl_matches_one_gpu(tiny_model_dir):
+    prompts = _prompts(6)
+    one = _generate(tiny_model_dir, prompts, device="cuda", dtype="float32")
+    with LLM(
+        str(tiny_model_dir),
+        device="cuda",
+        dtype="float32",
+        tensor_parallel_size=2,
+        gpu_memory_utilization=0.3,
+        seed=0,
+    ) as llm:
+        two = [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    _assert_same_tokens_but_near_ties(two, one)

@@ -1,0 +1,121 @@
+"""The CUDA-graph logic that needs no GPU: batch sizes and padding, cutting the forward at every
+attention call, and a CPU runner that never captures. Capture and replay themselves are checked
+on a GPU by tests/worker/test_cuda.py."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+from frontend.engine_args import EngineArgs
+from worker.attention.metadata_builder import build_attention_metadata
+from worker.cuda_graphs import (
+    AttentionOutputs,
+    PieceSplitter,
+    PiecewiseGraph,
+    capture_pieces,
+    capture_sizes,
+    padded_size,
+)
+from worker.loader import load_model
+from worker.model_runner import ModelRunner
+
+CPU = torch.device("cpu")
+
+
+def test_capture_sizes_are_exact_when_small_then_every_eighth_up_to_the_cap():
+    sizes = capture_sizes(max_num_seqs=256, max_num_tokens=2048)
+    assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-1] == 256 and len(sizes) == 35
+    assert capture_sizes(3, 2048) == [1, 2, 3]
+    assert capture_sizes(100, 2048)[-3:] == [88, 96, 100]  # the cap itself gets a graph
+    assert capture_sizes(256, 64)[-1] == 64  # a decode step never holds more than the budget
+    assert capture_sizes(4096, 1 << 20)[-1] == 512  # bigger batches are GPU-bound anyway
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "expected"),
+    [
+        (1, 1),
+        (2, 2),
+        (3, 4),
+        (5, 8),
+        (8, 8),
+        (9, 16),
+        (99, 100),
+        (100, 100),
+        (101, None),
+        (0, None),
+    ],
+)
+def test_a_batch_pads_up_to_the_smallest_size_that_holds_it(num_tokens, expected):
+    assert padded_size(num_tokens, capture_sizes(100, 2048)) == expected
+
+
+class FakeGraph:
+    def __init__(self, log: list[str], index: int) -> None:
+        self.log, self.index = log, index
+
+    def replay(self) -> None:
+        self.log.append(f"piece {self.index}")
+
+
+def test_the_forward_is_cut_at_every_attention_call(tiny_model_dir_each):
+    """Run the capture path on CPU with stand-in graphs: the forward then simply runs, and the
+    cuts, the recorded calls and the shared output buffers are those a GPU capture makes."""
+    model = load_model(tiny_model_dir_each, torch.float32, CPU)
+    layers = model.attention_layers()
+    opened: list[FakeGraph] = []
+
+    def open_capture():
+        opened.append(FakeGraph([], len(opened)))
+        return opened[-1], contextlib.nullcontext()
+
+    outputs = AttentionOutputs(max_size=8)
+    size = 5
+    metadata, _ = build_attention_metadata(
+        np.ones(size, np.int32), np.zeros(size, np.int32), np.zeros((size, 1), np.int32), 16, CPU
+    )
+    ids, positions = torch.arange(size), torch.zeros(size, dtype=torch.int64)
+    with torch.inference_mode():
+        graph = capture_pieces(
+            model, ids, positions, metadata, PieceSplitter(outputs, open_capture)
+        )
+    assert graph.graphs == opened and len(opened) == len(layers) + 1
+    assert [call.layer for call in graph.calls] == layers
+    assert all(layer.graph_split is None for layer in layers)
+    first = graph.calls[0]
+    width = first.layer.num_heads * first.layer.head_dim
+    assert first.query.shape[0] == size and first.output.shape == (size, width)
+    # Every size reads the same per-layer buffer (sizes never run at once).
+    assert first.output.data_ptr() == outputs.of(first.layer, first.query).data_ptr()
+    assert graph.output.shape == (size, model.config.hidden_size)
+
+
+def test_replay_runs_pieces_and_attention_calls_in_turn():
+    log: list[str] = []
+
+    class Call:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def run(self, metadata) -> None:
+            log.append(f"attention {self.index}")
+
+    output = torch.zeros(1)
+    graph = PiecewiseGraph([FakeGraph(log, i) for i in range(3)], [Call(0), Call(1)], output)
+    assert graph.replay(metadata=None) is output
+    assert log == ["piece 0", "attention 0", "piece 1", "attention 1", "piece 2"]
+    with pytest.raises(ValueError, match="pieces"):
+        PiecewiseGraph([FakeGraph(log, 0)], [Call(0)], output)
+
+
+def test_a_cpu_runner_never_captures_graphs(tiny_model_dir):
+    config = EngineArgs(
+        model=str(tiny_model_dir), max_num_seqs=4, kv_cache_memory=4 << 20, device="cpu"
+    ).create_engine_config()
+    assert not config.enforce_eager
+    runner = ModelRunner(config, CPU)
+    assert runner.capture_cuda_graphs() == 0 and runner.decode_graphs is None
