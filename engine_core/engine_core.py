@@ -17,12 +17,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 from msgspec.structs import replace
 
 from engine_core.executor import Executor
 from engine_core.request import Request
 from engine_core.scheduler import Scheduler
+from engine_core.step_cost_profile import profile_workload
 from engine_core.step_trace import StepTracer
 from protocol import (
     EngineConfig,
@@ -30,6 +32,7 @@ from protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     ModelRunnerOutput,
+    SamplingParams,
     SchedulerOutput,
 )
 from protocol.sampling_params import find_vocab_problem
@@ -40,9 +43,16 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Owns the scheduler and drives the executor one step at a time."""
 
-    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        step_clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``step_clock`` times the steps (tests give one a synthetic executor advances)."""
         self.config = config
         self.executor = executor
+        self._clock = step_clock
         num_blocks = executor.determine_num_blocks()
         executor.initialize_cache(num_blocks)
         # A request may hold no more tokens than the whole pool: cap the context at it, so that
@@ -80,7 +90,14 @@ class EngineCore:
         # Submitted steps whose outputs have not been folded in yet, oldest first.
         self._in_flight: deque[SchedulerOutput] = deque()
         trace_path = config.observability.trace_steps
-        self.tracer = StepTracer(trace_path) if trace_path else None
+        self.tracer = StepTracer(trace_path, step_clock()) if trace_path else None
+        # When each step in flight was submitted, and when the last one ended: a step's time
+        # runs from when the workers could start it until its output is folded in.
+        self._timed = self.tracer is not None or self.scheduler.step_budget is not None
+        self._submit_times: deque[float] = deque()
+        self._last_step_end = step_clock()
+        if self.scheduler.step_budget is not None:
+            self._profile_step_cost((num_blocks - 1) * block_size)
 
     def add_request(
         self, request: EngineCoreRequest, client_index: int = 0
@@ -151,16 +168,19 @@ class EngineCore:
         """Run one step; outputs keyed by client_index."""
         if self.async_scheduling:
             return self._step_overlapped()
+        return self._step_sync()
+
+    def _step_sync(self) -> dict[int, EngineCoreOutputs]:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Nothing for the workers; outputs of aborted requests still go out.
             runner_output = ModelRunnerOutput(step_id=scheduler_output.step_id)
         else:
-            self._trace_submitted(scheduler_output)
+            self._step_submitted(scheduler_output)
             runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if scheduler_output.total_num_scheduled_tokens > 0:
-            self._trace_done()
+            self._step_done()
         self._forget_finished(outputs)
         return outputs
 
@@ -180,16 +200,18 @@ class EngineCore:
             self._submit(following)
         done = self._in_flight.popleft()
         outputs = scheduler.update_from_output(done, self.executor.wait_for_output())
-        self._trace_done()
+        self._step_done()
         self._forget_finished(outputs)
         return outputs
 
     def _submit(self, scheduler_output: SchedulerOutput) -> None:
-        self._trace_submitted(scheduler_output)
+        self._step_submitted(scheduler_output)
         self.executor.submit_step(scheduler_output)
         self._in_flight.append(scheduler_output)
 
-    def _trace_submitted(self, scheduler_output: SchedulerOutput) -> None:
+    def _step_submitted(self, scheduler_output: SchedulerOutput) -> None:
+        if self._timed:
+            self._submit_times.append(self._clock())
         if self.tracer is not None:
             num_reqs = len(scheduler_output.scheduled_new_reqs) + len(
                 scheduler_output.scheduled_cached_reqs.req_ids
@@ -198,11 +220,53 @@ class EngineCore:
                 scheduler_output.step_id, self.scheduler.make_stats(), num_reqs
             )
 
-    def _trace_done(self) -> None:
+    def _step_done(self) -> None:
+        if not self._timed:
+            return
+        now = self._clock()
+        started = max(self._submit_times.popleft(), self._last_step_end)
+        self._last_step_end = now
+        prediction = self.scheduler.observe_step_time(now - started)
         if self.tracer is not None:
-            self.tracer.step_done(self.scheduler.make_stats())
+            self.tracer.step_done(self.scheduler.make_stats(), now, now - started, prediction)
             if not self.scheduler.has_unfinished_requests():
                 self.tracer.flush()  # idle now: a reader sees every step so far
+
+    def _profile_step_cost(self, pool_tokens: int) -> None:
+        """Scripted steps of made-up requests before any client's, so the step-cost model has
+        seen small and large steps before it sizes one (engine_core/step_cost_profile.py)."""
+        step_budget = self.scheduler.step_budget
+        assert step_budget is not None
+        scheduler_config = self.config.scheduler
+        workload = profile_workload(scheduler_config, self.config.model.vocab_size, pool_tokens)
+        params = [
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            for _, max_tokens in workload.requests
+        ]
+        for i, ((prompt, _), sampling) in enumerate(zip(workload.requests, params)):
+            request = Request(
+                self._next_req_id,
+                prompt,
+                sampling,
+                max_model_len=scheduler_config.max_model_len,
+                request_id=f"step-cost-profile-{i}",
+            )
+            self._next_req_id += 1
+            self.scheduler.add_request(request)
+        started = time.monotonic()
+        step_budget.begin_profile(workload.script, workload.num_cold)
+        num_steps = 0
+        while self.scheduler.has_unfinished_requests():
+            self._step_sync()  # the outputs are nobody's
+            num_steps += 1
+        step_budget.end_profile()
+        coef = ", ".join(f"{c:.3g}" for c in step_budget.model.coef)
+        logger.info(
+            "step-cost profile: %d steps in %.2f s; model coefficients (s per unit) %s",
+            num_steps,
+            time.monotonic() - started,
+            coef,
+        )
 
     def _forget_finished(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         requests = self._requests

@@ -4,7 +4,9 @@ Runs in the engine-core process. A request is two counters (``num_tokens``, ``nu
 each step has a token budget and a width cap. A policy (``engine_core/policies``) decides the order
 of two moves, serving running requests and admitting waiting ones; this class carries them out:
 it allocates blocks, preempts by recompute when they run out, builds the diff the workers apply
-(``SchedulerOutput``) and folds the sampled tokens back in (``update_from_output``).
+(``SchedulerOutput``) and folds the sampled tokens back in (``update_from_output``). Under a TBT
+SLO (``tbt_slo_ms``) every prompt chunk waits until the step's decodes are in and then gets the
+size ``StepBudget`` (``step_budget.py``) finds for the time the SLO leaves.
 
 With async scheduling, step N+1 is scheduled while step N runs, before N's tokens are known. A
 request whose every known token is already computed (its next token is still in flight) then gets
@@ -26,6 +28,7 @@ from engine_core.output_collector import OutputCollector
 from engine_core.policies import make_policy
 from engine_core.request import Request, RequestStatus
 from engine_core.request_queue import make_request_queue, priority_key
+from engine_core.step_budget import StepBudget, StepPrediction
 from engine_core.step_plan import StepPlan
 from protocol import (
     ITERATION_TOKENS_BUCKETS,
@@ -64,6 +67,9 @@ class Scheduler:
         threshold = scheduler_config.long_prefill_token_threshold
         self._chunk_cap = threshold if threshold > 0 else scheduler_config.max_num_batched_tokens
         self._by_priority = scheduler_config.queue_order == "priority"
+        # Under a TBT SLO each prompt chunk is sized by the step-cost model once the decodes
+        # are in, so schedule_running holds back every request wanting more than one token.
+        self.step_budget = StepBudget(scheduler_config) if scheduler_config.tbt_slo_ms else None
         self._run_ahead = scheduler_config.async_scheduling
         # Requests the workers mirror: sent as new, not yet sent as finished.
         self._worker_req_ids: set[int] = set()
@@ -122,9 +128,13 @@ class Scheduler:
         self._plan = StepPlan(self.config.max_num_batched_tokens)
         if self._preempted_now:
             self._preempted_now.clear()
+        if self.step_budget is not None:
+            self.step_budget.start_step(self._plan)
         self.policy.schedule(self)
         self._count_step(self._plan)
         output = self._plan.to_output(self._step_id)
+        if self.step_budget is not None and output.total_num_scheduled_tokens > 0:
+            self.step_budget.finish_step()
         for new_request in output.scheduled_new_reqs:
             self._worker_req_ids.add(new_request.req_id)
         # A step with no tokens is not executed: its ids wait for one that reaches the workers.
@@ -160,6 +170,9 @@ class Scheduler:
 
     def schedule_running(self) -> None:
         plan, kv, cap = self._plan, self.kv_cache_manager, self._chunk_cap
+        held_back: list[Request] | None = None
+        if self.step_budget is not None:
+            cap, held_back = 1, []
         for request in list(self.running):  # a copy: preemption removes from self.running
             budget = plan.token_budget
             if budget <= 0:
@@ -169,6 +182,9 @@ class Scheduler:
             # Comparisons rather than min(): this runs for every running request every step.
             num_tokens = len(request.all_token_ids) - request.num_computed_tokens
             if num_tokens > cap:
+                if held_back is not None:  # a prompt chunk under the TBT SLO: sized below
+                    held_back.append(request)
+                    continue
                 num_tokens = cap
             if num_tokens > budget:
                 num_tokens = budget
@@ -184,6 +200,31 @@ class Scheduler:
                 if new_block_ids is None:
                     continue
             plan.add_cached(request, num_tokens, new_block_ids)
+        if held_back:
+            self._schedule_chunks_under_slo(held_back)
+
+    def _schedule_chunks_under_slo(self, requests: list[Request]) -> None:
+        """The running requests' prompt chunks, each as large as the step's predicted time
+        allows now that every decode of the step is in."""
+        plan, step_budget = self._plan, self.step_budget
+        assert step_budget is not None
+        for request in requests:
+            if plan.token_budget <= 0:
+                break
+            if request.status is not _RUNNING:  # preempted for another one's blocks
+                continue
+            start = request.num_computed_tokens
+            wanted = min(len(request.all_token_ids) - start, self._chunk_cap, plan.token_budget)
+            num_tokens = step_budget.chunk(start, wanted)
+            if num_tokens <= 0:
+                continue
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_tokens)
+            if new_block_ids is None:
+                new_block_ids = self._allocate_or_preempt(request, num_tokens)
+                if new_block_ids is None:
+                    continue
+            plan.add_cached(request, num_tokens, new_block_ids)
+            step_budget.took(start, num_tokens, in_cached=True)
 
     def admit_waiting(self, *, whole_prompts: bool, reserve_outputs: bool = False) -> int:
         num_admitted = 0
@@ -217,6 +258,10 @@ class Scheduler:
             return False
         num_tokens = num_needed if whole_prompt else min(num_needed, self._chunk_cap)
         num_tokens = min(num_tokens, self._plan.token_budget)
+        if self.step_budget is not None:
+            num_tokens = self.step_budget.chunk(num_hit_tokens, num_tokens)
+            if num_tokens <= 0:
+                return False  # the step's predicted time is spent: nobody overtakes the head
         num_reserved = request.max_tokens - request.num_output_tokens if reserve_outputs else 0
         new_block_ids = kv.allocate_slots(
             request, num_tokens, hit_block_ids, num_hit_tokens, num_reserved
@@ -234,10 +279,13 @@ class Scheduler:
             request.num_cached_tokens = num_hit_tokens
         self.running.append(request)
         # A request that held no blocks gets its whole table here, as the workers need it.
-        if request.req_id in self._worker_req_ids:
+        resumed = request.req_id in self._worker_req_ids
+        if resumed:
             self._plan.add_cached(request, num_tokens, new_block_ids, resumed=True)
         else:
             self._plan.add_new(request, num_tokens, new_block_ids)
+        if self.step_budget is not None:
+            self.step_budget.took(num_hit_tokens, num_tokens, in_cached=resumed)
         return True
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int) -> list[int] | None:
@@ -311,9 +359,14 @@ class Scheduler:
                 self._release(request)
         return self._outputs.take(self.make_stats(), time.monotonic())
 
+    def observe_step_time(self, measured_s: float) -> StepPrediction | None:
+        """The oldest executed step took ``measured_s`` (from when the workers could start it
+        until its output was folded in); the step-cost model learns from it under a TBT SLO."""
+        return self.step_budget.observe(measured_s) if self.step_budget is not None else None
+
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=kv.usage,
@@ -327,6 +380,13 @@ class Scheduler:
             num_generation_tokens=self._num_generation_tokens,
             iteration_tokens=list(self._iteration_tokens),
         )
+        step_budget = self.step_budget
+        if step_budget is not None:
+            stats.num_steps_timed = step_budget.num_steps_timed
+            stats.step_time_abs_error_s = step_budget.abs_error_s
+            stats.step_time_s = step_budget.timed_s
+            stats.num_steps_over_tbt_slo = step_budget.num_steps_over_slo
+        return stats
 
     def check_all_free(self) -> None:
         """AssertionError unless no request is left anywhere and every KV block is free."""

@@ -9,6 +9,10 @@ the prefix-cache hit rate of the interval:
     engine 0: prompt 1834.2 tok/s, generation 512.0 tok/s, running 12, waiting 3 (1 preempted),
     preemptions 2, KV cache 37.5 %, prefix cache hits 61.2 %
 
+Under a TBT SLO the line goes on with the step-cost model's mean relative error over the
+interval and the steps with decodes that took longer than the SLO:
+``, step time error 4.1 %, steps over TBT SLO 0``.
+
 It stays silent over an interval without work, so an idle engine writes nothing; the first
 check after the work stops still reports that work's last interval. The numbers come from the
 scheduler's cumulative counters, so a line costs nothing per step.
@@ -75,6 +79,16 @@ def format_stats_line(
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     hits = after.prefix_cache_hits - before.prefix_cache_hits
     hit_rate = 100.0 * hits / queries if queries else 0.0
+    slo = ""
+    if after.num_steps_timed > before.num_steps_timed:
+        # Sum of |error| over the sum of step times: a mean relative error weighted by time.
+        measured = after.step_time_s - before.step_time_s
+        error = after.step_time_abs_error_s - before.step_time_abs_error_s
+        over = after.num_steps_over_tbt_slo - before.num_steps_over_tbt_slo
+        slo = (
+            f", step time error {100.0 * error / measured if measured > 0 else 0.0:.1f} %, "
+            f"steps over TBT SLO {over}"
+        )
     waiting = f"waiting {after.num_waiting}"
     if num_preempted_waiting:
         waiting += f" ({num_preempted_waiting} preempted)"
@@ -82,5 +96,5 @@ def format_stats_line(
         f"engine {engine_index}: prompt {prompt_rate:.1f} tok/s, "
         f"generation {generation_rate:.1f} tok/s, running {after.num_running}, {waiting}, "
         f"preemptions {after.num_preemptions - before.num_preemptions}, "
-        f"KV cache {100.0 * after.kv_cache_usage:.1f} %, prefix cache hits {hit_rate:.1f} %"
+        f"KV cache {100.0 * after.kv_cache_usage:.1f} %, prefix cache hits {hit_rate:.1f} %{slo}"
     )

@@ -4,7 +4,10 @@ Runs in the engine-core process, on the busy loop's thread. A record says when t
 how long the workers had it (from when it could start: its submission, or the end of the step
 before it when steps overlap), what it held (prompt tokens vs generated tokens) and what the
 engine looked like afterwards (running, waiting, KV usage, preemptions). ``conveyor plot-trace``
-draws the picture the Orca and Sarathi-Serve papers draw from these.
+draws the picture the Orca and Sarathi-Serve papers draw from these. Under a TBT SLO a record
+also says what the step-cost model predicted, the tokens the SLO allowed the step, and why a step
+with decodes was predicted over the SLO, if it was (``engine_core/step_budget.py``); the engine's
+start-up profile steps come first, marked ``profile``.
 
 Writes go through a buffered file: a line costs a few microseconds. The buffer is flushed
 whenever the engine runs out of work, so a trace read while the engine idles holds every step so
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import msgspec
 
+from engine_core.step_budget import StepPrediction
 from protocol import SchedulerStats
 
 
@@ -35,11 +39,18 @@ class StepTraceRecord(msgspec.Struct, omit_defaults=False):
     kv_cache_usage: float
     # Cumulative since the engine started.
     num_preemptions: int
+    # Under a TBT SLO (None without one): the step-cost model's prediction (None before it
+    # had seen enough steps), the tokens the SLO allowed this step, why a step with decodes
+    # was predicted over the SLO ("min-chunk", "decodes", "unfitted"), and whether the step
+    # was one of the start-up profile's.
+    predicted_ms: float | None = None
+    token_budget: int | None = None
+    over_slo: str | None = None
+    profile: bool = False
 
 
 class _Pending(msgspec.Struct):
     step_id: int
-    submitted: float
     num_prefill_tokens: int
     num_decode_tokens: int
     num_reqs: int
@@ -48,14 +59,14 @@ class _Pending(msgspec.Struct):
 class StepTracer:
     """Collects what each step held when it is scheduled; writes a line when it completes."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, start: float | None = None) -> None:
+        """``start``: the step clock's reading that is time 0 (default: monotonic now)."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("wb", buffering=1 << 16)
         self._encoder = msgspec.json.Encoder()
-        self._start = time.monotonic()
+        self._start = time.monotonic() if start is None else start
         self._pending: deque[_Pending] = deque()
-        self._last_end = self._start
         self.num_records = 0
 
     def step_submitted(self, step_id: int, stats: SchedulerStats, num_reqs: int) -> None:
@@ -63,23 +74,26 @@ class StepTracer:
         self._pending.append(
             _Pending(
                 step_id,
-                time.monotonic(),
                 stats.step_num_prefill_tokens,
                 stats.step_num_decode_tokens,
                 num_reqs,
             )
         )
 
-    def step_done(self, stats: SchedulerStats) -> None:
-        """Call when the oldest submitted step's output has been folded in."""
+    def step_done(
+        self,
+        stats: SchedulerStats,
+        end_time: float,
+        duration_s: float,
+        prediction: StepPrediction | None = None,
+    ) -> None:
+        """Call when the oldest submitted step's output has been folded in, at ``end_time``
+        (monotonic clock), ``duration_s`` after the workers could start it."""
         pending = self._pending.popleft()
-        now = time.monotonic()
-        started = max(pending.submitted, self._last_end)
-        self._last_end = now
         record = StepTraceRecord(
             step_id=pending.step_id,
-            time=round(now - self._start, 6),
-            duration_ms=round((now - started) * 1e3, 3),
+            time=round(end_time - self._start, 6),
+            duration_ms=round(duration_s * 1e3, 3),
             num_prefill_tokens=pending.num_prefill_tokens,
             num_decode_tokens=pending.num_decode_tokens,
             num_reqs=pending.num_reqs,
@@ -88,6 +102,12 @@ class StepTracer:
             kv_cache_usage=round(stats.kv_cache_usage, 5),
             num_preemptions=stats.num_preemptions,
         )
+        if prediction is not None:
+            if prediction.predicted_s is not None:
+                record.predicted_ms = round(prediction.predicted_s * 1e3, 3)
+            record.token_budget = prediction.token_budget
+            record.over_slo = prediction.over_slo
+            record.profile = prediction.profile
         self._file.write(self._encoder.encode(record) + b"\n")
         self.num_records += 1
 

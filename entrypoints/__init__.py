@@ -11,4 +11,5 @@ know about each other.
   ``engine``         the engine-core process's main; builds the executor the engine drives
   ``generate``       ``conveyor generate``: one completion from the command line
   ``make_model``     ``conveyor make-model``: a random-weight test model in Hugging Face format
+  ``gpu_check``      ``conveyor gpu-check``: CUDA tests and a speed table on a GPU machine
 """

@@ -8,6 +8,7 @@
     conveyor bench offline|scheduler|wire|attention|layers|moe|tokenize|structured|metrics
     conveyor bench fake-server         a fake OpenAI-compatible server with set delays
     conveyor make-model OUT            a random-weight test model in Hugging Face format
+    conveyor gpu-check [--dry-run]     CUDA tests and a decode/prefill table on a GPU machine
     conveyor plot-trace FILE           draw a --trace-steps file
 
 Runs in the process the user starts (also as ``python -m entrypoints.cli``). Each subcommand keeps
@@ -50,6 +51,12 @@ def _make_model(argv: list[str]) -> int:
     return main(argv)
 
 
+def _gpu_check(argv: list[str]) -> int:
+    from entrypoints.gpu_check import main
+
+    return main(argv)
+
+
 def _plot_trace(argv: list[str]) -> int:
     from benchmarks.plot_trace import main
 
@@ -70,6 +77,12 @@ def _bench_offline(argv: list[str]) -> int:
 
 def _bench_scheduler(argv: list[str]) -> int:
     from benchmarks.scheduler import main
+
+    return main(argv)
+
+
+def _bench_step_budget(argv: list[str]) -> int:
+    from benchmarks.step_budget import main
 
     return main(argv)
 
@@ -127,12 +140,14 @@ COMMANDS: dict[str, tuple[Main, str]] = {
     "frontend": (_frontend, "one more HTTP frontend attached to a running engine"),
     "generate": (_generate, "one completion for one prompt, offline"),
     "make-model": (_make_model, "write a random-weight test model in Hugging Face format"),
+    "gpu-check": (_gpu_check, "on a GPU machine: CUDA tests, then decode/prefill speed as a table"),
     "plot-trace": (_plot_trace, "draw a --trace-steps file: batch composition over time"),
 }
 BENCH_COMMANDS: dict[str, tuple[Main, str]] = {
     "serve": (_bench_serve, "load generator for any OpenAI-compatible server (vllm bench serve)"),
     "offline": (_bench_offline, "offline throughput through LLM.generate"),
     "scheduler": (_bench_scheduler, "the scheduler's cost per step, no model"),
+    "step-budget": (_bench_step_budget, "what a TBT SLO adds to schedule(), no model"),
     "wire": (_bench_wire, "bytes per step of the engine -> worker diff"),
     "attention": (_bench_attention, "attention against matmul time per layer"),
     "layers": (_bench_layers, "the model's token-wise ops on CPU"),

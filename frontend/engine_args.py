@@ -61,6 +61,8 @@ class EngineArgs:
     block_size: int | None = None
     # "auto", "flash-attn", "torch" or "cpu-kernel" (protocol.config.ATTENTION_BACKENDS).
     attention_backend: str = "auto"
+    # On CUDA: no decode CUDA graphs, every step eager (slower; for debugging and comparison).
+    enforce_eager: bool = False
     kv_cache_memory: int = 1 << 30
     gpu_memory_utilization: float = 0.9
     policy: str = "stall-free"
@@ -76,6 +78,9 @@ class EngineArgs:
     async_scheduling: bool = False
     # None = no engine-wide queue cap; N = a request that finds N waiting is refused (HTTP 429).
     max_waiting_requests: int | None = None
+    # The inter-token latency promised to clients (ms): each step sized from a step-cost model
+    # learned online to stay under it while requests decode (stall-free only); None = off.
+    tbt_slo_ms: float | None = None
     trace_steps: str | None = None
     enable_debug_queries: bool = False
     step_timeout_s: float = 600.0
@@ -124,6 +129,7 @@ class EngineArgs:
                 queue_order=self.queue_order,  # type: ignore[arg-type]
                 async_scheduling=self.async_scheduling,
                 max_waiting_requests=self.max_waiting_requests,
+                tbt_slo_ms=self.tbt_slo_ms,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             observability=ObservabilityConfig(
@@ -134,6 +140,7 @@ class EngineArgs:
             ),
             device=self.device,
             attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
         )
         check_engine_config(config)
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
@@ -220,6 +227,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "kernel on CPU); a forced choice that cannot run fails at start-up",
     )
     group.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=d.enforce_eager,
+        help="on CUDA, capture no CUDA graphs: every decode step runs eagerly (CPU never uses them)",
+    )
+    group.add_argument(
         "--kv-cache-memory", type=_parse_bytes, default=d.kv_cache_memory, help="CPU KV bytes"
     )
     group.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
@@ -249,6 +262,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="N",
         help="engine-wide queue cap over every frontend: a request that finds N requests "
         "waiting is refused at once (HTTP 429 + Retry-After); default: no cap",
+    )
+    group.add_argument(
+        "--tbt-slo-ms",
+        type=float,
+        default=d.tbt_slo_ms,
+        metavar="MS",
+        help="the inter-token latency promised to clients: while requests decode, each step's "
+        "prompt work is sized from a step-cost model learned online so the step stays under MS "
+        "(--max-num-batched-tokens stays the hard cap; stall-free only); default: off",
     )
     group.add_argument(
         "--trace-steps",

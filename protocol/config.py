@@ -75,6 +75,13 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     # together) is rejected at once instead of queued (None = no cap). Preemption may still put
     # requests back in the queue past it; they were admitted before.
     max_waiting_requests: int | None = None
+    # The inter-token latency promised to clients (ms; None = off). While any request decodes,
+    # each step is sized from a step-cost model learned online so that its predicted time stays
+    # under this; max_num_batched_tokens stays the hard cap (engine_core/step_budget.py).
+    tbt_slo_ms: float | None = None
+    # Under tbt_slo_ms a prompt chunk is never smaller than this (unless the prompt's rest is),
+    # so prompts progress even when the decodes alone fill the SLO.
+    slo_min_chunk_tokens: int = 32
 
 
 class ParallelConfig(msgspec.Struct, frozen=True):
@@ -106,6 +113,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     device: str = "auto"
     # One of ATTENTION_BACKENDS; a forced choice that cannot run fails at start-up.
     attention_backend: str = "auto"
+    # No CUDA graphs: every step runs eagerly (on CPU they are never used).
+    enforce_eager: bool = False
 
 
 def _as_id_tuple(value: object) -> tuple[int, ...]:
@@ -231,6 +240,14 @@ def check_engine_config(config: EngineConfig) -> None:
         raise ConfigError("max_num_seqs must be at least 1")
     if sched.max_num_batched_tokens < 1:
         raise ConfigError("max_num_batched_tokens must be at least 1")
+    if sched.tbt_slo_ms is not None:
+        if sched.tbt_slo_ms <= 0:
+            raise ConfigError(f"tbt_slo_ms must be > 0, got {sched.tbt_slo_ms}")
+        if sched.policy != "stall-free":
+            # Only a chunking policy can size a step: the others run whole prompts.
+            raise ConfigError(f"tbt_slo_ms needs policy 'stall-free', got {sched.policy!r}")
+    if sched.slo_min_chunk_tokens < 1:
+        raise ConfigError(f"slo_min_chunk_tokens must be >= 1, got {sched.slo_min_chunk_tokens}")
     if sched.max_waiting_requests is not None and sched.max_waiting_requests < 0:
         raise ConfigError(f"max_waiting_requests must be >= 0, got {sched.max_waiting_requests}")
     if sched.max_model_len > config.model.max_model_len:

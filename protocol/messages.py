@@ -114,6 +114,14 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_generation_tokens: int = 0
     # Steps per tokens-per-step bucket: ``ITERATION_TOKENS_BUCKETS`` then +Inf (not cumulative).
     iteration_tokens: list[int] = []
+    # Under a TBT SLO (``SchedulerConfig.tbt_slo_ms``; all 0 without one): steps whose time the
+    # step-cost model predicted and the engine measured, the sum of |measured - predicted| and
+    # of their measured times (seconds; the ratio is the model's relative error), and steps
+    # with decodes that took longer than the SLO.
+    num_steps_timed: int = 0
+    step_time_abs_error_s: float = 0.0
+    step_time_s: float = 0.0
+    num_steps_over_tbt_slo: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -13,8 +13,10 @@ a bare Scheduler with it the way EngineCore.step does.
 
 from __future__ import annotations
 
+import random
 import zlib
 from array import array
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -268,3 +270,103 @@ class OverlappedSteps:
         self._submit(following)
         done, runner_output = self.in_flight.pop(0)
         return self.scheduler.update_from_output(done, runner_output)
+
+
+# ---------------------------------------------------------------- steps that take known time
+
+
+@dataclass
+class StepCostFormula:
+    """A step's time as a known function of what it holds (the synthetic executor's truth)."""
+
+    fixed_s: float = 0.004
+    per_prefill_token_s: float = 0.0003
+    per_decode_token_s: float = 0.00035
+    # Per (query, key) pair attention reads: n * start + n (n + 1) / 2 for n tokens from start.
+    per_pair_s: float = 2e-8
+    per_req_s: float = 0.0001
+
+    def seconds(self, num_prefill: int, num_decode: int, num_pairs: int, num_reqs: int) -> float:
+        return (
+            self.fixed_s
+            + self.per_prefill_token_s * num_prefill
+            + self.per_decode_token_s * num_decode
+            + self.per_pair_s * num_pairs
+            + self.per_req_s * num_reqs
+        )
+
+
+class SyntheticClock:
+    """A clock only the synthetic executor moves: step times are exact and tests never sleep."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TimedFakeExecutor(FakeExecutor):
+    """A FakeExecutor whose every step advances a SyntheticClock by the formula's time, times
+    ``slowdown`` (a test raises it mid-run to make the machine drift), times seeded noise, and
+    now and then (``outlier_rate``) ``outlier_factor`` times that."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        vocab_size: int,
+        block_size: int = 16,
+        formula: StepCostFormula | None = None,
+        noise: float = 0.0,
+        outlier_rate: float = 0.0,
+        outlier_factor: float = 4.0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(num_blocks, vocab_size, block_size, check_kv=False)
+        self.formula = formula or StepCostFormula()
+        self.clock = SyntheticClock()
+        self.noise = noise
+        self.outlier_rate = outlier_rate
+        self.outlier_factor = outlier_factor
+        self.slowdown = 1.0
+        self._rng = random.Random(seed)
+        self._prompt_lens: dict[int, int] = {}
+        self._durations: deque[float] = deque()
+        # Per executed step: (prefill tokens, decode tokens, attention pairs, requests) and the
+        # formula's time without noise.
+        self.step_features: list[tuple[int, int, int, int]] = []
+        self.true_seconds: list[float] = []
+
+    def run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for new in scheduler_output.scheduled_new_reqs:
+            self._prompt_lens[new.req_id] = len(new.prompt_token_ids)
+        entries = [
+            (new.req_id, new.num_computed_tokens, new.num_scheduled_tokens)
+            for new in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        entries += zip(cached.req_ids, cached.num_computed_tokens, cached.num_scheduled_tokens)
+        prefill = decode = pairs = 0
+        for req_id, start, n in entries:
+            pairs += n * start + n * (n + 1) // 2
+            if start >= self._prompt_lens[req_id]:
+                decode += n
+            else:
+                prefill += n
+        features = (prefill, decode, pairs, len(entries))
+        true_s = self.slowdown * self.formula.seconds(*features)
+        self.step_features.append(features)
+        self.true_seconds.append(true_s)
+        seconds = true_s
+        if self.noise:
+            seconds *= 1.0 + self._rng.gauss(0.0, self.noise)
+        if self.outlier_rate and self._rng.random() < self.outlier_rate:
+            seconds *= self.outlier_factor  # another process took the core for a while
+        self._durations.append(seconds)
+        return super().run_step(scheduler_output)
+
+    def wait_for_output(self) -> ModelRunnerOutput:
+        # The clock moves when the step is waited for, not when it is submitted: with async
+        # scheduling the next step is submitted first, as it is while real workers run one.
+        self.clock.now += self._durations.popleft()
+        return super().wait_for_output()

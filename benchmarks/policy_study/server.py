@@ -87,7 +87,7 @@ def served(
 
 
 def engine_flags(args: EngineArgs) -> list[str]:
-    return [
+    flags = [
         *("--model", str(args.model), "--policy", args.policy),
         *("--max-model-len", str(args.max_model_len)),
         *("--max-num-batched-tokens", str(args.max_num_batched_tokens)),
@@ -95,6 +95,11 @@ def engine_flags(args: EngineArgs) -> list[str]:
         *("--kv-cache-memory", str(args.kv_cache_memory), "--seed", str(args.seed)),
         "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
     ]
+    if args.tbt_slo_ms is not None:
+        flags += ["--tbt-slo-ms", f"{args.tbt_slo_ms:g}"]
+    if args.trace_steps is not None:
+        flags += ["--trace-steps", args.trace_steps]
+    return flags
 
 
 def _wait_ready(process: subprocess.Popen[str], timeout_s: float) -> str | None:

@@ -3,6 +3,7 @@
     python scripts/policy_study.py                 # default: about 10 minutes on a 2-core CPU
     python scripts/policy_study.py --long          # more requests, rates and probes; longer
     python scripts/policy_study.py --smoke         # the tiny model, seconds (the test's mode)
+    python scripts/policy_study.py --adaptive      # the SLO-aware budget against fixed ones
 
 Runs in its own process; the engines it measures run in child processes. Writes into --out
 (default policy_study_out/): report.md (tables, one generated sentence per result, machine,
@@ -404,6 +405,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--report-only", action="store_true", help="rewrite report.md and plots from results.json"
     )
+    parser.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="instead: the SLO-aware token budget (--tbt-slo-ms) against fixed budgets on two "
+        "models (benchmarks/policy_study/adaptive.py; adaptive.md, adaptive.json)",
+    )
+    parser.add_argument(
+        "--adaptive-models",
+        nargs="+",
+        default=None,
+        metavar="SIZE",
+        help="with --adaptive: these model sizes only (default: bench small)",
+    )
     return parser.parse_args(argv)
 
 
@@ -417,6 +431,15 @@ def main(argv: list[str] | None = None) -> int:
         config = dataclasses.replace(config, slo_ttft_median_ms=ttft_bound)
     policies = sorted(set(args.policies), key=STUDY_POLICIES.index)
     out = args.out.resolve()
+    if args.adaptive:
+        from benchmarks.policy_study import adaptive
+
+        argv_given = list(sys.argv[1:] if argv is None else argv)
+        if args.report_only:
+            results = json.loads((out / "adaptive.json").read_text())
+            print(f"report: {adaptive.write_adaptive_report(out, results)}")
+            return 0
+        return adaptive.main(args.smoke, out, args.slo_tbt_p99_ms, argv_given, args.adaptive_models)
     if args.report_only:
         print(f"report: {write_report(out, json.loads((out / 'results.json').read_text()))}")
         return 0

@@ -56,6 +56,22 @@ _ENGINE_COUNTERS = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
 }
+# Under a TBT SLO, the step-cost model's record, as counters too: metric name -> (field, doc).
+_STEP_TIME_COUNTERS = {
+    "step_time_predictions": (
+        "num_steps_timed",
+        "Steps whose time the step-cost model predicted and the engine measured (TBT SLO).",
+    ),
+    "step_time_prediction_abs_error_seconds": (
+        "step_time_abs_error_s",
+        "Sum of |measured - predicted| step time over those steps.",
+    ),
+    "step_time_seconds": ("step_time_s", "Sum of the measured time of those steps."),
+    "steps_over_tbt_slo": (
+        "num_steps_over_tbt_slo",
+        "Steps with decodes that took longer than the TBT SLO.",
+    ),
+}
 _ITERATION_TOKENS = PREFIX + "iteration_tokens_total"
 
 
@@ -86,14 +102,22 @@ class FrontendMetrics:
         self._define_request_metrics(token_count_buckets(self._max_model_len))
         self._define_engine_metrics(config)
         self._registry = CollectorRegistry(auto_describe=False)
-        counters = [PREFIX + name for name in _ENGINE_COUNTERS]
+        counters = [PREFIX + name for name in (*_ENGINE_COUNTERS, *_STEP_TIME_COUNTERS)]
         hit_rate = Ratio(
             PREFIX + "prefix_cache_hit_rate",
             "Prefix cache hits / queries since the engine started.",
             PREFIX + "prefix_cache_hits",
             PREFIX + "prefix_cache_queries",
         )
-        self._registry.register(ServerCollector(path, counters, [_ITERATION_TOKENS], [hit_rate]))
+        step_time_error = Ratio(
+            PREFIX + "step_time_prediction_error_ratio",
+            "The step-cost model's relative error: sum of |measured - predicted| / sum of "
+            "measured step times since the engine started (TBT SLO; 0 without one).",
+            PREFIX + "step_time_prediction_abs_error_seconds",
+            PREFIX + "step_time_seconds",
+        )
+        ratios = [hit_rate, step_time_error]
+        self._registry.register(ServerCollector(path, counters, [_ITERATION_TOKENS], ratios))
         self._published: tuple[SchedulerStats | None, int] = (None, -1)
 
     # ------------------------------------------------------------------ definitions
@@ -170,6 +194,8 @@ class FrontendMetrics:
         self._engine_counts = {
             field: own(field, doc, "livemax") for field, doc in _ENGINE_COUNTERS.items()
         }
+        for name, (field, doc) in _STEP_TIME_COUNTERS.items():
+            self._engine_counts[field] = own(name, doc, "livemax")
         doc = "Tokens per engine step."
         bucket = g("iteration_tokens_total_bucket", doc, "livemax", ("le",))
         bounds = [*(str(float(b)) for b in ITERATION_TOKENS_BUCKETS), "+Inf"]

@@ -77,6 +77,16 @@ def test_the_line_gives_rates_queue_preemptions_cache_and_hits():
     )
 
 
+def test_under_a_tbt_slo_the_line_gives_the_models_error_and_steps_over_it():
+    before = SchedulerStats(num_steps_timed=10, step_time_abs_error_s=0.1, step_time_s=2.0,
+                            num_steps_over_tbt_slo=1)  # fmt: skip
+    after = SchedulerStats(num_steps_timed=30, step_time_abs_error_s=0.22, step_time_s=5.0,
+                           num_steps_over_tbt_slo=3)  # fmt: skip
+    line = format_stats_line(0, before, after, 10.0, num_preempted_waiting=0)
+    assert line.endswith(", step time error 4.0 %, steps over TBT SLO 2")
+    assert "step time" not in format_stats_line(0, after, after, 10.0, num_preempted_waiting=0)
+
+
 def test_a_real_scheduler_feeds_the_line(caplog):
     caplog.set_level(logging.INFO)
     scheduler, executor = make_scheduler()

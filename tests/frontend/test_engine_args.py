@@ -100,3 +100,22 @@ def test_the_attention_backend_flag_reaches_the_config_and_is_checked(tiny_model
         parser.parse_args(["--attention-backend", "xformers"])
     with pytest.raises(ConfigError, match="attention_backend must be one of"):
         EngineArgs(model=str(tiny_model_dir), attention_backend="xformers").create_engine_config()
+
+
+def test_enforce_eager_reaches_the_config(tiny_model_dir):
+    parser = add_engine_args(argparse.ArgumentParser())
+    default = EngineArgs.from_cli(parser.parse_args(["--model", str(tiny_model_dir)]))
+    assert not default.create_engine_config().enforce_eager
+    args = parser.parse_args(["--model", str(tiny_model_dir), "--enforce-eager"])
+    assert EngineArgs.from_cli(args).create_engine_config().enforce_eager
+    assert engine_args_from_kwargs(None, {"enforce_eager": True}).enforce_eager
+
+
+def test_the_tbt_slo_flag_reaches_the_scheduler_config(tiny_model_dir):
+    parser = add_engine_args(argparse.ArgumentParser())
+    default = EngineArgs.from_cli(parser.parse_args(["--model", str(tiny_model_dir)]))
+    assert default.create_engine_config().scheduler.tbt_slo_ms is None
+    args = parser.parse_args(["--model", str(tiny_model_dir), "--tbt-slo-ms", "120"])
+    assert EngineArgs.from_cli(args).create_engine_config().scheduler.tbt_slo_ms == 120.0
+    with pytest.raises(ConfigError, match="stall-free"):
+        EngineArgs(model=str(tiny_model_dir), policy="orca", tbt_slo_ms=50.0).create_engine_config()

@@ -25,7 +25,9 @@ OLDER = {"num_running": 5, "num_waiting": 4, "kv_cache_usage": 0.5, "num_preempt
          "num_prompt_tokens": 300, "num_generation_tokens": 50, "iteration_tokens": [4, 6]}  # fmt: skip
 NEWER = {"num_running": 1, "num_waiting": 0, "kv_cache_usage": 0.125, "num_preemptions": 3,
          "prefix_cache_queries": 160, "prefix_cache_hits": 64, "num_steps": 15,
-         "num_prompt_tokens": 310, "num_generation_tokens": 90, "iteration_tokens": [9, 6]}  # fmt: skip
+         "num_prompt_tokens": 310, "num_generation_tokens": 90, "iteration_tokens": [9, 6],
+         "num_steps_timed": 12, "step_time_abs_error_s": 0.05, "step_time_s": 1.0,
+         "num_steps_over_tbt_slo": 2}  # fmt: skip
 
 
 def run_frontend(folder: Path, spec: dict) -> tuple[int, str]:
@@ -91,6 +93,10 @@ def test_the_engines_counts_are_the_newest_copy_any_frontend_holds(folder):
     assert metric(samples, "conveyor:prefix_cache_queries_total") == 160
     assert metric(samples, "conveyor:prefix_cache_hit_rate") == pytest.approx(0.4)
     assert "# TYPE conveyor:num_preemptions_total counter" in text
+    # The step-cost model's record under a TBT SLO (zero in the older copy, as without one).
+    assert metric(samples, "conveyor:step_time_predictions_total") == 12
+    assert metric(samples, "conveyor:steps_over_tbt_slo_total") == 2
+    assert metric(samples, "conveyor:step_time_prediction_error_ratio") == pytest.approx(0.05)
     # Tokens per step: one histogram (cumulative buckets, sum, count) of the newer copy.
     name = "conveyor:iteration_tokens_total"
     assert f"# TYPE {name} histogram" in text
