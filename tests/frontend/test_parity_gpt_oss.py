@@ -19,6 +19,7 @@ from tests.frontend import test_parity_hf as common
 from tests.frontend.test_parity_hf import (
     BLOCK_SIZE,
     GREEDY,
+    MODEL_TEST_DTYPE,
     NUM_NEW_TOKENS,
     SMALL_KV,
     Reference,
@@ -87,6 +88,7 @@ def test_two_ranks_through_the_multiprocess_engine_match_hf(reference):
     # dimension; the biases of o_proj and of the experts' down projections are added once.
     with LLM(
         str(reference.model_dir),
+        dtype=MODEL_TEST_DTYPE,
         block_size=BLOCK_SIZE,
         seed=0,
         kv_cache_memory=SMALL_KV,

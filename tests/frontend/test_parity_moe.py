@@ -17,6 +17,7 @@ from tests.frontend import test_parity_hf as common
 from tests.frontend.test_parity_hf import (
     BLOCK_SIZE,
     GREEDY,
+    MODEL_TEST_DTYPE,
     SMALL_KV,
     Reference,
     _check,
@@ -55,6 +56,7 @@ def test_engine_and_worker_processes_match_hf(tiny_moe_model_dirs, hf_model):
     reference = _reference(tiny_moe_model_dirs["mixtral"], hf_model)
     with LLM(
         str(reference.model_dir),
+        dtype=MODEL_TEST_DTYPE,
         kv_cache_memory=SMALL_KV,
         block_size=BLOCK_SIZE,
         seed=0,

@@ -136,6 +136,7 @@ def test_long_contexts_through_the_engine_and_worker_processes_match_hf(windowed
 
     with LLM(
         str(windowed.model_dir),
+        dtype=common.MODEL_TEST_DTYPE,
         kv_cache_memory=10 * windowed.kv_bytes_per_block(),
         block_size=common.BLOCK_SIZE,
         seed=0,

@@ -17,6 +17,7 @@ from tests.frontend import test_parity_hf as common
 from tests.frontend.test_parity_hf import (
     BLOCK_SIZE,
     GREEDY,
+    MODEL_TEST_DTYPE,
     NUM_NEW_TOKENS,
     PROMPT_LENGTHS,
     SMALL_KV,
@@ -98,6 +99,7 @@ def test_preemption_with_freed_blocks_matches_hf(reference):
 def test_the_multiprocess_engine_matches_hf(reference):
     with LLM(
         str(reference.model_dir),
+        dtype=MODEL_TEST_DTYPE,
         block_size=BLOCK_SIZE,
         seed=0,
         kv_cache_memory=SMALL_KV,
