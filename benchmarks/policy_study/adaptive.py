@@ -54,9 +54,13 @@ class AdaptiveConfig:
     budgets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
     # adaptive's hard cap (the engine's default budget).
     adaptive_cap: int = 2048
-    # The searches go up to this rate per model (a small model holds more load; the default
-    # for others), from capacity_start_rate, with one probe more than the study's.
-    capacity_max_rates: tuple[tuple[str, float], ...] = (("bench", 32.0), ("small", 64.0))
+    # The searches start at and go up to these rates per model (a small model holds more load,
+    # so its search starts higher and spends no probes where every setup holds; the defaults
+    # for others), with one probe more than the study's.
+    capacity_rates: tuple[tuple[str, float, float], ...] = (
+        ("bench", 3.0, 32.0),
+        ("small", 12.0, 64.0),
+    )
     capacity_max_rate: float = 32.0
     capacity_start_rate: float = 3.0
     capacity_max_probes: int = 7
@@ -103,16 +107,21 @@ def setup_args(config: AdaptiveConfig, model: str, label: str, slo_ms: float, **
     return dataclasses.replace(args, max_num_batched_tokens=int(label), **extra)
 
 
-def max_rate(config: AdaptiveConfig, size: str) -> float:
-    return dict(config.capacity_max_rates).get(size, config.capacity_max_rate)
+def search_rates(config: AdaptiveConfig, size: str) -> tuple[float, float]:
+    """(start, max) of the capacity searches on this model."""
+    rates = {name: (start, most) for name, start, most in config.capacity_rates}
+    return rates.get(size, (config.capacity_start_rate, config.capacity_max_rate))
 
 
 class Prober:
     """Sends one probe's requests to one server: the study's sharegpt-like workload."""
 
-    def __init__(self, config: AdaptiveConfig, model: str, session: Any, max_rate: float) -> None:
+    def __init__(
+        self, config: AdaptiveConfig, model: str, session: Any, rates: tuple[float, float]
+    ) -> None:
         study = config.study
-        self.config, self.session, self.max_rate = config, session, max_rate
+        self.config, self.session = config, session
+        self.start_rate, self.max_rate = rates
         self.dataset = DatasetSpec(
             name="sharegpt-like",
             sharegpt_input_mean=study.sharegpt_input_mean,
@@ -120,7 +129,7 @@ class Prober:
             sharegpt_max_len=study.sharegpt_max_len,
         )
         self.maker = PromptMaker(load_tokenizer(model), endpoint_takes_ids=True)
-        most = round(max_rate * study.capacity_probe_s) + 1
+        most = round(self.max_rate * study.capacity_probe_s) + 1
         self.num_prompts = max(most, study.capacity_min_requests, 2)
         self.stop = asyncio.Event()
 
@@ -158,7 +167,7 @@ async def interleaved_capacities(
     spec = CapacitySpec(
         slo_itl_p99_ms=slo_ms,
         slo_ttft_median_ms=study.slo_ttft_median_ms,
-        start_rate=prober.config.capacity_start_rate,
+        start_rate=prober.start_rate,
         max_rate=prober.max_rate,
         max_probes=prober.config.capacity_max_probes,
         tolerance=study.capacity_tolerance,
@@ -202,10 +211,14 @@ async def interleaved_capacities(
 
 
 async def measure_model(
-    config: AdaptiveConfig, model: str, urls: dict[str, str], slo_ms: float, rate_cap: float
+    config: AdaptiveConfig,
+    model: str,
+    urls: dict[str, str],
+    slo_ms: float,
+    rates: tuple[float, float],
 ) -> dict[str, Any]:
     async with open_session(None, 600.0) as session:
-        prober = Prober(config, model, session, rate_cap)
+        prober = Prober(config, model, session, rates)
         endpoints = {label: await prober.endpoint(url) for label, url in urls.items()}
         for label, endpoint in endpoints.items():
             print(f"warm-up: {label}", file=sys.stderr, flush=True)
@@ -226,7 +239,7 @@ async def changing_load(config: AdaptiveConfig, model: str, url: str, capacity: 
     """The load phases back to back; each phase's start and rate (study-side clock)."""
     phases = []
     async with open_session(None, 600.0) as session:
-        prober = Prober(config, model, session, 1.5 * capacity)
+        prober = Prober(config, model, session, (capacity, 1.5 * capacity))
         endpoint = await prober.endpoint(url)
         started = time.monotonic()
         for i, (fraction, seconds) in enumerate(config.load_phases):
@@ -253,8 +266,8 @@ def run_model(config: AdaptiveConfig, size: str, slo_ms: float, out: Path) -> di
             print(f"{size}: starting {label}", file=sys.stderr, flush=True)
             args = setup_args(config, model, label, slo_ms)
             urls[label] = stack.enter_context(served(args, out / f"serve_{size}_{label}.log"))
-        rate_cap = max_rate(config, size)
-        measured = run_async(measure_model(config, model, urls, slo_ms, rate_cap))
+        rates = search_rates(config, size)
+        measured = run_async(measure_model(config, model, urls, slo_ms, rates))
     capacity = measured["capacities"][ADAPTIVE]["capacity_request_rate"] or 1.0
     trace = out / f"adaptive_trace_{size}.jsonl"
     trace.unlink(missing_ok=True)
@@ -264,7 +277,8 @@ def run_model(config: AdaptiveConfig, size: str, slo_ms: float, out: Path) -> di
     return {
         "size": size,
         "model": model,
-        "capacity_max_rate": rate_cap,
+        "capacity_start_rate": rates[0],
+        "capacity_max_rate": rates[1],
         **measured,
         "load_phases": phases,
         "trace": trace.name,

@@ -230,9 +230,11 @@ def plot_trace(
 
 
 def _rate_caps(results: dict[str, Any]) -> str:
-    default = results["config"]["capacity_max_rate"]
+    config = results["config"]
     return ", ".join(
-        f"{m.get('capacity_max_rate', default):g} (`{m['size']}`)" for m in results["models"]
+        f"{m.get('capacity_start_rate', config['capacity_start_rate']):g} up to "
+        f"{m.get('capacity_max_rate', config['capacity_max_rate']):g} (`{m['size']}`)"
+        for m in results["models"]
     )
 
 
@@ -260,9 +262,8 @@ def write_adaptive_report(out: Path, results: dict[str, Any]) -> Path:
         f"{study['online_max_num_seqs']}, stall-free. `adaptive`: `--tbt-slo-ms "
         f"{slo['slo_tbt_p99_ms']:g}`, hard cap {results['config']['adaptive_cap']} tokens. "
         f"Capacity searches interleaved probe by probe, {study['capacity_probe_s']:g} s probes "
-        f"(at least {study['capacity_min_requests']} requests), from "
-        f"{results['config']['capacity_start_rate']:g} req/s doubling up to "
-        f"{_rate_caps(results)}, then bisecting; at most "
+        f"(at least {study['capacity_min_requests']} requests), doubling from "
+        f"{_rate_caps(results)} req/s, then bisecting; at most "
         f"{results['config']['capacity_max_probes']} probes per search.",
         "",
         "## Capacity per model and token budget",
