@@ -310,7 +310,6 @@ def main(
         "command": " ".join(["python", "scripts/policy_study.py", *argv]),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "seconds": timing.seconds,
-        "machine_time": timing.summary(),
         "machine": machine_info(),
         "config": dataclasses.asdict(config),
         "slo": slo,

@@ -252,8 +252,8 @@ def write_adaptive_report(out: Path, results: dict[str, Any]) -> Path:
         "# SLO-aware token budget: adaptive against fixed budgets",
         "",
         f"Command: `{results['command']}` ({results['seconds'] / 60:.1f} min, "
-        f"{results['date']}; other processes kept {results['machine_time']['other_load']:.2f} "
-        "of the cores busy on average).",
+        f"{results['date']}). The machine is shared: the probe table below gives the share of "
+        "the cores other processes kept busy during each setup's probes.",
         "",
         f"SLO: {slo_text}, median TTFT ≤ {fmt(study['slo_ttft_median_ms'], 0)} ms, no failed "
         f"request; the same on every model. Workload: sharegpt-like (input mean "

@@ -49,7 +49,6 @@ def test_the_report_compares_adaptive_with_every_fixed_budget_on_every_model(tmp
         "command": "python scripts/policy_study.py --adaptive",
         "date": "2026-01-01 00:00",
         "seconds": 60.0,
-        "machine_time": {"other_load": 0.2},
         "machine": {"num_cpus": 2},
         "config": dataclasses.asdict(config),
         "slo": {"slo_tbt_p99_ms": 120.0, "calibrated": False},
