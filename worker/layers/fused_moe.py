@@ -134,13 +134,21 @@ class MoEExperts(nn.Module):
             if count == 0:
                 continue
             end = start + count
-            rows, (packed_gate_up, packed_down) = sorted_hidden[start:end], packed[expert]
-            gate, up = linear(rows, self.gate_up_proj[expert], None, packed_gate_up).chunk(2, -1)
-            out[start:end] = linear(
-                F.silu(gate).mul_(up), self.down_proj[expert], None, packed_down
-            )
+            out[start:end] = self._expert(sorted_hidden[start:end], expert, *packed[expert])
             start = end
         return out
+
+    def _expert(
+        self,
+        rows: torch.Tensor,
+        expert: int,
+        packed_gate_up: torch.Tensor | None,
+        packed_down: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One expert over its rows: down(silu(gate(x)) * up(x)). A family with another expert
+        (gpt-oss: biases, a clamped SwiGLU) overrides this and keeps the grouping above."""
+        gate, up = linear(rows, self.gate_up_proj[expert], None, packed_gate_up).chunk(2, -1)
+        return linear(F.silu(gate).mul_(up), self.down_proj[expert], None, packed_down)
 
     def extra_repr(self) -> str:
         return (

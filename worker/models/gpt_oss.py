@@ -83,29 +83,24 @@ class GptOssExperts(MoEExperts):
             raise ValueError(f"down_proj_bias has shape {tuple(loaded_weight.shape)}")
         param.data.copy_(loaded_weight)
 
-    def _run_experts(self, sorted_hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        out = sorted_hidden.new_empty(sorted_hidden.shape[0], self.down_proj.shape[1])
-        packed = self.packed_weights or [(None, None)] * self.num_experts
+    def _expert(
+        self,
+        rows: torch.Tensor,
+        expert: int,
+        packed_gate_up: torch.Tensor | None,
+        packed_down: torch.Tensor | None,
+    ) -> torch.Tensor:
+        gate_up = linear(
+            rows, self.gate_up_proj[expert], self.gate_up_proj_bias[expert], packed_gate_up
+        )
+        gate, up = gate_up.chunk(2, dim=-1)
         limit = self.swiglu_limit
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        activated = (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
         # The down bias is part of every rank's partial sum otherwise: rank 0 alone adds it.
-        add_down_bias = self.tp_rank == 0
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            end = start + count
-            rows, (packed_gate_up, packed_down) = sorted_hidden[start:end], packed[expert]
-            gate_up = linear(
-                rows, self.gate_up_proj[expert], self.gate_up_proj_bias[expert], packed_gate_up
-            )
-            gate, up = gate_up.chunk(2, dim=-1)
-            gate = gate.clamp(max=limit)
-            up = up.clamp(min=-limit, max=limit)
-            activated = (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
-            bias = self.down_proj_bias[expert] if add_down_bias else None
-            out[start:end] = linear(activated, self.down_proj[expert], bias, packed_down)
-            start = end
-        return out
+        bias = self.down_proj_bias[expert] if self.tp_rank == 0 else None
+        return linear(activated, self.down_proj[expert], bias, packed_down)
 
 
 class GptOssMoE(nn.Module):
