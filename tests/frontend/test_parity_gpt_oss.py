@@ -97,3 +97,18 @@ def test_two_ranks_through_the_multiprocess_engine_match_hf(reference):
     ) as llm:
         outputs = llm.generate(reference.prompts, GREEDY, use_tqdm=False)
         _check(reference, outputs, list(range(len(reference.prompts))))
+
+
+def test_the_configs_swiglu_alpha_and_limit_are_honoured(reference, hf_model, tmp_path):
+    """Not gpt-oss's released values (1.702, 7): a model that ignored either would differ."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "gpt-oss-swiglu"
+    shutil.copytree(reference.model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(swiglu_alpha=1.0, swiglu_limit=2.0)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    changed = _reference(model_dir, hf_model)
+    assert changed.tokens != reference.tokens
+    common.test_batch_of_mixed_lengths_matches_hf(changed)

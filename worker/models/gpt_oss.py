@@ -10,7 +10,8 @@ Runs in worker processes. The block is Llama's (pre-norm, RMSNorm, residual adds
 - MLP: a router with a bias picks ``num_experts_per_tok`` of ``num_local_experts`` experts by
   raw logit, and the softmax runs over those k logits only (not over every expert, as Mixtral
   and Qwen3-MoE do). Each expert is a clamped SwiGLU with biases: gate clamped above at
-  ``swiglu_limit``, up clamped to +-limit, out = (up + 1) * gate * sigmoid(1.702 * gate).
+  ``swiglu_limit``, up clamped to +-limit, out = (up + 1) * gate * sigmoid(alpha * gate), alpha
+  ``swiglu_alpha`` (1.702).
 - checkpoint: the experts' gate/up and down matrices are MXFP4 (``*_blocks`` and ``*_scales``,
   unpacked once at load, worker/layers/mxfp4.py), with gate and up rows interleaved (row 2j is
   gate j, row 2j + 1 up j); a dequantized checkpoint (transformers' layout, ``gate_up_proj``
@@ -37,7 +38,8 @@ from worker.models.checkpoint import checkpoint_names as default_checkpoint_name
 from worker.models.checkpoint import load_checkpoint
 from worker.models.decoder import DecoderForCausalLM, DecoderModel, DecoderSpec
 
-SWIGLU_ALPHA = 1.702
+# transformers' default when a config leaves swiglu_alpha out.
+DEFAULT_SWIGLU_ALPHA = 1.702
 _EXPERTS_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_blocks|_scales|)$")
 
 
@@ -52,10 +54,12 @@ class GptOssExperts(MoEExperts):
         swiglu_limit: float,
         tp_rank: int = 0,
         tp_size: int = 1,
+        swiglu_alpha: float = DEFAULT_SWIGLU_ALPHA,
     ) -> None:
         super().__init__(num_experts, hidden_size, intermediate_size, tp_rank, tp_size)
         self.full_intermediate_size = intermediate_size
         self.swiglu_limit = swiglu_limit
+        self.swiglu_alpha = swiglu_alpha
         size = self.intermediate_size
         self.gate_up_proj_bias = nn.Parameter(
             torch.empty(num_experts, 2 * size), requires_grad=False
@@ -97,7 +101,7 @@ class GptOssExperts(MoEExperts):
         limit = self.swiglu_limit
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
-        activated = (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
+        activated = (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
         # The down bias is part of every rank's partial sum otherwise: rank 0 alone adds it.
         bias = self.down_proj_bias[expert] if self.tp_rank == 0 else None
         return linear(activated, self.down_proj[expert], bias, packed_down)
@@ -120,6 +124,7 @@ class GptOssMoE(nn.Module):
             float(config.swiglu_limit),
             tp_rank,
             tp_size,
+            float(getattr(config, "swiglu_alpha", DEFAULT_SWIGLU_ALPHA)),
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
