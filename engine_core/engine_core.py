@@ -213,12 +213,7 @@ class EngineCore:
         if self._timed:
             self._submit_times.append(self._clock())
         if self.tracer is not None:
-            num_reqs = len(scheduler_output.scheduled_new_reqs) + len(
-                scheduler_output.scheduled_cached_reqs.req_ids
-            )
-            self.tracer.step_submitted(
-                scheduler_output.step_id, self.scheduler.make_stats(), num_reqs
-            )
+            self.tracer.step_submitted(scheduler_output, self.scheduler.make_stats())
 
     def _step_done(self) -> None:
         if not self._timed:

@@ -23,7 +23,7 @@ from pathlib import Path
 import msgspec
 
 from engine_core.step_budget import StepPrediction
-from protocol import SchedulerStats
+from protocol import SchedulerOutput, SchedulerStats
 
 
 class StepTraceRecord(msgspec.Struct, omit_defaults=False):
@@ -47,6 +47,9 @@ class StepTraceRecord(msgspec.Struct, omit_defaults=False):
     token_budget: int | None = None
     over_slo: str | None = None
     profile: bool = False
+    # (query, key) pairs the step's attention read, the step-cost model's context feature
+    # (``attention_pairs``; 0 in traces written before it was recorded).
+    num_attention_pairs: int = 0
 
 
 class _Pending(msgspec.Struct):
@@ -54,6 +57,21 @@ class _Pending(msgspec.Struct):
     num_prefill_tokens: int
     num_decode_tokens: int
     num_reqs: int
+    num_attention_pairs: int
+
+
+def attention_pairs(scheduler_output: SchedulerOutput) -> int:
+    """The (query, key) pairs a step's causal attention reads: n query tokens from position c
+    read n c + n (n + 1) / 2 keys in all (a decode at context c reads c + 1)."""
+    cached = scheduler_output.scheduled_cached_reqs
+    pairs = sum(
+        n * c + n * (n + 1) // 2
+        for c, n in zip(cached.num_computed_tokens, cached.num_scheduled_tokens)
+    )
+    for new in scheduler_output.scheduled_new_reqs:
+        n, c = new.num_scheduled_tokens, new.num_computed_tokens
+        pairs += n * c + n * (n + 1) // 2
+    return pairs
 
 
 class StepTracer:
@@ -69,14 +87,18 @@ class StepTracer:
         self._pending: deque[_Pending] = deque()
         self.num_records = 0
 
-    def step_submitted(self, step_id: int, stats: SchedulerStats, num_reqs: int) -> None:
+    def step_submitted(self, scheduler_output: SchedulerOutput, stats: SchedulerStats) -> None:
         """Call right after scheduling a step that goes to the workers; ``stats`` of its plan."""
+        num_reqs = len(scheduler_output.scheduled_new_reqs) + len(
+            scheduler_output.scheduled_cached_reqs.req_ids
+        )
         self._pending.append(
             _Pending(
-                step_id,
+                scheduler_output.step_id,
                 stats.step_num_prefill_tokens,
                 stats.step_num_decode_tokens,
                 num_reqs,
+                attention_pairs(scheduler_output),
             )
         )
 
@@ -97,6 +119,7 @@ class StepTracer:
             num_prefill_tokens=pending.num_prefill_tokens,
             num_decode_tokens=pending.num_decode_tokens,
             num_reqs=pending.num_reqs,
+            num_attention_pairs=pending.num_attention_pairs,
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
             kv_cache_usage=round(stats.kv_cache_usage, 5),

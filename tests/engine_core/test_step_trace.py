@@ -60,6 +60,11 @@ def test_one_record_per_executed_step_with_its_token_mix(tmp_path, async_schedul
         for r, s in zip(records, executed)
     )
     assert any(r.num_prefill_tokens and r.num_decode_tokens for r in records)
+    # Each request's n = prompt + 4 fed-back tokens sit at positions 0..n-1, and the token at
+    # position p attends to p + 1 keys, however the steps chunked them.
+    assert sum(r.num_attention_pairs for r in records) == sum(
+        (len(p) + 4) * (len(p) + 5) // 2 for p in prompts
+    )
     assert all(r.duration_ms >= 0 for r in records)
     assert [r.time for r in records] == sorted(r.time for r in records)
     assert records[-1].num_running == 0 and records[-1].kv_cache_usage == 0.0
