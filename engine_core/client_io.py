@@ -45,6 +45,7 @@ from protocol.messages import (
     Hello,
     Ready,
 )
+from runtime.zmq_security import SecureBinder, keys_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,9 @@ class ClientIO:
         # What bounds the backlog is the heartbeat: a client that stops reading also stops
         # heartbeating (one thread or one loop does both) and is dropped.
         self._router.setsockopt(zmq.SNDHWM, 0)
-        self._router.bind(address)
+        # A CURVE server over TCP when the user gave keys: only authorized clients get in.
+        self._binder = SecureBinder(self._context, keys_from_env())
+        self._binder.bind(self._router, address)
         self.address: str = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._config_msgpack = ready_config_msgpack
         self._engine_index = engine_index
@@ -193,6 +196,7 @@ class ClientIO:
 
     def _close_socket(self) -> None:
         self._router.close(linger=_LINGER_MS)
+        self._binder.close()
         self._context.term()
 
     def _receive_some(self) -> None:

@@ -33,6 +33,14 @@ from protocol.messages import AddRequests, AllFreeReport, CheckAllFree
 from runtime.exit_codes import ExitCode
 from runtime.parent import tie_to_parent
 from runtime.signals import ShutdownRequested, ignore_shutdown_signals, install_shutdown_signals
+from runtime.zmq_security import (
+    CurveKeys,
+    CurveKeysError,
+    InsecureAddressError,
+    check_address,
+    faces_network,
+    keys_from_env,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -249,19 +257,27 @@ def ready_config_msgpack(core: EngineCore) -> bytes:
     return msgspec.msgpack.encode(core.config)
 
 
-def find_address_problem(address: str, allow_remote_clients: bool = False) -> str | None:
+def find_address_problem(
+    address: str, allow_remote_clients: bool = False, keys: CurveKeys | None = None
+) -> str | None:
     """Why the engine must not bind ``address``, or None: ipc:// or loopback tcp unless asked.
 
-    The socket authenticates nobody, so reaching it from another host must be a decision.
+    Reaching the engine from another host must be a decision (``allow_remote_clients``), and
+    never unauthenticated: it takes CURVE keys (``runtime.zmq_security``).
     """
     if address.startswith(("ipc://", "inproc://")):
         return None
     if not address.startswith("tcp://"):
         return f"address must be ipc://PATH or tcp://HOST:PORT, got {address!r}"
-    host = address.removeprefix("tcp://").rsplit(":", 1)[0]
-    if allow_remote_clients or host.startswith("127.") or host in ("localhost", "[::1]"):
+    if not faces_network(address):
         return None
-    return f"{address} is reachable from other hosts; bind 127.0.0.1 or allow remote clients"
+    if not allow_remote_clients:
+        return f"{address} is reachable from other hosts; bind 127.0.0.1 or allow remote clients"
+    try:
+        check_address(address, keys)
+    except InsecureAddressError as exc:
+        return str(exc)
+    return None
 
 
 def main(
@@ -277,7 +293,10 @@ def main(
     ``make_executor`` builds the workers (the engine core cannot: an in-process worker imports
     torch). With ``parent_pid``, the engine stops (as on SIGTERM) when that process dies.
     """
-    problem = find_address_problem(address, allow_remote_clients)
+    try:
+        problem = find_address_problem(address, allow_remote_clients, keys_from_env())
+    except CurveKeysError as exc:
+        problem = str(exc)
     if problem is not None:
         logger.error("%s", problem)
         return ExitCode.BAD_CONFIG

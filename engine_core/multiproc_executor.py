@@ -73,6 +73,10 @@ class WorkerTimeoutError(ExecutorError):
     pass
 
 
+class RemoteNodeError(ExecutorError):
+    """A host running some of the ranks failed, never joined, or went silent."""
+
+
 class MultiprocExecutor(Executor):
     """Starts ``tensor_parallel_size`` worker processes and waits until each has its model."""
 
@@ -81,7 +85,9 @@ class MultiprocExecutor(Executor):
         config: EngineConfig,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         step_timeout_s: float | None = None,
+        workers: WorkerProcesses | None = None,
     ) -> None:
+        """``workers``: where the ranks run, if not in processes started here (Ray actors)."""
         self.config = config
         self.startup_timeout_s = startup_timeout_s
         # None: a step may take as long as it takes (a long CPU prefill), death is still noticed.
@@ -89,7 +95,8 @@ class MultiprocExecutor(Executor):
         self._failure: ExecutorError | None = None
         self._pending_step_ids: deque[int] = deque()
         self._sliding_window: int | None = None  # learned in determine_num_blocks
-        self._workers = WorkerProcesses(config.parallel.tensor_parallel_size)
+        parallel = config.parallel
+        self._workers = workers or WorkerProcesses(parallel.tensor_parallel_size, parallel.nodes)
         # Stops the workers if the executor is dropped or the interpreter exits without shutdown.
         self._finalizer = weakref.finalize(self, self._workers.close)
         try:
@@ -216,6 +223,9 @@ class MultiprocExecutor(Executor):
     def _raise_if_dead(self) -> None:
         if self._workers.exited():
             self._fail_with_root_cause({})
+        problem = self._workers.remote_problem()
+        if problem is not None:
+            self._fail(RemoteNodeError(problem))
 
     def _fail_with_root_cause(self, errors: dict[int, WorkerError]) -> NoReturn:
         """Something went wrong: gather what else did in a short window, then blame the cause.
@@ -232,7 +242,7 @@ class MultiprocExecutor(Executor):
                 errors.setdefault(reply.rank, reply)
         for rank, returncode in self._workers.exited():
             if rank not in errors:
-                self._fail(WorkerDiedError(rank, self._workers.pids()[rank], returncode))
+                self._fail(WorkerDiedError(rank, self._workers.pid_of(rank), returncode))
         first = min(errors.values(), key=lambda error: error.monotonic_time)
         self._fail(WorkerFailedError(first.rank, first.reason))
 

@@ -8,6 +8,10 @@ Every socket is bound here, ipc:// in a private 0700 runtime folder; workers con
 per rank carries commands, so a step's frame is encoded once and the same bytes go to every rank;
 one PULL collects the replies of every rank. The sockets are used under a lock, so ``close`` from
 another thread (a signal handler, a finalizer) never races a wait in the engine's busy loop.
+
+With ranks on other hosts (``nnodes > 1``) every channel is TCP on the master address instead
+(CURVE when keys are given; refused off loopback without them), this process starts only the
+head's own ranks, and a ``NodeLink`` heartbeats the other hosts (``engine_core.node_link``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import threading
 
 import zmq
 
+from engine_core.node_link import NodeLink, local_ranks, node_addresses
 from protocol import EngineConfig
+from protocol.config import NodeConfig
 from protocol.worker_messages import (
     LAUNCH_LENGTH_PREFIX,
     WORKER_COMMAND,
@@ -31,6 +37,7 @@ from protocol.worker_messages import (
 )
 from runtime.dirs import make_runtime_dir, remove_runtime_dir
 from runtime.processes import spawn_module, terminate_processes, wait_for_exit
+from runtime.zmq_security import SecureBinder, faces_network, keys_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +45,8 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 2.0
 # How long a command send may block (a full queue) before the workers are checked again.
 _SEND_TIMEOUT_MS = 100
+# How long a closing TCP command socket may still deliver Shutdown to a rank on another host.
+_REMOTE_LINGER_MS = 1000
 
 
 class WorkersClosedError(RuntimeError):
@@ -47,23 +56,55 @@ class WorkersClosedError(RuntimeError):
 class WorkerProcesses:
     """One process and one command socket per rank, one reply socket for all."""
 
-    def __init__(self, num_workers: int) -> None:
+    def __init__(self, num_workers: int, nodes: NodeConfig | None = None) -> None:
         self.num_workers = num_workers
+        self.nodes = nodes or NodeConfig()
         self.runtime_dir = make_runtime_dir()
-        self.reply_address = f"ipc://{self.runtime_dir}/replies"
-        self.command_addresses = [f"ipc://{self.runtime_dir}/rank{r}" for r in range(num_workers)]
         self._lock = threading.Lock()
         self._closing = False
         self._context = zmq.Context()
+        self._binder = SecureBinder(self._context, None)
         self._reply_socket = self._context.socket(zmq.PULL)
-        self._reply_socket.bind(self.reply_address)
         self._command_sockets: list[zmq.Socket] = []
-        for address in self.command_addresses:
+        self._node_link: NodeLink | None = None
+        try:
+            self._set_addresses()
+            # Keys only matter (and are only read) when the channels are TCP.
+            if self.reply_address.startswith("tcp://"):
+                self._binder = SecureBinder(self._context, keys_from_env())
+            self._bind_sockets()
+        except BaseException:
+            self._release_sockets()
+            remove_runtime_dir(self.runtime_dir)
+            raise
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def _set_addresses(self) -> None:
+        self.local_ranks = local_ranks(self.nodes, self.num_workers)
+        if self.nodes.nnodes == 1:
+            self.reply_address = f"ipc://{self.runtime_dir}/replies"
+            ranks = range(self.num_workers)
+            self.command_addresses = [f"ipc://{self.runtime_dir}/rank{r}" for r in ranks]
+            return
+        addresses = node_addresses(self.nodes, self.num_workers)
+        self.reply_address = addresses.reply
+        self.command_addresses = list(addresses.commands)
+
+    def _bind_sockets(self) -> None:
+        # Each address as bound: a "tcp://HOST:*" becomes the port the system picked.
+        self._binder.bind(self._reply_socket, self.reply_address)
+        self.reply_address = _endpoint(self._reply_socket)
+        for rank, address in enumerate(self.command_addresses):
             socket = self._context.socket(zmq.PUSH)
             socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
-            socket.bind(address)
+            # TCP: a moment to deliver Shutdown to a rank on another host when closing.
+            socket.setsockopt(zmq.LINGER, _REMOTE_LINGER_MS if address.startswith("tcp") else 0)
             self._command_sockets.append(socket)
-        self.processes: list[subprocess.Popen[bytes]] = []
+            self._binder.bind(socket, address)
+            self.command_addresses[rank] = _endpoint(socket)
+        if self.nodes.nnodes > 1:
+            self._node_link = NodeLink(self.nodes, self.num_workers, self._binder)
+            self._node_link.start()
 
     @property
     def closing(self) -> bool:
@@ -72,17 +113,16 @@ class WorkerProcesses:
     def distributed_init_method(self) -> str | None:
         if self.num_workers == 1:
             return None
+        if self.nodes.nnodes > 1:
+            return node_addresses(self.nodes, self.num_workers).distributed_init_method
         # A file rendezvous in the private folder: no port to pick, nothing on the network.
         return f"file://{self.runtime_dir}/distributed-init"
 
     def start(self, config: EngineConfig) -> None:
-        """Start every rank; they load their shards in parallel and report ``WorkerReady``."""
-        env = {}
-        if sys.platform.startswith("linux"):
-            # Every rank is on this machine: keep gloo's sockets on loopback rather than on the
-            # interface the host name resolves to (internal sockets never face the network).
-            env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-        for rank in range(self.num_workers):
+        """Start this host's ranks; they load their shards in parallel and report ``WorkerReady``
+        (as do the other hosts' ranks, over TCP)."""
+        env = worker_env(self.nodes)
+        for rank in self.local_ranks:
             launch = WorkerLaunch(
                 rank,
                 config,
@@ -94,27 +134,22 @@ class WorkerProcesses:
             self.processes.append(self._spawn(launch, env))
 
     def _spawn(self, launch: WorkerLaunch, env: dict[str, str]) -> subprocess.Popen[bytes]:
-        # The same session as the engine: the workers ignore SIGINT and stop when told (or when
-        # the engine is gone), and stay in the engine's process group for a supervisor to scan.
-        process = spawn_module("worker", env=env, new_session=False, stdin_pipe=True)
-        frame = WORKER_LAUNCH.encode(launch)
-        assert process.stdin is not None
-        try:
-            process.stdin.write(LAUNCH_LENGTH_PREFIX.pack(len(frame)) + frame)
-            process.stdin.flush()
-        except BrokenPipeError:
-            # Died at once; the next wait reports it with its exit status.
-            pass
-        # The pipe stays open and silent: its EOF is how the worker learns this process is gone.
-        return process
+        return spawn_worker(launch, env)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 
     def exited(self) -> list[tuple[int, int]]:
-        """(rank, returncode) of every worker that exited; reaps them."""
-        codes = [(rank, process.poll()) for rank, process in enumerate(self.processes)]
+        """(rank, returncode) of every local worker that exited; reaps them."""
+        codes = [(rank, p.poll()) for rank, p in zip(self.local_ranks, self.processes)]
         return [(rank, code) for rank, code in codes if code is not None]
+
+    def pid_of(self, rank: int) -> int:
+        return self.processes[self.local_ranks.index(rank)].pid
+
+    def remote_problem(self) -> str | None:
+        """Why the ranks on other hosts cannot go on (silent, failed, never joined), or None."""
+        return None if self._node_link is None else self._node_link.problem()
 
     def send(self, rank: int, frame: bytes) -> bool:
         """Queue ``frame`` for ``rank``; False if its queue stayed full (or it is gone)."""
@@ -151,14 +186,57 @@ class WorkerProcesses:
                 # A worker that is gone or stuck cannot take it; the signals below handle it.
                 with contextlib.suppress(zmq.ZMQError):
                     socket.send(goodbye, zmq.NOBLOCK)
+        self._stop_processes(grace_s)
+        with self._lock:
+            self._release_sockets()
+        remove_runtime_dir(self.runtime_dir)
+
+    def _stop_processes(self, grace_s: float) -> None:
+        """After Shutdown was sent: wait ``grace_s`` for the workers, then stop them firmly."""
         live = wait_for_exit(self.processes, grace_s)
         terminate_processes(live)
         for process in self.processes:
             if process.stdin is not None:
                 with contextlib.suppress(OSError):
                     process.stdin.close()
-        with self._lock:
-            for socket in (*self._command_sockets, self._reply_socket):
-                socket.close(linger=0)
-            self._context.term()
-        remove_runtime_dir(self.runtime_dir)
+
+    def _release_sockets(self) -> None:
+        if self._node_link is not None:
+            self._node_link.close()
+        for socket in self._command_sockets:
+            socket.close()  # with the linger set at bind
+        self._reply_socket.close(linger=0)
+        self._binder.close()
+        self._context.term()
+
+
+def _endpoint(socket: zmq.Socket) -> str:
+    return socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def worker_env(nodes: NodeConfig) -> dict[str, str]:
+    """What a worker's environment adds: gloo's interface when every peer is on loopback."""
+    env = {}
+    if sys.platform.startswith("linux") and not faces_network(f"tcp://{nodes.master_addr}:0"):
+        # Every rank is on this machine: keep gloo's sockets on loopback rather than on the
+        # interface the host name resolves to (internal sockets never face the network). Across
+        # hosts gloo picks the interface the host name resolves to, or $GLOO_SOCKET_IFNAME.
+        env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+def spawn_worker(launch: WorkerLaunch, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """``python -m worker`` with ``launch`` on its stdin, which then stays open and silent."""
+    # The same session as the starter: the workers ignore SIGINT and stop when told (or when
+    # the starter is gone), and stay in its process group for a supervisor to scan.
+    process = spawn_module("worker", env=env, new_session=False, stdin_pipe=True)
+    frame = WORKER_LAUNCH.encode(launch)
+    assert process.stdin is not None
+    try:
+        process.stdin.write(LAUNCH_LENGTH_PREFIX.pack(len(frame)) + frame)
+        process.stdin.flush()
+    except BrokenPipeError:
+        # Died at once; the next wait reports it with its exit status.
+        pass
+    # The pipe's EOF is how the worker learns the process that started it is gone.
+    return process

@@ -5,9 +5,10 @@
     conveyor frontend --engine ADDR    one more HTTP frontend for a running engine
     conveyor generate PROMPT           one completion, offline
     conveyor bench serve ...           the load generator, against any OpenAI-compatible server
-    conveyor bench offline|scheduler|wire|attention|layers|moe|tokenize|structured|metrics
+    conveyor bench offline|scheduler|wire|attention|layers|moe|tokenize|structured|metrics|router
     conveyor bench fake-server         a fake OpenAI-compatible server with set delays
     conveyor make-model OUT            a random-weight test model in Hugging Face format
+    conveyor keys generate DIR         CURVE keys for traffic between hosts
     conveyor gpu-check [--dry-run]     CUDA tests and a decode/prefill table on a GPU machine
     conveyor plot-trace FILE           draw a --trace-steps file
 
@@ -51,6 +52,12 @@ def _make_model(argv: list[str]) -> int:
     return main(argv)
 
 
+def _keys(argv: list[str]) -> int:
+    from entrypoints.keys import main
+
+    return main(argv)
+
+
 def _gpu_check(argv: list[str]) -> int:
     from entrypoints.gpu_check import main
 
@@ -83,6 +90,12 @@ def _bench_scheduler(argv: list[str]) -> int:
 
 def _bench_step_budget(argv: list[str]) -> int:
     from benchmarks.step_budget import main
+
+    return main(argv)
+
+
+def _bench_scaleout(argv: list[str]) -> int:
+    from benchmarks.scaleout.cli import main
 
     return main(argv)
 
@@ -129,6 +142,12 @@ def _bench_metrics(argv: list[str]) -> int:
     return main(argv)
 
 
+def _bench_router(argv: list[str]) -> int:
+    from benchmarks.router import main
+
+    return main(argv)
+
+
 def _bench_fake_server(argv: list[str]) -> int:
     from benchmarks.loadgen.fake_server import main
 
@@ -140,6 +159,7 @@ COMMANDS: dict[str, tuple[Main, str]] = {
     "frontend": (_frontend, "one more HTTP frontend attached to a running engine"),
     "generate": (_generate, "one completion for one prompt, offline"),
     "make-model": (_make_model, "write a random-weight test model in Hugging Face format"),
+    "keys": (_keys, "CURVE keys for ZeroMQ traffic between hosts: conveyor keys generate DIR"),
     "gpu-check": (_gpu_check, "on a GPU machine: CUDA tests, then decode/prefill speed as a table"),
     "plot-trace": (_plot_trace, "draw a --trace-steps file: batch composition over time"),
 }
@@ -148,6 +168,7 @@ BENCH_COMMANDS: dict[str, tuple[Main, str]] = {
     "offline": (_bench_offline, "offline throughput through LLM.generate"),
     "scheduler": (_bench_scheduler, "the scheduler's cost per step, no model"),
     "step-budget": (_bench_step_budget, "what a TBT SLO adds to schedule(), no model"),
+    "scaleout": (_bench_scaleout, "1 to 16 simulated engines behind the router, per policy"),
     "wire": (_bench_wire, "bytes per step of the engine -> worker diff"),
     "attention": (_bench_attention, "attention against matmul time per layer"),
     "layers": (_bench_layers, "the model's token-wise ops on CPU"),
@@ -155,6 +176,7 @@ BENCH_COMMANDS: dict[str, tuple[Main, str]] = {
     "tokenize": (_bench_tokenize, "tokenizing on the event loop, in threads or in processes"),
     "structured": (_bench_structured, "output tok/s with and without a JSON-schema constraint"),
     "metrics": (_bench_metrics, "output tok/s through the server with metrics on and off"),
+    "router": (_bench_router, "the data-parallel router's cost per request, no engine"),
     "fake-server": (_bench_fake_server, "a fake OpenAI-compatible server with set delays"),
 }
 

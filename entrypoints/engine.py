@@ -6,8 +6,8 @@ and the supervisor); runnable by hand to serve clients that attach by address:
     python -m entrypoints.engine --config-file engine.msgpack --address ipc:///run/user/1000/e.sock
 
 The config file holds one msgpack-encoded ``protocol.EngineConfig``. The address is ipc:// or
-tcp:// (bind tcp to 127.0.0.1 unless the engine must be reachable from elsewhere: the socket
-carries no authentication). This module is where the executor is chosen and built: the engine
+tcp:// (bind tcp to 127.0.0.1 unless the engine must be reachable from elsewhere, which takes
+--allow-remote-clients and CURVE keys in $CONVEYOR_CURVE_KEYS). This module is where the executor is chosen and built: the engine
 core may not import the worker package (nor torch), and here both are in view.
 """
 
@@ -25,15 +25,24 @@ from engine_core.multiproc_executor import MultiprocExecutor
 from protocol import EngineConfig
 from runtime.dirs import remove_runtime_dir
 from runtime.logs import configure_logging
+from runtime.processes import pid_is_alive
 
-EXECUTOR_BACKENDS = ("mp", "inprocess")
+EXECUTOR_BACKENDS = ("mp", "inprocess", "ray")
 
 
 def make_executor(config: EngineConfig, backend: str | None = None) -> Executor:
     """The executor for ``backend``: "mp" (one worker process per tensor-parallel rank, the
-    default) or "inprocess" (one worker inside this process: debugging, TP=1 only)."""
+    default), "inprocess" (one worker inside this process: debugging, TP=1 only) or "ray" (one
+    Ray actor per rank, placed on a running Ray cluster)."""
     if backend in (None, "mp"):
         return MultiprocExecutor(config)
+    if backend == "ray":
+        if config.parallel.nodes.nnodes > 1:
+            raise ValueError("with --executor-backend ray, Ray places the ranks: no --nnodes")
+        # Ray is an optional extra: imported only by the engine that asked for it.
+        from entrypoints.ray_workers import RayWorkerProcesses
+
+        return MultiprocExecutor(config, workers=RayWorkerProcesses(config))
     if backend == "inprocess":
         if config.parallel.tensor_parallel_size != 1:
             raise ValueError("the in-process executor runs one worker: tensor_parallel_size=1")
@@ -52,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--executor-backend",
         choices=EXECUTOR_BACKENDS,
         default=None,
-        help="worker processes (mp, the default) or one in-process worker",
+        help="worker processes (mp, the default), one in-process worker, or Ray actors (ray)",
     )
     parser.add_argument(
         "--heartbeat-timeout-s",
@@ -66,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--allow-remote-clients",
         action="store_true",
-        help="allow a tcp address other hosts can reach (the socket has no authentication)",
+        help="allow a tcp address other hosts can reach (needs CURVE keys: $CONVEYOR_CURVE_KEYS)",
     )
     parser.add_argument(
         "--runtime-dir",
@@ -74,6 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the folder we were started in (config, socket): removed when we exit, even when "
         "the process that made it is gone",
+    )
+    parser.add_argument(
+        "--restartable",
+        action="store_true",
+        help="our parent restarts us in place (data parallelism): keep the runtime folder when "
+        "we exit while the parent lives (it holds what the restarted engine and the frontends "
+        "need); the parent removes it",
     )
     parser.add_argument("--log-level", default=None, help="default: $CONVEYOR_LOG_LEVEL or INFO")
     return parser.parse_args(argv)
@@ -93,7 +109,8 @@ def run(argv: list[str] | None = None) -> int:
             args.allow_remote_clients,
         )
     finally:
-        if args.runtime_dir is not None:
+        parent_alive = args.parent_pid is not None and pid_is_alive(args.parent_pid)
+        if args.runtime_dir is not None and not (args.restartable and parent_alive):
             # Whoever made it may be gone (a SIGKILLed supervisor): the engine outlives it.
             remove_runtime_dir(args.runtime_dir)
 

@@ -11,9 +11,13 @@ one port and prints ``ready: http://HOST:PORT`` once each of them serves. Then i
 children: a dead frontend is restarted (it holds no state; the engine aborts its requests when its
 heartbeat stops), unless frontends died more than --frontend-max-restarts times within
 --frontend-restart-window-s; the engine core's death, or a spent restart budget, stops everything
-and exits 1. SIGTERM or SIGINT stops all of them gracefully (frontends drain first, for up to
---drain-timeout-s; SIGTERM, then SIGKILL after --stop-timeout-s) and exits 0. Children watch their
-parent, so even a SIGKILLed supervisor leaves no orphans. MODEL (or ``--model``) is a local
+and exits 1. With ``--data-parallel-size N`` it runs N engine cores (``engine_core-0`` ...,
+one ready line each; every frontend is a client of all of them and routes each request,
+--router), and a dead one is restarted in place (--engine-max-restarts within
+--engine-restart-window-s) while the others serve. SIGTERM or SIGINT stops all of them
+gracefully (frontends drain first, for up to --drain-timeout-s; SIGTERM, then SIGKILL after
+--stop-timeout-s) and exits 0. Children watch their parent, so even a SIGKILLed supervisor leaves
+no orphans. MODEL (or ``--model``) is a local
 Hugging Face model directory or an id found in the local Hugging Face cache (nothing is
 downloaded); without one it serves the embedded default model. ``--frontends 0``
 runs the engine alone.
@@ -32,6 +36,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from entrypoints.engine import EXECUTOR_BACKENDS
+from entrypoints.engines import make_engines, start_engines
+from entrypoints.headless import add_multi_host_args, check_multi_host_args, run_headless
 from entrypoints.supervisor import (
     FrontendProcess,
     FrontendStartError,
@@ -46,16 +53,18 @@ from frontend.engine_args import (
     EngineArgs,
     add_engine_args,
 )
-from frontend.engine_client import EngineProcess, EngineStartError
+from frontend.engine_client import EngineStartError
 from frontend.engine_client.session import DEFAULT_READY_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 from frontend.server.main import (
     API_KEY_ENV,
     add_api_key_args,
     add_connection_args,
     add_observability_args,
+    add_router_args,
     check_observability_args,
     observability_options,
     resolve_api_key,
+    router_options,
 )
 from frontend.server.metrics_dir import MULTIPROC_DIR_ENV, make_shared_dir
 from protocol import ConfigError
@@ -87,14 +96,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--address",
         default=None,
         help="where the engine listens: ipc://PATH (default: a private folder) or "
-        "tcp://127.0.0.1:PORT; another host only if you mean it (no authentication)",
+        "tcp://127.0.0.1:PORT; another host only with --allow-remote-clients and --curve-keys",
     )
     parser.add_argument(
         "--allow-remote-clients",
         action="store_true",
-        help="let the engine bind a tcp address other hosts can reach",
+        help="let the engine bind a tcp address other hosts can reach (needs --curve-keys)",
     )
-    parser.add_argument("--executor-backend", choices=("mp", "inprocess"), default=None)
+    parser.add_argument(
+        "--executor-backend", "--distributed-executor-backend", choices=EXECUTOR_BACKENDS
+    )
+    parser.add_argument(
+        "--engine-max-restarts",
+        type=int,
+        default=5,
+        help="with --data-parallel-size > 1: restart a dead engine at most this often within "
+        "--engine-restart-window-s (the others serve meanwhile); one more death stops "
+        "everything. With one engine, its death always stops everything",
+    )
+    parser.add_argument("--engine-restart-window-s", type=float, default=60.0)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=None)
     parser.add_argument("--ready-timeout-s", type=float, default=DEFAULT_READY_TIMEOUT_S)
     parser.add_argument("--stop-timeout-s", type=float, default=10.0)
@@ -102,6 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--log-level", default=None, help="every process's log level (default: INFO)"
     )
     add_frontend_args(parser)
+    add_multi_host_args(parser)
     add_engine_args(parser)
     args = parser.parse_args(argv)
     if args.model_tag is not None:
@@ -121,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.frontend_max_restarts < 0 or args.drain_timeout_s < 0:
         parser.error("--frontend-max-restarts and --drain-timeout-s must be >= 0")
+    if args.engine_max_restarts < 0:
+        parser.error(f"--engine-max-restarts must be >= 0, got {args.engine_max_restarts}")
     for name in ("max_queued_requests", "max_request_body_bytes"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -153,6 +176,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         help=f"the model's name in the API (default: --model, or {DEFAULT_SERVED_MODEL_NAME})",
     )
     group.add_argument("--max-request-body-bytes", type=int, default=None)
+    add_router_args(group)
     add_connection_args(group)
     group.add_argument("--frontend-ready-timeout-s", type=float, default=60.0)
     group.add_argument(
@@ -191,6 +215,7 @@ def frontend_options(args: argparse.Namespace) -> list[str]:
     options += ["--request-read-timeout-s", str(args.request_read_timeout_s)]
     options += ["--keep-alive-timeout-s", str(args.keep_alive_timeout_s)]
     options += ["--max-header-bytes", str(args.max_header_bytes)]
+    options += router_options(args)
     options += observability_options(args)
     return options
 
@@ -201,31 +226,32 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         logger.error("%s", exc)
         return ExitCode.BAD_CONFIG
-    engine = EngineProcess(
+    engines = make_engines(
         config,
         args.executor_backend,
         args.heartbeat_timeout_s,
-        address=args.address,
-        allow_remote_clients=args.allow_remote_clients,
+        args.address,
+        args.allow_remote_clients,
     )
-    # Registered before it starts: a signal at any point below still stops it.
-    children: dict[str, ChildProcess] = {"engine_core": engine}
-    # The frontends' ready files go beside the engine's socket: the engine removes the folder
+    # Registered before they start: a signal at any point below still stops them.
+    children: dict[str, ChildProcess] = {engine.name: engine for engine in engines}
+    # The frontends' ready files go beside engine 0's socket: the engine removes the folder
     # when it exits, so nothing is left even when this process is SIGKILLed.
-    runtime_dir = engine.runtime_dir
+    runtime_dir = engines[0].runtime_dir
     try:
-        engine.start()
-        served = engine.wait_ready(args.ready_timeout_s)
-        logger.info("engine core serves %s with %d KV blocks", args.model, served.cache.num_blocks)
-        print(f"ready: engine_core pid={engine.pid} address={engine.address}", flush=True)
+        served = start_engines(engines, args.ready_timeout_s)
+        for engine, engine_config in zip(engines, served):
+            blocks = engine_config.cache.num_blocks
+            logger.info("%s serves %s with %d KV blocks", engine.name, args.model, blocks)
+            print(f"ready: {engine.name} pid={engine.pid} address={engine.address}", flush=True)
         # Frontends start only now, so they never talk to an engine still loading.
+        addresses = [engine.address for engine in engines]
         if args.frontends:
-            start_frontends(args, engine.address, runtime_dir, children)
+            start_frontends(args, addresses, runtime_dir, children)
             print(f"ready: http://{args.host}:{args.port}", flush=True)
             if args.demo_prompt is not None:
                 show_completion(args, args.demo_prompt)
-        restarts = RestartBudget(args.frontend_max_restarts, args.frontend_restart_window_s)
-        logger.error("%s; stopping everything", watch(children, restarts))
+        logger.error("%s; stopping everything", watch_children(args, children, len(engines)))
         return ExitCode.FAILED
     except ShutdownRequested as signal_name:
         logger.info("%s: stopping everything", signal_name)
@@ -238,8 +264,22 @@ def serve(args: argparse.Namespace) -> int:
         stop_all(children, args.stop_timeout_s, args.drain_timeout_s)
 
 
+def watch_children(
+    args: argparse.Namespace, children: dict[str, ChildProcess], num_engines: int
+) -> str:
+    """Watch until a death stops everything (with one engine, its death does at once)."""
+    restarts = RestartBudget(args.frontend_max_restarts, args.frontend_restart_window_s)
+    engine_restarts = None
+    if num_engines > 1:
+        engine_restarts = RestartBudget(args.engine_max_restarts, args.engine_restart_window_s)
+    return watch(children, restarts, engine_restarts, args.ready_timeout_s)
+
+
 def start_frontends(
-    args: argparse.Namespace, address: str, runtime_dir: Path, children: dict[str, ChildProcess]
+    args: argparse.Namespace,
+    addresses: list[str],
+    runtime_dir: Path,
+    children: dict[str, ChildProcess],
 ) -> None:
     """Start every frontend, then wait for each: they load their tokenizers in parallel."""
     # By the environment, which, unlike a command line, other users cannot read.
@@ -252,7 +292,7 @@ def start_frontends(
     frontends = []
     for index in range(args.frontends):
         frontend = FrontendProcess(
-            index, address, frontend_options(args), runtime_dir, env, metrics_dir
+            index, addresses, frontend_options(args), runtime_dir, env, metrics_dir
         )
         children[f"frontend-{index}"] = frontend
         frontends.append(frontend.start())
@@ -307,7 +347,10 @@ def main(argv: list[str] | None = None) -> int:
             os.environ[LOG_LEVEL_ENV] = args.log_level
         if args.served_model_name is None:
             args.served_model_name = args.model or DEFAULT_SERVED_MODEL_NAME
-        return serve(args)
+        refused = check_multi_host_args(args)
+        if refused is not None:
+            return refused
+        return run_headless(args) if args.headless else serve(args)
     except ShutdownRequested:
         return ExitCode.OK
 

@@ -4,8 +4,9 @@ Runs in the supervisor (``conveyor serve``). A frontend is told our pid so it st
 and runs in its own session so a terminal's Ctrl-C reaches only the supervisor. It writes a ready
 file once its server accepts connections: with several frontends on one port, asking the port
 cannot tell which of them answered, the file can. A frontend holds no state the engine needs (the
-engine aborts a dead client's requests), so a dead one is restarted, within a ``RestartBudget``;
-the engine core's death stops everything.
+engine aborts a dead client's requests), so a dead one is restarted, within a ``RestartBudget``.
+With one engine core, its death stops everything; with several (data parallelism), a dead one is
+restarted in place within a budget of its own while the others serve (``engines``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from entrypoints.engines import restart_engine
+from frontend.engine_client import EngineProcess
 from frontend.server.metrics_dir import forget_process
 from runtime.processes import ChildProcess
 
@@ -39,7 +42,7 @@ class FrontendProcess(ChildProcess):
     def __init__(
         self,
         index: int,
-        engine_address: str,
+        engine_addresses: list[str],
         options: list[str],
         runtime_dir: Path,
         env: dict[str, str] | None = None,
@@ -51,7 +54,8 @@ class FrontendProcess(ChildProcess):
         self.index = index
         self.metrics_dir = metrics_dir
         self.ready_file = runtime_dir / f"frontend-{index}.ready"
-        args = ["--engine", engine_address, "--parent-pid", str(os.getpid())]
+        args = [arg for address in engine_addresses for arg in ("--engine", address)]
+        args += ["--parent-pid", str(os.getpid())]
         args += ["--ready-file", str(self.ready_file), *options]
         super().__init__(f"frontend-{index}", FRONTEND_MODULE, args, env)
 
@@ -110,10 +114,17 @@ class RestartBudget:
         return len(self._times)
 
 
-def watch(children: dict[str, ChildProcess], restarts: RestartBudget) -> str:
+def watch(
+    children: dict[str, ChildProcess],
+    restarts: RestartBudget,
+    engine_restarts: RestartBudget | None = None,
+    engine_ready_timeout_s: float = 300.0,
+) -> str:
     """Block until a child's death must stop everything; returns what happened to it.
 
-    A dead frontend is restarted in place while ``restarts`` allows it; the others keep serving.
+    A dead frontend is restarted in place while ``restarts`` allows it; so is a dead engine
+    while ``engine_restarts`` does (given only with several data-parallel engines: one engine's
+    death stops everything). The others keep serving.
     """
     restarting: set[str] = set()
     while True:
@@ -125,38 +136,54 @@ def watch(children: dict[str, ChildProcess], restarts: RestartBudget) -> str:
                     logger.info("%s serves again (pid %d)", name, child.pid)
                 continue
             death = f"{name} (pid {child.pid}) exited with code {code}"
-            if not isinstance(child, FrontendProcess):
+            budget = _restart_budget(child, restarts, engine_restarts)
+            if budget is None:
                 return death
-            if not restarts.take():
+            kind = "frontend" if isinstance(child, FrontendProcess) else "engine"
+            if not budget.take():
                 return (
-                    f"{death}, more than {restarts.max_restarts} frontend restarts within "
-                    f"{restarts.window_s:g} s"
+                    f"{death}, more than {budget.max_restarts} {kind} restarts within "
+                    f"{budget.window_s:g} s"
                 )
             logger.warning(
-                "%s; restarting it (restart %d of at most %d within %g s)",
-                death,
-                restarts.num_recent,
-                restarts.max_restarts,
-                restarts.window_s,
-            )
-            child.start()
-            restarting.add(name)
+                "%s; restarting it (%s restart %d of at most %d within %g s)",
+                death, kind, budget.num_recent, budget.max_restarts, budget.window_s,
+            )  # fmt: skip
+            if isinstance(child, EngineProcess):
+                restart_engine(child, engine_ready_timeout_s)
+            else:
+                child.start()
+                restarting.add(name)
         time.sleep(_WATCH_INTERVAL_S)
+
+
+def _restart_budget(
+    child: ChildProcess, restarts: RestartBudget, engine_restarts: RestartBudget | None
+) -> RestartBudget | None:
+    """The budget a dead child is restarted within, or None: its death stops everything."""
+    if isinstance(child, FrontendProcess):
+        return restarts
+    if isinstance(child, EngineProcess):
+        return engine_restarts
+    return None
 
 
 def stop_all(
     children: dict[str, ChildProcess], timeout_s: float, drain_timeout_s: float = 0.0
 ) -> None:
-    """Frontends first, all draining at once, then the engine they were streaming from."""
+    """Frontends first, all draining at once, then the engines they were streaming from (also
+    all at once)."""
     frontends = [c for c in children.values() if isinstance(c, FrontendProcess)]
     for frontend in frontends:
         frontend.request_stop()
     # A frontend's drain is no reason to SIGKILL it: it gets the drain on top of the timeout.
     for frontend in frontends:
         frontend.stop(timeout_s + drain_timeout_s)
-    for child in children.values():
-        if child not in frontends:
-            child.stop(timeout_s)
+    others = [c for c in children.values() if c not in frontends]
+    for child in others:
+        child.request_stop()
+    for child in others:
+        child.stop(timeout_s)
 
 
 def wait_healthy(host: str, port: int, timeout_s: float) -> None:

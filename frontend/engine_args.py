@@ -29,7 +29,13 @@ from protocol import (
     check_engine_config,
     load_model_config,
 )
-from protocol.config import ATTENTION_BACKENDS, POLICIES, ConfigError, read_sampling_defaults
+from protocol.config import (
+    ATTENTION_BACKENDS,
+    POLICIES,
+    ConfigError,
+    NodeConfig,
+    read_sampling_defaults,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +81,16 @@ class EngineArgs:
     queue_order: str = "fcfs"
     long_prefill_token_threshold: int = 0
     tensor_parallel_size: int = 1
+    # Tensor parallelism across hosts (protocol.config.NodeConfig): node 0 runs the engine, the
+    # others `conveyor serve --headless`; every host listens or connects at master_addr.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    node_timeout_s: float = 10.0
+    node_join_timeout_s: float = 300.0
+    # Engine cores side by side (each with tensor_parallel_size workers and its own KV pool).
+    data_parallel_size: int = 1
     async_scheduling: bool = False
     # None = no engine-wide queue cap; N = a request that finds N waiting is refused (HTTP 429).
     max_waiting_requests: int | None = None
@@ -131,7 +147,11 @@ class EngineArgs:
                 max_waiting_requests=self.max_waiting_requests,
                 tbt_slo_ms=self.tbt_slo_ms,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                nodes=self._node_config(),
+                data_parallel_size=self.data_parallel_size,
+            ),
             observability=ObservabilityConfig(
                 trace_steps=str(Path(self.trace_steps).resolve()) if self.trace_steps else None,
                 debug_queries=self.enable_debug_queries,
@@ -149,6 +169,16 @@ class EngineArgs:
                 f"got {self.tool_call_parser!r}"
             )
         return config
+
+    def _node_config(self) -> NodeConfig:
+        return NodeConfig(
+            self.nnodes,
+            self.node_rank,
+            self.master_addr,
+            self.master_port,
+            self.node_timeout_s,
+            self.node_join_timeout_s,
+        )
 
     def _block_size(self) -> int:
         if self.block_size is not None:
@@ -250,6 +280,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
     group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=d.data_parallel_size,
+        metavar="N",
+        help="engine cores side by side, each with its own --tensor-parallel-size workers and "
+        "KV pool; every frontend routes each request to one (see --router)",
+    )
+    group.add_argument(
         "--async-scheduling",
         action="store_true",
         default=d.async_scheduling,
@@ -320,7 +358,40 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="the format the model writes tool calls in, for tool_choice auto "
         "(hermes: Hermes, Qwen 2.5/3; llama3_json: Llama 3.x)",
     )
+    add_node_args(parser, d)
     return parser
+
+
+def add_node_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
+    """Where the hosts of one tensor-parallel group meet (docs/serving.md, Multiple hosts)."""
+    group = parser.add_argument_group("tensor parallelism across hosts")
+    group.add_argument("--nnodes", type=int, default=d.nnodes, help="hosts sharing the ranks")
+    group.add_argument(
+        "--node-rank", type=int, default=d.node_rank, help="this host (0: the head, the engine)"
+    )
+    group.add_argument(
+        "--master-addr",
+        default=d.master_addr,
+        help="the head's address every host reaches it at (off loopback: CURVE keys needed)",
+    )
+    group.add_argument(
+        "--master-port",
+        type=int,
+        default=d.master_port,
+        help="torch.distributed's port on the head; ZeroMQ takes the next tp+3",
+    )
+    group.add_argument(
+        "--node-timeout-s",
+        type=float,
+        default=d.node_timeout_s,
+        help="a host silent (no heartbeat) this long is gone",
+    )
+    group.add_argument(
+        "--node-join-timeout-s",
+        type=float,
+        default=d.node_join_timeout_s,
+        help="how long the head waits for each host to join, and a host for the head",
+    )
 
 
 def engine_args_from_kwargs(model: str | None, kwargs: dict[str, Any]) -> EngineArgs:

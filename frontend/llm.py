@@ -53,6 +53,13 @@ class LLM:
         engine_args.setdefault("stats_interval_s", 0.0)
         args = engine_args_from_kwargs(model, engine_args)
         config = args.create_engine_config()
+        if config.parallel.data_parallel_size > 1:
+            # One engine behind one client here; several are `conveyor serve`'s (its frontends
+            # route between them).
+            raise ValueError(
+                "LLM drives one engine: data_parallel_size > 1 is served by "
+                "`conveyor serve --data-parallel-size N`"
+            )
         self.tokenizer = load_tokenizer(config.model.model)
         self._engine: InProcessEngineClient | MPEngineClient
         if engine == "mp":

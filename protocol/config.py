@@ -84,10 +84,34 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     slo_min_chunk_tokens: int = 32
 
 
+class NodeConfig(msgspec.Struct, frozen=True):
+    """Tensor parallelism across hosts: where the ranks meet and how long a silent host lives.
+
+    Node 0 (the head) runs the engine core and ranks [0, tp/nnodes); node k runs the next
+    tp/nnodes ranks as ``conveyor serve --headless``. The head listens on master_port (the
+    torch.distributed store) and the ports after it (the workers' channels).
+    """
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    # A host not heard from (heartbeats) for this long is gone: the head fails, a headless host
+    # stops its workers.
+    timeout_s: float = 10.0
+    # How long each side waits to hear from the other the first time.
+    join_timeout_s: float = 300.0
+
+
 class ParallelConfig(msgspec.Struct, frozen=True):
     tensor_parallel_size: int = 1
+    # Engine cores serving the same model side by side, each with its own workers and KV pool;
+    # every frontend is a client of all of them and routes each request to one.
+    data_parallel_size: int = 1
     # This engine's index among data-parallel engines (the ``engine`` label of its metrics).
     data_parallel_rank: int = 0
+    # Hosts sharing this engine's tensor-parallel ranks (one: all on this host).
+    nodes: NodeConfig = NodeConfig()
 
 
 class ObservabilityConfig(msgspec.Struct, frozen=True):
@@ -238,6 +262,16 @@ def check_engine_config(config: EngineConfig) -> None:
         )
     if sched.max_num_seqs < 1:
         raise ConfigError("max_num_seqs must be at least 1")
+    parallel = config.parallel
+    if parallel.data_parallel_size < 1:
+        raise ConfigError(
+            f"data_parallel_size must be at least 1, got {parallel.data_parallel_size}"
+        )
+    if not 0 <= parallel.data_parallel_rank < parallel.data_parallel_size:
+        raise ConfigError(
+            f"data_parallel_rank must be in [0, data_parallel_size={parallel.data_parallel_size})"
+            f", got {parallel.data_parallel_rank}"
+        )
     if sched.max_num_batched_tokens < 1:
         raise ConfigError("max_num_batched_tokens must be at least 1")
     if sched.tbt_slo_ms is not None:
@@ -270,3 +304,22 @@ def check_engine_config(config: EngineConfig) -> None:
         )
     if cache.block_size < 1 or cache.block_size & (cache.block_size - 1):
         raise ConfigError(f"block_size must be a power of two, got {cache.block_size}")
+    check_node_config(config.parallel)
+
+
+def check_node_config(parallel: ParallelConfig) -> None:
+    """Tensor-parallel ranks split evenly over the hosts, a node rank that exists, sane times."""
+    nodes, tp = parallel.nodes, parallel.tensor_parallel_size
+    if nodes.nnodes < 1 or not 0 <= nodes.node_rank < nodes.nnodes:
+        raise ConfigError(f"node_rank must be in [0, nnodes={nodes.nnodes}), got {nodes.node_rank}")
+    if tp % nodes.nnodes:
+        raise ConfigError(
+            f"tensor_parallel_size {tp} must be a multiple of nnodes {nodes.nnodes} "
+            "(every host runs the same number of ranks)"
+        )
+    if nodes.nnodes > 1 and parallel.data_parallel_size > 1:
+        raise ConfigError("tensor parallelism across hosts serves one engine: data_parallel_size 1")
+    if not 0 < nodes.master_port < 65536 - 4 - tp:
+        raise ConfigError(f"master_port {nodes.master_port} leaves no room for the ports after it")
+    if nodes.timeout_s <= 0 or nodes.join_timeout_s <= 0:
+        raise ConfigError("node timeout_s and join_timeout_s must be > 0")

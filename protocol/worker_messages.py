@@ -29,8 +29,8 @@ LAUNCH_LENGTH_PREFIX = struct.Struct(">I")
 class WorkerLaunch(msgspec.Struct, array_like=True, frozen=True):
     """What a worker process needs to start; arrives on its stdin as one length-prefixed frame.
 
-    The engine binds every socket (in its private runtime folder) and the workers connect, so a
-    worker needs only the addresses.
+    The engine binds every socket (in its private runtime folder, or on the master address when
+    the ranks span hosts) and the workers connect, so a worker needs only the addresses.
     """
 
     rank: int
@@ -39,7 +39,8 @@ class WorkerLaunch(msgspec.Struct, array_like=True, frozen=True):
     command_address: str
     # The engine's PULL socket shared by all ranks: replies go here.
     reply_address: str
-    # torch.distributed rendezvous for tensor_parallel_size > 1 (file:// in the runtime folder).
+    # torch.distributed rendezvous for tensor_parallel_size > 1 (file:// in the runtime folder;
+    # tcp://MASTER_ADDR:MASTER_PORT when the ranks span hosts).
     distributed_init_method: str | None = None
     # The engine's private folder of sockets; removed by the workers if the engine dies first.
     runtime_dir: str | None = None

@@ -3,7 +3,8 @@ stopped and logged.
 
 Runs in every conveyor process: the supervisor, the engine core, the workers and the frontends.
 Standard library only (no torch, no other conveyor package), so each of them may import it, the
-worker included: like ``protocol/``, it sits below the import fence.
+worker included: like ``protocol/``, it sits below the import fence. ``zmq_security`` alone adds
+pyzmq, which every conveyor process loads anyway.
 
   ``processes``  spawn ``python -m <module>`` children, stop them, scan the process tree
   ``parent``     die with the parent: the kernel's parent-death signal, a pid watch, a pipe watch
@@ -11,4 +12,5 @@ worker included: like ``protocol/``, it sits below the import fence.
   ``dirs``       private (0700) runtime folders for ipc:// sockets and rendezvous files
   ``logs``       one log-line format that names the process
   ``exit_codes`` what a conveyor process's exit status means
+  ``zmq_security`` CURVE keys on TCP sockets between processes; no unauthenticated network address
 """

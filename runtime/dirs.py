@@ -41,6 +41,15 @@ def make_runtime_dir(prefix: str = PREFIX) -> Path:
     return path
 
 
+def restore_runtime_dir(path: Path) -> None:
+    """Make ``path`` again as ``make_runtime_dir`` did, owned by this process (a child that
+    removed it when it exited is being started again)."""
+    path.mkdir(mode=0o700, parents=False, exist_ok=True)
+    owner = path / OWNER_FILE
+    if not owner.exists():
+        owner.write_text(_identity(os.getpid()) or str(os.getpid()))
+
+
 def remove_runtime_dir(path: Path | str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 

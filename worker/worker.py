@@ -68,8 +68,12 @@ class Worker:
         self.tp_size = config.parallel.tensor_parallel_size
         self.device = resolve_device(config.device, rank)
         if self.device.type == "cpu":
-            # Intra-op threads beyond the free cores only add contention between ranks.
-            torch.set_num_threads(num_cpu_threads(self.tp_size))
+            # Intra-op threads beyond the free cores only add contention between the ranks on
+            # this host (the other hosts' ranks have their own cores); data-parallel engines on
+            # this host share its cores too.
+            parallel = config.parallel
+            ranks_here = self.tp_size // parallel.nodes.nnodes * parallel.data_parallel_size
+            torch.set_num_threads(num_cpu_threads(ranks_here))
             keep_freed_memory_in_heap()
         else:
             torch.cuda.set_device(self.device)

@@ -39,6 +39,7 @@ from protocol.worker_messages import (
 from runtime.exit_codes import ExitCode
 from runtime.logs import configure_logging
 from runtime.parent import exit_when_pipe_closes
+from runtime.zmq_security import connect, keys_from_env
 from worker.fault_injection import FaultInjector, fault_plan_from_env
 from worker.worker import Worker
 
@@ -116,12 +117,14 @@ def _describe(exc: BaseException) -> str:
 
 def run_worker(launch: WorkerLaunch) -> int:
     """Build the rank's Worker and serve it; the process exit status."""
+    # TCP channels (ranks on several hosts) are CURVE when the user gave keys.
+    keys = keys_from_env() if launch.reply_address.startswith("tcp://") else None
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
-    commands.connect(launch.command_address)
+    connect(commands, launch.command_address, keys)
     replies = context.socket(zmq.PUSH)
     replies.setsockopt(zmq.LINGER, REPLY_LINGER_MS)
-    replies.connect(launch.reply_address)
+    connect(replies, launch.reply_address, keys)
     try:
         return _start_and_serve(launch, commands, replies)
     finally:

@@ -19,8 +19,9 @@ from frontend.engine_client.session import EngineLiveness, decode_ready_config, 
 from protocol import EngineConfig
 from protocol.codec import CLIENT_TO_ENGINE
 from protocol.messages import Goodbye
-from runtime.dirs import make_runtime_dir, remove_runtime_dir
+from runtime.dirs import make_runtime_dir, remove_runtime_dir, restore_runtime_dir
 from runtime.processes import ChildProcess
+from runtime.zmq_security import connect, keys_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +40,17 @@ class EngineProcess(ChildProcess):
         address: str | None = None,
         log_level: str | None = None,
         allow_remote_clients: bool = False,
+        name: str = "engine_core",
+        restartable: bool = False,
     ) -> None:
+        """``restartable``: our owner starts it again in place when it dies (data parallelism),
+        so its folder (config, socket) outlives each run while we live."""
         self.config = config
         self.runtime_dir = make_runtime_dir()
         self.address = address or f"ipc://{self.runtime_dir / 'engine.sock'}"
-        config_file = self.runtime_dir / "engine-config.msgpack"
-        config_file.write_bytes(msgspec.msgpack.encode(config))
-        args = ["--config-file", str(config_file), "--address", self.address]
+        self._config_file = self.runtime_dir / "engine-config.msgpack"
+        self._config_file.write_bytes(msgspec.msgpack.encode(config))
+        args = ["--config-file", str(self._config_file), "--address", self.address]
         args += ["--runtime-dir", str(self.runtime_dir)]
         args += ["--parent-pid", str(os.getpid())]
         if executor_backend is not None:
@@ -56,11 +61,17 @@ class EngineProcess(ChildProcess):
             args += ["--log-level", log_level]
         if allow_remote_clients:
             args.append("--allow-remote-clients")
-        super().__init__("engine_core", ENGINE_MODULE, args)
+        if restartable:
+            args.append("--restartable")
+        super().__init__(name, ENGINE_MODULE, args)
 
     def start(self) -> EngineProcess:
-        """Spawn the child. Call from a long-lived thread: the child's parent-death signal fires
-        when the thread that forked it ends."""
+        """Spawn the child (again, after it died). Call from a long-lived thread: the child's
+        parent-death signal fires when the thread that forked it ends."""
+        if not self._config_file.exists():
+            # A run that ended with an error removed its folder: the next run needs it again.
+            restore_runtime_dir(self.runtime_dir)
+            self._config_file.write_bytes(msgspec.msgpack.encode(self.config))
         super().start()
         logger.info("engine core at %s", self.address)
         return self
@@ -68,8 +79,9 @@ class EngineProcess(ChildProcess):
     def liveness(self) -> EngineLiveness:
         return EngineLiveness(self.address, exit_code=self.exit_code)
 
-    def wait_ready(self, timeout_s: float) -> EngineConfig:
-        """Block until the engine answers a Hello (stopping it if it never does); its config.
+    def wait_ready(self, timeout_s: float, stop_on_failure: bool = True) -> EngineConfig:
+        """Block until the engine answers a Hello (stopping it if it never does, unless told
+        not to); its config.
 
         A throwaway session (Hello, Ready, Goodbye) proves the engine serves clients, the same
         path every real client takes.
@@ -78,11 +90,12 @@ class EngineProcess(ChildProcess):
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 1000)
         try:
-            socket.connect(self.address)
+            connect(socket, self.address, keys_from_env())
             ready = handshake(socket, self.liveness(), timeout_s, client_name="ready-probe")
             socket.send(CLIENT_TO_ENGINE.encode(Goodbye()))
         except BaseException:
-            self.stop()
+            if stop_on_failure:
+                self.stop()
             raise
         finally:
             socket.close()

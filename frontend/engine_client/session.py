@@ -19,6 +19,8 @@ from protocol import EngineConfig
 from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
 from protocol.messages import EngineDead, Heartbeat, Hello, Ready
 from runtime.processes import pid_is_alive
+from runtime.zmq_security import connect as secure_connect
+from runtime.zmq_security import keys_from_env
 
 HEARTBEAT_INTERVAL_S = 2.0
 # How often a waiting client checks that the engine process still exists.
@@ -109,7 +111,8 @@ def connect(
     dealer = context.socket(zmq.DEALER)
     configure_dealer(dealer)
     try:
-        dealer.connect(address)
+        # CURVE over TCP when the user gave keys ($CONVEYOR_CURVE_KEYS).
+        secure_connect(dealer, address, keys_from_env())
         return dealer, handshake(dealer, liveness, timeout_s, client_name)
     except BaseException:
         dealer.close(linger=0)

@@ -1,12 +1,12 @@
 """The OpenAI-compatible HTTP app: its routes, its error handlers and its start-up.
 
 Runs in an HTTP frontend process (``python -m frontend``), on a uvloop event loop. At start-up the
-app attaches to a running engine as one more ``AsyncEngineClient`` and loads the model's tokenizer
-from the directory the engine names; each frontend process is its own engine client, so several
-of them (sharing one port through SO_REUSEPORT) add tokenizing and streaming CPU.
+app attaches to its running engines (an ``EngineGroupClient``: one more client of each
+data-parallel engine, routing every request to one of them) and loads the model's tokenizer from
+the directory the engines name; each frontend process is its own engine client, so several of them (sharing one port through SO_REUSEPORT) add tokenizing and streaming CPU.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 while
-the engine is dead, has dropped this frontend or this frontend drains), GET /metrics (Prometheus
+no engine serves this frontend, being dead or having dropped it, or while this frontend drains), GET /metrics (Prometheus
 text: the whole server's, whichever frontend answers; 404 with --disable-metrics), POST
 /tokenize, POST /detokenize, GET /version (vLLM's shapes).
 """
@@ -28,7 +28,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from frontend.engine_client.async_client import AsyncEngineClient
+from frontend.engine_client.engine_group import EngineGroupClient
+from frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN
 from frontend.engine_client.session import EngineDeadError
 from frontend.input_processor import context_limit
 from frontend.server.chat import create_chat_completion
@@ -67,7 +68,8 @@ CLIENT_CLOSED_STATUS = 499
 
 @dataclass(frozen=True)
 class ServerSettings:
-    engine_address: str
+    # One address per data-parallel engine (engine i at index i).
+    engine_addresses: tuple[str, ...]
     served_model_name: str | None = None
     api_key: str | None = None
     max_queued_requests: int | None = None
@@ -79,6 +81,9 @@ class ServerSettings:
     # (the start of) its prompts.
     log_requests: bool = False
     log_prompts: bool = False
+    # Which engine serves each request (frontend.engine_client.router).
+    router: str = "prefix-affinity"
+    router_affinity_margin: float = DEFAULT_AFFINITY_MARGIN
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -167,7 +172,7 @@ async def metrics(request: Request) -> Response:
         raise ApiError(404, "metrics are disabled on this server (--disable-metrics)")
     # Our own numbers first, on the loop (where they are counted); then reading every
     # frontend's files, a millisecond or more, off it.
-    state.metrics.publish(state.client.stats, state.num_in_flight)
+    state.metrics.publish_engines(state.client.stats_by_engine(), state.num_in_flight)
     text = await state.run_cpu(state.metrics.render)
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -177,7 +182,7 @@ async def _publish_metrics(state: ServingState, metrics: FrontendMetrics) -> Non
     it, however rarely this one is scraped."""
     while True:
         await asyncio.sleep(PUBLISH_INTERVAL_S)
-        metrics.publish(state.client.stats, state.num_in_flight)
+        metrics.publish_engines(state.client.stats_by_engine(), state.num_in_flight)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -207,8 +212,10 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 @contextlib.asynccontextmanager
 async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     settings: ServerSettings = app.state.settings
-    client = await AsyncEngineClient.start(
-        address=settings.engine_address,
+    client = await EngineGroupClient.start(
+        settings.engine_addresses,
+        policy=settings.router,
+        affinity_margin=settings.router_affinity_margin,
         ready_timeout_s=settings.engine_ready_timeout_s,
         client_name=f"http-frontend-{os.getpid()}",
     )
@@ -219,7 +226,7 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
         model_name = settings.served_model_name or client.config.model.model
         metrics = None
         if settings.enable_metrics:
-            metrics = FrontendMetrics(client.config, model_name, client.engine_index)
+            metrics = FrontendMetrics(client.config, model_name, client.engine_labels)
         request_log = None
         if settings.log_requests:
             request_log = RequestLogger(tokenizer, settings.log_prompts)
@@ -228,7 +235,12 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
         )
         if metrics is not None:
             publisher = asyncio.create_task(_publish_metrics(state, metrics))
-        logger.info("attached to the engine at %s, serving %s", settings.engine_address, model_name)
+        logger.info(
+            "attached to %s at %s, serving %s",
+            "the engine" if client.num_engines == 1 else f"{client.num_engines} engines",
+            ", ".join(settings.engine_addresses),
+            model_name,
+        )
         yield
     finally:
         if publisher is not None:

@@ -1,7 +1,7 @@
 """Run the engine requests of one HTTP request and merge their outputs into one delta stream.
 
 Runs in an HTTP frontend process, on its event loop. Each choice (one of n samples of one of the
-prompts) is one engine request with its own output stream from ``AsyncEngineClient``; every output
+prompts) is one engine request with its own output stream from ``EngineGroupClient``; every output
 goes through the request's ``OutputProcessor``, as ``LLM.generate``'s do. A choice whose stop
 string appears is closed at once, which aborts it in the engine. Closing the merged
 stream (the client went away, the handler was cancelled) aborts every choice still running, so
@@ -15,9 +15,9 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-from frontend.engine_client.async_client import AsyncEngineClient
+from frontend.engine_client.engine_group import EngineGroupClient
 from frontend.input_processor import Choice
-from frontend.output_processor import ChoiceDelta, ChoiceState, OutputProcessor
+from frontend.output_processor import ChoiceDelta, OutputProcessor
 from frontend.server.metrics import FrontendMetrics
 from frontend.server.request_log import RequestLogger
 from protocol import EngineCoreOutput, RequestTimings
@@ -27,7 +27,7 @@ RunCpu = Callable[..., Awaitable[Any]]
 
 
 async def stream_choices(
-    client: AsyncEngineClient,
+    client: EngineGroupClient,
     choices: Sequence[Choice],
     run_cpu: RunCpu,
     metrics: FrontendMetrics | None = None,
@@ -49,7 +49,7 @@ async def stream_choices(
         for choice in choices:
             streams.append(await client.add_request(choice.request))
         sources = [
-            _choice_deltas(stream, processor, choice.state, metrics, run_cpu)
+            _choice_deltas(stream, processor, choice, metrics, run_cpu, client)
             for stream, choice in zip(streams, choices)
         ]
         # The common case (one choice) needs no task and no queue.
@@ -103,27 +103,34 @@ async def _pump(source: AsyncIterator[ChoiceDelta], merged: asyncio.Queue[_Item]
 async def _choice_deltas(
     stream: AsyncIterator[EngineCoreOutput],
     processor: OutputProcessor,
-    choice: ChoiceState,
+    choice: Choice,
     metrics: FrontendMetrics | None,
     run_cpu: RunCpu,
+    client: EngineGroupClient,
 ) -> AsyncIterator[ChoiceDelta]:
-    """One choice's deltas until it finishes; leaving early closes (and aborts) its stream."""
+    """One choice's deltas until it finishes; leaving early closes (and aborts) its stream.
+
+    Its metrics carry the label of the engine that served it (the last one, if it was sent
+    again after an engine died)."""
+    state = choice.state
     ending = "abort"  # unless the choice finishes, or fails below
     timings: RequestTimings | None = None
+    engine = client.engine_label(choice.request.request_id) if metrics is not None else ""
     try:
         async with contextlib.aclosing(stream):  # type: ignore[type-var]
             async for output in stream:
-                previous = choice.last_token_time
+                previous = state.last_token_time
                 delta = await processor.process_output_off_loop(output, run_cpu)
                 if metrics is not None:
+                    engine = client.engine_label(output.request_id)
                     if output.new_token_ids:
-                        metrics.observe_tokens(choice, len(output.new_token_ids), previous)
+                        metrics.observe_tokens(state, len(output.new_token_ids), previous, engine)
                     if output.timings is not None:
                         timings = output.timings
                 if delta is None:
                     continue
                 yield delta
-                if choice.finished:
+                if state.finished:
                     # After a stop string the engine still runs it: closing the stream aborts it.
                     return
     except Exception:
@@ -131,4 +138,4 @@ async def _choice_deltas(
         raise
     finally:
         if metrics is not None:
-            metrics.observe_finished(choice, choice.finish_reason or ending, timings)
+            metrics.observe_finished(state, state.finish_reason or ending, timings, engine)

@@ -1,13 +1,17 @@
 """One OpenAI-compatible HTTP frontend attached to a running engine: ``conveyor frontend``.
 
     conveyor frontend --engine ipc:///run/user/1000/conveyor-x/engine.sock --port 8000
+    conveyor frontend --engine ADDRESS_0 --engine ADDRESS_1 --router least-loaded
 
 Runs as an HTTP frontend process. Started N times by ``conveyor serve --frontends N`` (as
 ``python -m frontend``), or by hand to add one more frontend to an engine that already runs (its
 address is in the supervisor's ``ready: engine_core ...`` line). The port is bound with SO_REUSEPORT, so frontends given the same
-port share it. SIGTERM/SIGINT drain: /health turns 503, in-flight requests get up to
---drain-timeout-s to finish, then the process exits 0. A frontend the engine dropped (it stalled
-past the heartbeat timeout) exits 1, for its supervisor to start a new one.
+port share it. With several data-parallel engines (one --engine each, as ``conveyor serve
+--data-parallel-size N`` prints them), it is a client of all of them and routes each request to
+one (--router). SIGTERM/SIGINT drain: /health turns 503, in-flight requests get up to
+--drain-timeout-s to finish, then the process exits 0. A frontend its only engine dropped (it
+stalled past the heartbeat timeout) exits 1, for its supervisor to start a new one; with several
+engines it attaches to that engine again, as to one that restarted.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 import os
 from pathlib import Path
 
+from frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN, ROUTER_POLICIES
 from frontend.server.connection import DEFAULT_MAX_REQUEST_BODY_BYTES, ConnectionLimits
 from frontend.server.metrics_dir import ensure_multiprocess_dir
 from runtime.exit_codes import ExitCode
@@ -31,6 +36,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
     return value
 
 
@@ -105,7 +117,13 @@ def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
 
 def add_frontend_process_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of one frontend process (``conveyor frontend``, ``python -m frontend``)."""
-    parser.add_argument("--engine", required=True, help="the engine's address (ipc:// or tcp://)")
+    parser.add_argument(
+        "--engine",
+        required=True,
+        action="append",
+        metavar="ADDRESS",
+        help="an engine's address (ipc:// or tcp://); once per data-parallel engine, in order",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     parser.add_argument("--port", type=int, default=8000)
     add_api_key_args(parser)
@@ -122,6 +140,7 @@ def add_frontend_process_args(parser: argparse.ArgumentParser) -> argparse.Argum
         "--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES
     )
     parser.add_argument("--drain-timeout-s", type=float, default=5.0)
+    add_router_args(parser)
     add_connection_args(parser)
     parser.add_argument(
         "--engine-ready-timeout-s", type=float, default=30.0, help="give up attaching after this"
@@ -131,6 +150,31 @@ def add_frontend_process_args(parser: argparse.ArgumentParser) -> argparse.Argum
     add_observability_args(parser)
     parser.add_argument("--log-level", default=None, help="default: $CONVEYOR_LOG_LEVEL or INFO")
     return parser
+
+
+def add_router_args(parser: argparse._ActionsContainer) -> None:
+    """How a frontend picks the data-parallel engine of each request (``engine_client.router``)."""
+    parser.add_argument(
+        "--router",
+        choices=ROUTER_POLICIES,
+        default=ROUTER_POLICIES[0],
+        help="with several engines: prefix-affinity (the engine that last served the prompt's "
+        "first KV blocks, unless it is more loaded than the least loaded by the margin), "
+        "least-loaded (fewest waiting + running requests) or round-robin",
+    )
+    parser.add_argument(
+        "--router-affinity-margin",
+        type=_non_negative_float,
+        default=DEFAULT_AFFINITY_MARGIN,
+        metavar="REQUESTS",
+        help="prefix-affinity: how many more requests than the least loaded engine the "
+        "prefix's engine may hold and still get the request",
+    )
+
+
+def router_options(args: argparse.Namespace) -> list[str]:
+    """The router flags in ``args``, as command-line options again."""
+    return ["--router", args.router, "--router-affinity-margin", str(args.router_affinity_margin)]
 
 
 def add_observability_args(parser: argparse._ActionsContainer) -> None:
@@ -195,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     from frontend.server.runner import bind_shared_socket, run_server
 
     settings = ServerSettings(
-        engine_address=args.engine,
+        engine_addresses=tuple(args.engine),
         served_model_name=args.served_model_name,
         api_key=resolve_api_key(args),
         max_queued_requests=args.max_queued_requests,
@@ -204,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
         enable_metrics=not args.disable_metrics,
         log_requests=args.enable_log_requests,
         log_prompts=args.log_prompts,
+        router=args.router,
+        router_affinity_margin=args.router_affinity_margin,
     )
     try:
         sock = bind_shared_socket(args.host, args.port)

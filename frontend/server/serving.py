@@ -27,7 +27,7 @@ import msgspec
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from frontend.engine_client.async_client import AsyncEngineClient
+from frontend.engine_client.engine_group import EngineGroupClient
 from frontend.input_processor import Choice, InputProcessor, PromptError
 from frontend.output_processor import ChoiceDelta, ChoiceState
 from frontend.server.choice_stream import stream_choices
@@ -60,7 +60,7 @@ class ClientDisconnected(Exception):
 class ServingState:
     """Everything a handler needs, made once when the frontend starts."""
 
-    client: AsyncEngineClient
+    client: EngineGroupClient
     tokenizer: Any
     model_name: str
     # None: --disable-metrics (nothing recorded, /metrics answers 404).

@@ -28,6 +28,8 @@ from tests.process_tree import descendants, kill_all
 
 SERVE = [*CONVEYOR, "serve"]
 ENGINE_READY = re.compile(r"^ready: engine_core pid=(\d+) address=(\S+)$")
+# With --data-parallel-size N: one line per engine, engine_core-RANK.
+DP_ENGINE_READY = re.compile(r"^ready: engine_core-(\d+) pid=(\d+) address=(\S+)$")
 HTTP_READY = re.compile(r"^ready: (http://\S+)$")
 MODEL_NAME = "tiny"
 
@@ -64,6 +66,8 @@ class ServedHttp:
     engine_address: str = ""
     base_url: str = ""
     children: list[int] = field(default_factory=list)
+    # Data-parallel engines: rank -> pid (from their ready lines).
+    dp_engine_pids: dict[int, int] = field(default_factory=dict)
     # What it prints after the ready lines (the reader thread keeps filling it).
     stdout: queue.Queue[str] = field(default_factory=queue.Queue)
 
@@ -125,6 +129,8 @@ def _start_once(
                 continue
             if match := ENGINE_READY.match(line):
                 served.engine_pid, served.engine_address = int(match[1]), match[2]
+            elif match := DP_ENGINE_READY.match(line):
+                served.dp_engine_pids[int(match[1])] = int(match[2])
             elif match := HTTP_READY.match(line):
                 served.base_url = match[1]
     finally:

@@ -19,6 +19,7 @@ from protocol import (
     check_engine_config,
     load_model_config,
 )
+from protocol.config import NodeConfig, ParallelConfig
 
 HF_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -186,3 +187,23 @@ def test_unknown_policy_on_the_wire_is_rejected():
     frame = msgspec.msgpack.encode({"policy": "fifo"})
     with pytest.raises(msgspec.ValidationError, match="Invalid enum value 'fifo'"):
         msgspec.msgpack.decode(frame, type=SchedulerConfig)
+
+
+def _nodes(tp: int = 2, **nodes: object) -> EngineConfig:
+    layout = NodeConfig(**nodes)  # type: ignore[arg-type]
+    return EngineConfig(model=MODEL, parallel=ParallelConfig(tensor_parallel_size=tp, nodes=layout))
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (_nodes(nnodes=2, node_rank=2), r"node_rank must be in \[0, nnodes=2\), got 2"),
+        (_nodes(tp=3, nnodes=2), "tensor_parallel_size 3 must be a multiple of nnodes 2"),
+        (_nodes(nnodes=2, master_port=65534), "master_port 65534 leaves no room"),
+        (_nodes(nnodes=2, timeout_s=0.0), "timeout_s and join_timeout_s must be > 0"),
+    ],
+)
+def test_a_node_layout_that_cannot_run_is_refused(config: EngineConfig, message: str):
+    with pytest.raises(ConfigError, match=message):
+        check_engine_config(config)
+    check_engine_config(_nodes(tp=4, nnodes=2, node_rank=1))

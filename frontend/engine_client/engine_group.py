@@ -1,0 +1,285 @@
+"""``EngineGroupClient``: an HTTP frontend's client of every data-parallel engine.
+
+Runs in an HTTP frontend process, on its event loop. One ``AsyncEngineClient`` per engine, each
+with its own socket thread and heartbeats (so heartbeats, aborts and the engine-wide queue cap
+work per engine exactly as with one), and a ``Router`` that picks the engine of each request from
+the stats those clients already receive. What happens when an engine dies:
+
+* its requests that have streamed no token yet are sent again to another engine: their client
+  saw nothing of them, so only time is lost. Those that have streamed end with
+  ``EngineDeadError`` (an error event): a token sent cannot be taken back, and another engine
+  would start the sample over.
+* with several engines, the group attaches again once the engine serves at its address (the
+  supervisor restarts it there); meanwhile it is never routed to. /health stays 200 while any
+  engine serves.
+* with one engine, its death is the group's, as it always was: every stream fails, /health says
+  503, and the supervisor stops everything.
+
+The addresses given to ``start`` are the one place a frontend learns where its engines are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+from frontend.engine_client.async_client import AsyncEngineClient
+from frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN, Router, RouterConfig
+from frontend.engine_client.session import EngineDeadError, EngineStartError
+from protocol import EngineConfig, EngineCoreOutput, EngineCoreRequest, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+# One attempt to attach to a restarted engine waits this long for its Ready; a cancelled attempt
+# cannot be cut short (the handshake runs in a thread), so shutdown may wait this long for it.
+REATTACH_ATTEMPT_S = 1.0
+# How often the group looks for engines that went down.
+WATCH_INTERVAL_S = 0.25
+
+
+class EngineGroupClient:
+    """Create with ``await EngineGroupClient.start(addresses, ...)``; engine i is addresses[i]."""
+
+    @classmethod
+    async def start(
+        cls,
+        addresses: Sequence[str],
+        *,
+        policy: str = "prefix-affinity",
+        affinity_margin: float = DEFAULT_AFFINITY_MARGIN,
+        ready_timeout_s: float = 30.0,
+        client_name: str = "",
+    ) -> EngineGroupClient:
+        """Attach to every engine (all must serve: the supervisor starts frontends only then)."""
+        if not addresses:
+            raise ValueError("no engine address given")
+        attached = await asyncio.gather(
+            *(
+                AsyncEngineClient.start(
+                    address=address, ready_timeout_s=ready_timeout_s, client_name=client_name
+                )
+                for address in addresses
+            ),
+            return_exceptions=True,
+        )
+        members = [m for m in attached if isinstance(m, AsyncEngineClient)]
+        failure = next((m for m in attached if isinstance(m, BaseException)), None)
+        if failure is None and len({m.config.model.model for m in members}) > 1:
+            failure = EngineStartError("the engines serve different models")
+        if failure is not None:
+            await asyncio.gather(*(m.shutdown() for m in members))
+            raise failure
+        block_size = members[0].config.cache.block_size
+        router = Router(len(members), RouterConfig(policy, affinity_margin, block_size))
+        return cls(list(addresses), members, router, client_name)
+
+    def __init__(
+        self,
+        addresses: list[str],
+        members: list[AsyncEngineClient],
+        router: Router,
+        client_name: str,
+    ) -> None:
+        """Use ``start``."""
+        self.addresses = addresses
+        self._members = members
+        self.router = router
+        self.client_name = client_name
+        # The ``engine`` label of each engine's metrics: its own index, from its Ready.
+        self.engine_labels = [str(m.engine_index) for m in members]
+        # Every engine serves the same model; engine 0's config (with its learned pool size).
+        self.config: EngineConfig = members[0].config
+        self.closing = False
+        self._closed_reason: str | None = None
+        # request_id -> the engine serving it now (for aborts and metrics labels).
+        self._owners: dict[str, int] = {}
+        self._reattaching: dict[int, asyncio.Task[None]] = {}
+        self.num_resent = 0
+        self._watcher: asyncio.Task[None] | None = None
+        if len(members) > 1:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def num_engines(self) -> int:
+        return len(self._members)
+
+    @property
+    def dead_reason(self) -> str | None:
+        """None while any engine serves us; else why none does."""
+        if self._closed_reason is not None:
+            return self._closed_reason
+        reasons = [m.dead_reason for m in self._members]
+        if any(reason is None for reason in reasons):
+            return None
+        if len(reasons) == 1:
+            return reasons[0]
+        return "every engine is down: " + "; ".join(
+            f"engine {label}: {reason}" for label, reason in zip(self.engine_labels, reasons)
+        )
+
+    @property
+    def session_lost(self) -> bool:
+        """Our only engine dropped us (a frontend then exits, to be restarted). With several,
+        a dropped session is attached again like a restarted engine."""
+        return len(self._members) == 1 and self._members[0].session_lost
+
+    @property
+    def stats(self) -> SchedulerStats | None:
+        return self._members[0].stats
+
+    def stats_by_engine(self) -> dict[str, SchedulerStats | None]:
+        """Each engine's latest stats, by its metrics label."""
+        return {label: m.stats for label, m in zip(self.engine_labels, self._members)}
+
+    def engine_label(self, request_id: str) -> str:
+        """The label of the engine serving ``request_id`` now (engine 0's if none)."""
+        return self.engine_labels[self._owners.get(request_id, 0)]
+
+    # ------------------------------------------------------------------ requests
+
+    async def add_request(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+        """Send a request to the engine the router picks; iterate the result for its outputs.
+
+        Closing the iterator early aborts the request in whichever engine has it.
+        """
+        engine, stream = await self._send(request)
+        return self._follow(request, engine, stream)
+
+    def abort_nowait(self, request_ids: list[str]) -> None:
+        """Abort in the engines that hold these requests (finished or unknown ones: nothing)."""
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            engine = self._owners.get(request_id)
+            if engine is not None:
+                by_engine.setdefault(engine, []).append(request_id)
+        for engine, ids in by_engine.items():
+            self._members[engine].abort_nowait(ids)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        self.abort_nowait(request_ids)
+
+    async def ask_all_free(self, timeout_s: float = 5.0) -> str:
+        """ "" if every engine is empty, else what is left where (see AsyncEngineClient)."""
+        problems = await asyncio.gather(*(m.ask_all_free(timeout_s) for m in self._members))
+        return "; ".join(
+            f"engine {label}: {problem}"
+            for label, problem in zip(self.engine_labels, problems)
+            if problem
+        )
+
+    def _choose(self, request: EngineCoreRequest) -> int:
+        if len(self._members) == 1:
+            return 0  # nothing to choose: no hashing for a request that can go nowhere else
+        router = self.router
+        for engine, member in enumerate(self._members):
+            up = member.dead_reason is None
+            if up != router.is_up(engine):
+                router.set_up(engine, up)
+            router.observe_stats(engine, member.stats)
+        if not any(router.is_up(e) for e in range(router.num_engines)):
+            raise EngineDeadError(self.dead_reason or "no engine is up")
+        return router.choose(request.prompt_token_ids)
+
+    async def _send(
+        self, request: EngineCoreRequest
+    ) -> tuple[int, AsyncIterator[EngineCoreOutput]]:
+        """Route and send; an engine found dead on the way is passed over (bounded)."""
+        for _ in range(len(self._members)):
+            engine = self._choose(request)
+            try:
+                stream = await self._members[engine].add_request(request)
+            except EngineDeadError:
+                continue
+            self._owners[request.request_id] = engine
+            return engine, stream
+        raise EngineDeadError(self.dead_reason or "no engine took the request")
+
+    async def _follow(
+        self, request: EngineCoreRequest, engine: int, stream: AsyncIterator[EngineCoreOutput]
+    ) -> AsyncIterator[EngineCoreOutput]:
+        """The request's outputs; sent again elsewhere if its engine dies before any token."""
+        streamed = False
+        try:
+            while True:
+                try:
+                    async for output in stream:
+                        streamed = streamed or bool(output.new_token_ids)
+                        yield output
+                    return
+                except EngineDeadError as exc:
+                    if streamed or len(self._members) == 1 or self.closing:
+                        raise
+                    self.num_resent += 1
+                    logger.info(
+                        "engine %s died before request %s streamed a token (%s): sending it "
+                        "to another engine",
+                        self.engine_labels[engine],
+                        request.request_id,
+                        exc,
+                    )
+                    engine, stream = await self._send(request)
+        finally:
+            if self._owners.get(request.request_id) == engine:
+                del self._owners[request.request_id]
+            # Aborts it in its engine unless it finished there.
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ engines coming back
+
+    async def _watch(self) -> None:
+        while not self.closing:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            for engine, member in enumerate(self._members):
+                if member.dead_reason is not None and engine not in self._reattaching:
+                    task = asyncio.create_task(self._reattach(engine))
+                    self._reattaching[engine] = task
+
+    async def _reattach(self, engine: int) -> None:
+        """Attach to the engine at its address again once it serves (bounded attempts)."""
+        old = self._members[engine]
+        label = self.engine_labels[engine]
+        logger.warning(
+            "engine %s is down (%s); attaching again once it serves", label, old.dead_reason
+        )
+        try:
+            await old.shutdown()  # its socket thread has ended: this frees the rest
+            while not self.closing:
+                try:
+                    client = await AsyncEngineClient.start(
+                        address=self.addresses[engine],
+                        ready_timeout_s=REATTACH_ATTEMPT_S,
+                        client_name=self.client_name,
+                    )
+                except EngineStartError:
+                    continue
+                if self.closing:
+                    await client.shutdown()
+                    return
+                self._members[engine] = client
+                logger.info("engine %s serves again (pid %d)", label, client.engine_pid)
+                return
+        finally:
+            del self._reattaching[engine]
+
+    # ------------------------------------------------------------------ shutdown
+
+    async def shutdown(self, reason: str = "the client was shut down") -> None:
+        """Say Goodbye to every engine and stop every socket thread. Idempotent.
+
+        Open streams raise ``EngineDeadError(reason)``; the engines abort their requests.
+        """
+        if self.closing:
+            return
+        self.closing = True
+        self._closed_reason = reason
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        # An attempt in progress ends within REATTACH_ATTEMPT_S and then sees ``closing``.
+        await asyncio.gather(*self._reattaching.values(), return_exceptions=True)
+        await asyncio.gather(*(m.shutdown(reason) for m in self._members))

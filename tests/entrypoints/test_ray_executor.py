@@ -1,0 +1,104 @@
+"""``--distributed-executor-backend ray``: the tensor-parallel ranks as Ray actors in a placement
+group on a local single-node Ray cluster (``ray start --head``), serving the tokens of one rank.
+
+Runs in the test process, which never joins the cluster itself (the engine process does). The
+cluster is this test's own: started with ``--block`` and stopped by the pids of its tree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.commands import CONVEYOR
+from tests.entrypoints.host_helpers import (
+    ENGINE_FLAGS,
+    Host,
+    free_ports,
+    head_address,
+    reference_tokens,
+    served_tokens,
+)
+from tests.process_tree import descendants, kill_all, wait_until_gone
+
+pytest.importorskip("ray", reason="ray is not installed (pip install '.[ray]')")
+
+RAY = [str(Path(sys.executable).parent / "ray")]
+PLACED = re.compile(r"Ray placed ranks on .* \(pids \[(\d+), (\d+)\]\)")
+
+
+def _ray_status(address: str) -> str:
+    result = subprocess.run(
+        [*RAY, "status", "--address", address], capture_output=True, text=True, timeout=60
+    )
+    return result.stdout
+
+
+@pytest.fixture
+def ray_cluster() -> Iterator[str]:
+    """A two-CPU head node of our own; its address."""
+    port = free_ports(1)
+    # Ray's socket paths must stay short: not under pytest's deep tmp_path.
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    command = [*RAY, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2"]
+    command += ["--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp_dir]
+    head = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60.0
+        while "CPU" not in _ray_status(address):
+            assert head.poll() is None and time.monotonic() < deadline, "ray did not start"
+            time.sleep(0.5)
+        yield address
+    finally:
+        tree = [head.pid, *descendants(head.pid)]
+        head.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(15.0)
+        kill_all(tree)
+        wait_until_gone(tree, 10.0)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_ray_places_two_ranks_that_serve_the_tokens_of_one(
+    ray_cluster, tiny_model_dir, tmp_path, monkeypatch
+):
+    """Ray only places the ranks (a placement group of two CPU bundles); the engine talks to
+    them over its own sockets. A rank's actor killed with SIGKILL is a dead worker: the server
+    stops with the reason, and the placement group's CPUs are free again."""
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster)
+    command = [*CONVEYOR, "serve", str(tiny_model_dir), *ENGINE_FLAGS, "--frontends", "0"]
+    command += ["--distributed-executor-backend", "ray"]
+    server = Host(command, tmp_path / "serve.log")
+    try:
+        address = head_address(server)
+        assert served_tokens(address) == reference_tokens(tiny_model_dir)
+        placed = PLACED.search(server.log.read_text())
+        assert placed, server.log.read_text()
+        # Placed by Ray: the ranks are not the server's children.
+        rank_pids = [int(pid) for pid in placed.groups()]
+        assert not set(rank_pids) & set(descendants(server.process.pid))
+        assert "2.0/2.0 CPU" in _ray_status(ray_cluster)
+
+        os.kill(rank_pids[1], signal.SIGKILL)
+        assert server.process.wait(30.0) == 1
+        assert f"worker rank 1 (pid {rank_pids[1]}) was killed by SIGKILL" in server.log.read_text()
+        deadline = time.monotonic() + 30.0
+        while "0.0/2.0 CPU" not in _ray_status(ray_cluster):
+            assert time.monotonic() < deadline, "the placement group was not freed"
+            time.sleep(0.5)
+        assert wait_until_gone(rank_pids, 10.0) == []
+    finally:
+        kill_all([server.process.pid, *descendants(server.process.pid)])
