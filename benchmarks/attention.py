@@ -7,8 +7,12 @@ ratio, so one can read off whether attention is the bottleneck. On CPU the torch
 twice, on its pure-torch path and with the compiled kernel (cpu_kernel.py), side by side.
 
     conveyor bench attention                 # bench model, CPU, torch backend
-    conveyor bench attention --query-lens 2,8,16,32,64   # where the kernel stops paying
+    conveyor bench attention --query-lens 2,8,16,32,64   # 8 short chunks after a cached prefix
+    conveyor bench attention --chunk-lens 16,256,2048 --contexts 0,2048   # one prompt chunk
     conveyor bench attention --device cuda --dtype bfloat16 --block-size 256
+
+--chunk-lens times one prompt chunk of each length after each cached context, with the chunk's
+attention GFLOP/s (causal: every query row against the keys it sees, two matmuls) per path.
 """
 
 from __future__ import annotations
@@ -39,7 +43,13 @@ class Scenario:
     num_scheduled: list[int]
 
 
-def make_scenarios(rng: np.random.Generator, query_lens: list[int]) -> list[Scenario]:
+def make_scenarios(
+    rng: np.random.Generator, query_lens: list[int], chunk_lens: list[int], contexts: list[int]
+) -> list[Scenario]:
+    if chunk_lens:
+        # One prompt chunk after a cached context: the prefill shapes, from 1 token to thousands.
+        return [Scenario(f"chunk {q}, ctx {c}", [c], [q]) for c in contexts for q in chunk_lens]
+
     def decodes(n: int, low: int, high: int) -> tuple[list[int], list[int]]:
         return [int(c) - 1 for c in rng.integers(low, high + 1, n)], [1] * n
 
@@ -176,6 +186,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--query-lens", default="", help="comma-separated: time short prompt chunks instead"
     )
+    parser.add_argument(
+        "--chunk-lens", default="", help="comma-separated: time one prompt chunk of each length"
+    )
+    parser.add_argument(
+        "--contexts", default="0", help="with --chunk-lens: cached tokens before the chunk"
+    )
     return parser.parse_args(argv)
 
 
@@ -196,10 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     names = list(backends)
     header = f"{'scenario':<28}{'tokens':>7}" + "".join(f"{n + ' us':>13}" for n in names)
-    print(header + f"{'matmuls us':>12}{'attn/mm':>9}")
-    query_lens = [int(q) for q in args.query_lens.split(",") if q]
+    flops_header = "".join(f"{n + ' GF/s':>15}" for n in names) if len(names) > 1 else ""
+    print(header + f"{'matmuls us':>12}{'attn/mm':>9}" + flops_header + f"{'speedup':>9}")
+    query_lens, chunk_lens, contexts = (
+        [int(q) for q in text.split(",") if q]
+        for text in (args.query_lens, args.chunk_lens, args.contexts)
+    )
     with torch.inference_mode():
-        for scenario in make_scenarios(rng, query_lens):
+        for scenario in make_scenarios(rng, query_lens, chunk_lens, contexts):
             attention_us, matmul_us = bench_scenario(
                 args, scenario, list(backends.values()), rng, dtype, device
             )
@@ -207,8 +227,22 @@ def main(argv: list[str] | None = None) -> int:
             row = f"{scenario.name:<28}{num_tokens:>7}" + "".join(
                 f"{t:>13.0f}" for t in attention_us
             )
-            print(row + f"{matmul_us:>12.0f}{attention_us[-1] / matmul_us:>9.2f}")
+            row += f"{matmul_us:>12.0f}{attention_us[-1] / matmul_us:>9.2f}"
+            if len(names) > 1:
+                flops = attention_flops(scenario, args.num_heads, args.head_dim)
+                row += "".join(f"{flops / t / 1e3:>15.1f}" for t in attention_us)
+                row += f"{attention_us[0] / attention_us[-1]:>9.2f}"
+            print(row)
     return 0
+
+
+def attention_flops(scenario: Scenario, num_heads: int, head_dim: int) -> float:
+    """Multiply-adds x 2 of QK^T and PV over the keys each query row sees (causal)."""
+    total = 0
+    for computed, scheduled in zip(scenario.num_computed, scenario.num_scheduled):
+        visible_keys = scheduled * computed + scheduled * (scheduled + 1) // 2
+        total += 2 * 2 * visible_keys * num_heads * head_dim
+    return float(total)
 
 
 if __name__ == "__main__":

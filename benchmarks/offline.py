@@ -11,7 +11,8 @@ machine state). --engine inprocess runs everything in this process.
 
 Workloads (greedy, ignore_eos, so every request produces exactly its output length):
   equal  N requests of 128 prompt tokens and 128 output tokens;
-  mix    N requests alternating (32 prompt, 32 output) and (512 prompt, 128 output).
+  mix    N requests alternating (32 prompt, 32 output) and (512 prompt, 128 output);
+  long   N requests cycling through prompts of 2000, 4000, 3000, 2500, 3500 tokens, 64 outputs.
 A short warm-up with different prompts runs first, so the timing excludes one-off costs (and the
 timed prompts cannot hit the prefix cache). --profile prints where the time went (cProfile).
 """
@@ -37,6 +38,8 @@ from protocol import SamplingParams
 WORKLOADS: dict[str, list[tuple[int, int]]] = {
     "equal": [(128, 128)],
     "mix": [(32, 32), (512, 128)],
+    # Prompt-heavy: prefill dominates (use --num-requests 16).
+    "long": [(2000, 64), (4000, 64), (3000, 64), (2500, 64), (3500, 64)],
 }
 
 

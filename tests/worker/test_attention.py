@@ -82,11 +82,10 @@ def make_backend(request):
 
 
 def assert_path_ran(backend: TorchAttentionBackend, requests: list[Request]) -> None:
-    """The kernel path called the kernel whenever a short query was in the batch; the torch
-    path never loaded it."""
+    """The kernel path called the kernel (it takes every query, short or long); the torch path
+    never loaded it."""
     if isinstance(backend.cpu_kernel, KernelSpy):
-        has_short_query = any(r.num_scheduled <= 16 for r in requests)
-        assert (backend.cpu_kernel.num_calls > 0) == has_short_query
+        assert requests and backend.cpu_kernel.num_calls > 0
     else:
         assert backend.cpu_kernel is None
 

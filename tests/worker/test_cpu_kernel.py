@@ -164,25 +164,25 @@ def test_what_the_kernel_cannot_run_takes_the_torch_path(kernel_calls, dtype, he
     torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_plan_tiles_short_queries_into_items_longest_context_first():
-    # Requests: a decode at ctx 50, a 10-token chunk after 30 cached, a 40-token prompt, a decode
+def test_plan_tiles_every_query_into_items_longest_context_first():
+    # Requests: a decode at ctx 50, a 10-token chunk after 30 cached, a 9-token prompt, a decode
     # at ctx 90.
-    query_lens, seq_lens = np.array([1, 10, 40, 1]), np.array([50, 40, 40, 90], dtype=np.int32)
+    query_lens, seq_lens = np.array([1, 10, 9, 1]), np.array([50, 40, 9, 90], dtype=np.int32)
     query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
-    plan = plan_batch(
-        query_start_loc, seq_lens, 16, 1 << 20, CPU, kernel_routing=KernelRouting(16, 4)
-    )
+    plan = plan_batch(query_start_loc, seq_lens, 16, 1 << 20, CPU, kernel_routing=KernelRouting(4))
     assert plan.kernel_items.dtype == np.int32 and plan.kernel_items.flags.c_contiguous
     # (table row, first token, num queries, first position), most keys first.
     assert plan.kernel_items.tolist() == [
-        [3, 51, 1, 89],
+        [3, 20, 1, 89],
         [0, 0, 1, 49],
         [1, 9, 2, 38],
         [1, 5, 4, 34],
         [1, 1, 4, 30],
+        [2, 19, 1, 8],
+        [2, 15, 4, 4],
+        [2, 11, 4, 0],
     ]
-    assert plan.decode_chunks == []
-    assert [p.req_id for p in plan.prefill_requests] == [2]
+    assert plan.decode_chunks == [] and plan.prefill_requests == []
 
 
 @pytest.mark.parametrize("flags", [("-O3", "-fopenmp"), ("-O2",)], ids=["portable", "plain"])

@@ -2,8 +2,8 @@
 
 Runs in worker processes. Planning reads only the host copies of the metadata (query_start_loc_cpu,
 seq_lens_cpu), so building the plan never waits on the device. Where the compiled CPU kernel runs,
-every request with a short query (decodes, small prompt chunks) becomes kernel work items: tiles
-of consecutive query tokens, longest context first so the kernel's threads finish together.
+every request (decodes and prompt chunks of any length alike) becomes kernel work items: tiles of
+consecutive query tokens, longest context first so the kernel's threads finish together.
 Otherwise a request with one query token (a decode, or a one-token prompt) joins a decode chunk:
 decodes sorted by context length and cut into chunks whose gathered K/V stays under a budget, each
 chunk padded only to its own longest context. A request with more query tokens (a prompt chunk)
@@ -61,9 +61,8 @@ class PrefillRequest:
 
 @dataclass(frozen=True)
 class KernelRouting:
-    """Which requests the compiled kernel attends to, and how many query tokens per work item."""
+    """The compiled kernel attends to every request, this many query tokens per work item."""
 
-    max_query_len: int
     queries_per_item: int
 
 
@@ -90,15 +89,16 @@ def plan_batch(
     kernel_routing: KernelRouting | None = None,
 ) -> BatchPlan:
     """Group decodes into chunks of at most ``max_chunk_tokens`` padded context tokens; with
-    ``kernel_routing``, queries up to its ``max_query_len`` go to the kernel instead."""
+    ``kernel_routing``, every request goes to the kernel instead."""
     query_lens = np.diff(query_start_loc)
-    kernel_items = None
     if kernel_routing is not None:
-        kernel_req_ids = np.flatnonzero(query_lens <= kernel_routing.max_query_len)
+        # conveyor bench attention --chunk-lens: the kernel is as fast as or faster than the
+        # gathered-K/V SDPA path at every chunk length (1 .. 4096) and context measured.
+        req_ids = np.arange(len(query_lens))
         kernel_items = _kernel_items(
-            kernel_req_ids, query_start_loc, seq_lens, kernel_routing.queries_per_item
+            req_ids, query_start_loc, seq_lens, kernel_routing.queries_per_item
         )
-        query_lens = np.where(query_lens <= kernel_routing.max_query_len, 0, query_lens)
+        return BatchPlan(decode_chunks=[], prefill_requests=[], kernel_items=kernel_items)
     decode_req_ids = np.flatnonzero(query_lens == 1)
     prefill_req_ids = np.flatnonzero(query_lens > 1)
     prefills = [
@@ -116,7 +116,6 @@ def plan_batch(
             decode_req_ids, query_start_loc, seq_lens, block_size, max_chunk_tokens, device
         ),
         prefill_requests=prefills,
-        kernel_items=kernel_items,
     )
 
 

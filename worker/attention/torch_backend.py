@@ -7,9 +7,10 @@ the attention matmuls read, without a second copy. Decode rows (query length 1) 
 together in a few chunks; requests with longer queries (prompt chunks) one by one. Both use
 ``scaled_dot_product_attention``, which on CPU runs a flash-style kernel.
 
-On CPU with float32, a compiled kernel (cpu_kernel.py) takes the short queries instead: it reads
-K/V through the block table where they lie, so the decode gather (a copy of every decode's whole
-context, each layer, each step) disappears. Where it cannot be built this file's torch path runs.
+On CPU with float32, a compiled kernel (cpu_kernel.py) takes every query instead, decodes and
+prompt chunks in one call: it reads K/V through the block table where they lie, so the gathers (a
+copy of every request's whole context, each layer, each step) and the prompt chunks' masks
+disappear. Where it cannot be built this file's torch path runs.
 """
 
 from __future__ import annotations
@@ -36,11 +37,6 @@ from worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel, queri
 # the memory profiling pass does not see, to a small slice of the memory left outside the cache.
 _CPU_DECODE_CHUNK_BYTES = 4 << 20
 _CUDA_DECODE_CHUNK_BYTES = 64 << 20
-# Longest query the CPU kernel takes. It re-reads a request's context once per work item of
-# MAX_ROWS query rows, while a prompt chunk's own SDPA call reads it once and runs the scores as
-# matmuls. conveyor bench attention --query-lens, 8 chunks of 16 (bench model, AMD EPYC, 2
-# threads): kernel 1.2 ms vs SDPA 1.7 ms at ctx 256, even at ctx 1024; longer chunks favour SDPA.
-_KERNEL_MAX_QUERY_LEN = 16
 # Query rows per score matrix when attention sinks or a logit soft-cap force the scores to be
 # materialised (SDPA has neither): bounds it to heads x 256 x context floats for any chunk.
 _EXPLICIT_QUERY_CHUNK = 256
@@ -182,8 +178,7 @@ class TorchAttentionBackend(AttentionBackend):
             token_bytes = 2 * kv_cache.shape[1] * kv_cache.shape[4] * kv_cache.element_size()
             routing = None
             if use_kernel:
-                per_item = queries_per_item(query.shape[1], kv_cache.shape[1])
-                routing = KernelRouting(_KERNEL_MAX_QUERY_LEN, per_item)
+                routing = KernelRouting(queries_per_item(query.shape[1], kv_cache.shape[1]))
             self._plan = plan_batch(
                 metadata.query_start_loc_cpu,
                 metadata.seq_lens_cpu,
