@@ -45,7 +45,7 @@ from typing import Any
 from benchmarks import offline as bench_offline
 from benchmarks.loadgen import main as loadgen
 from benchmarks.machine import Timing, machine_info
-from benchmarks.policy_study.report import write_report
+from benchmarks.policy_study.report import STUDY_WORKLOADS, write_report
 from benchmarks.policy_study.server import served
 from frontend.engine_args import EngineArgs
 from protocol.config import POLICIES
@@ -184,7 +184,7 @@ def run_offline(config: StudyConfig, model: str, policies: list[str]) -> list[di
             args = engine_args(config, model, policy, max_num_seqs=config.offline_max_num_seqs)
             llms[policy] = bench_offline.start_llm(args, "equal", 2, engine=config.offline_engine)
         rows = []
-        for workload in bench_offline.WORKLOADS:
+        for workload in STUDY_WORKLOADS:
             spec = SimpleNamespace(workload=workload, num_requests=config.offline_num_requests)
             for policy, llm in llms.items():
                 print(f"offline: {workload}, {policy}", file=sys.stderr, flush=True)
