@@ -5,7 +5,8 @@ not thread-safe, and a ROUTER must receive and send from the same thread). It de
 frames and hands requests and aborts to the busy loop through a queue; the busy loop hands outputs
 back through another queue plus a wake-up pipe the thread polls beside the socket, so the loop
 never touches the socket and the thread never blocks the loop. Session traffic (Hello, Heartbeat,
-Goodbye) is answered here without the busy loop, and so is any frame from a client that is not
+Goodbye; each Heartbeat gets an ``EngineHeartbeat`` back, by which a client on another host knows
+we are there) is answered here without the busy loop, and so is any frame from a client that is not
 attached (dropped for silence, say): an ``EngineDead`` for that client alone. A frame that does
 not decode is logged and dropped: one bad client must not stop the engine for everyone.
 """
@@ -39,6 +40,7 @@ from protocol.messages import (
     CheckAllFree,
     EngineCoreServerMessage,
     EngineDead,
+    EngineHeartbeat,
     EngineOutputsFrame,
     Goodbye,
     Heartbeat,
@@ -57,6 +59,7 @@ MAX_ANSWERED_ID_CHARS = 256
 _REQUEST_TAG = EngineCoreRequest.__struct_config__.tag
 _ADD_REQUESTS_TAG = AddRequests.__struct_config__.tag
 _REQUEST_DECODER = msgspec.msgpack.Decoder(EngineCoreRequest)
+_HEARTBEAT_FRAME = ENGINE_TO_CLIENT.encode(EngineHeartbeat())
 
 
 @dataclass(frozen=True)
@@ -237,7 +240,9 @@ class ClientIO:
             client = registry.touch(identity)
             if client is None:
                 self._reject_unattached(identity)
-            elif not isinstance(message, Heartbeat):
+            elif isinstance(message, Heartbeat):
+                self._router.send_multipart([identity, _HEARTBEAT_FRAME], copy=False)
+            else:
                 self._inputs.put(ClientInput(client.client_index, message))  # type: ignore[arg-type]
 
     def _reject_unattached(self, identity: bytes) -> None:

@@ -1,10 +1,12 @@
-"""The engine cores a supervisor runs: one per data-parallel rank, and where each listens.
+"""The engine cores a supervisor runs: one per data-parallel rank of this host, and where each
+listens.
 
-Runs in the supervisor (``conveyor serve``). Engine i is its own process (with its own
-tensor-parallel workers and KV pool) serving ``config`` with ``data_parallel_rank=i`` at
-``engine_address(base, i, size)``; the frontends get the addresses in rank order. This module is
-the one place those addresses are made, so engines elsewhere (other hosts, other placement) only
-change what it hands out.
+Runs in the supervisor (``conveyor serve``, headless or not). Engine i is its own process (with its
+own tensor-parallel workers and KV pool) serving ``config`` with ``data_parallel_rank=i``; the
+frontends get every engine's address in rank order. This module is the one place those addresses
+are made: on the head, ``engine_address(base, i, size)`` (a private ipc folder each by default);
+on another host (``--headless``), ``remote_engine_address``: the data-parallel rpc port + i on
+the interface that faces the head, which announces it to the head (``dp_hosts``).
 
 With one engine nothing changes from before: it is ``engine_core``, and its death stops the
 server. With several, engine i is ``engine_core-i`` and is started again in place (same address,
@@ -45,23 +47,34 @@ def engine_address(base: str | None, rank: int, size: int) -> str | None:
     return base  # let the engine refuse it, with its own message
 
 
+def remote_engine_address(host: str, rpc_port: int, rank: int) -> str:
+    """Where data-parallel engine ``rank`` on a host other than the head listens: the rpc port
+    plus its rank (the head's own rpc port, rank 0's, is where engines announce themselves)."""
+    return f"tcp://{host}:{rpc_port + rank}"
+
+
+def local_engine_addresses(base: str | None, ranks: range, size: int) -> dict[int, str | None]:
+    """The head's engines: rank -> address from ``--address`` (None: a private ipc folder)."""
+    return {rank: engine_address(base, rank, size) for rank in ranks}
+
+
 def make_engines(
     config: EngineConfig,
     executor_backend: str | None,
     heartbeat_timeout_s: float | None,
-    address: str | None,
+    addresses: dict[int, str | None],
     allow_remote_clients: bool,
 ) -> list[EngineProcess]:
-    """One (unstarted) engine process per data-parallel rank of ``config``."""
+    """One (unstarted) engine process per data-parallel rank in ``addresses`` (this host's)."""
     size = config.parallel.data_parallel_size
     engines = []
-    for rank in range(size):
+    for rank, address in addresses.items():
         parallel = replace(config.parallel, data_parallel_rank=rank)
         engine = EngineProcess(
             replace(config, parallel=parallel),
             executor_backend,
             heartbeat_timeout_s,
-            address=engine_address(address, rank, size),
+            address=address,
             allow_remote_clients=allow_remote_clients,
             name=engine_name(rank, size),
             restartable=size > 1,

@@ -26,6 +26,7 @@ import zmq
 
 from engine_core.node_link import heartbeat_interval_s, local_ranks, node_addresses
 from engine_core.worker_processes import SHUTDOWN_GRACE_S, spawn_worker, worker_env
+from entrypoints.dp_hosts import add_data_parallel_host_args
 from frontend.engine_args import EngineArgs
 from protocol import ConfigError, EngineConfig
 from protocol.node_messages import NODE_MESSAGE, NodeFailure, NodeHeartbeat
@@ -55,9 +56,12 @@ def add_multi_host_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--headless",
         action="store_true",
-        help="run this host's tensor-parallel ranks (--node-rank > 0) for the engine on the "
-        "head node (--master-addr); no engine core, no frontends",
+        help="no frontends: with --nnodes, run this host's tensor-parallel ranks (--node-rank > "
+        "0) for the engine on the head (--master-addr); else run this host's data-parallel "
+        "engines (--data-parallel-start-rank > 0) for the head's frontends "
+        "(--data-parallel-address)",
     )
+    add_data_parallel_host_args(group)
     group.add_argument(
         "--curve-keys",
         metavar="DIR",
@@ -77,6 +81,9 @@ def check_multi_host_args(args: argparse.Namespace) -> int | None:
         keys = keys_from_env()
         if args.nnodes > 1:
             check_address(f"tcp://{args.master_addr}:{args.master_port}", keys)
+        if args.headless or args.data_parallel_size_local not in (None, args.data_parallel_size):
+            address = f"tcp://{args.data_parallel_address}:{args.data_parallel_rpc_port}"
+            check_address(address, keys)
     except (CurveKeysError, InsecureAddressError) as exc:
         logger.error("%s", exc)
         return ExitCode.BAD_CONFIG

@@ -14,7 +14,10 @@ heartbeat stops), unless frontends died more than --frontend-max-restarts times 
 and exits 1. With ``--data-parallel-size N`` it runs N engine cores (``engine_core-0`` ...,
 one ready line each; every frontend is a client of all of them and routes each request,
 --router), and a dead one is restarted in place (--engine-max-restarts within
---engine-restart-window-s) while the others serve. SIGTERM or SIGINT stops all of them
+--engine-restart-window-s) while the others serve; with ``--data-parallel-size-local`` below
+it, the other ranks run on other hosts (``--headless --data-parallel-start-rank R`` there, which
+runs engines only) and the frontends start once those have announced themselves (``launch``,
+``dp_hosts``). SIGTERM or SIGINT stops all of them
 gracefully (frontends drain first, for up to --drain-timeout-s; SIGTERM, then SIGKILL after
 --stop-timeout-s) and exits 0. Children watch their parent, so even a SIGKILLed supervisor leaves
 no orphans. MODEL (or ``--model``) is a local
@@ -31,32 +34,20 @@ import logging
 import os
 import shlex
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from entrypoints.engine import EXECUTOR_BACKENDS
-from entrypoints.engines import make_engines, start_engines
 from entrypoints.headless import add_multi_host_args, check_multi_host_args, run_headless
-from entrypoints.supervisor import (
-    FrontendProcess,
-    FrontendStartError,
-    RestartBudget,
-    base_url,
-    stop_all,
-    wait_healthy,
-    watch,
-)
+from entrypoints.launch import serve_host, start_frontends
+from entrypoints.supervisor import base_url
 from frontend.engine_args import (
     DEFAULT_SERVED_MODEL_NAME,
-    EngineArgs,
     add_engine_args,
 )
-from frontend.engine_client import EngineStartError
 from frontend.engine_client.session import DEFAULT_READY_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 from frontend.server.main import (
-    API_KEY_ENV,
     add_api_key_args,
     add_connection_args,
     add_observability_args,
@@ -66,12 +57,10 @@ from frontend.server.main import (
     resolve_api_key,
     router_options,
 )
-from frontend.server.metrics_dir import MULTIPROC_DIR_ENV, make_shared_dir
-from protocol import ConfigError
 from runtime.exit_codes import ExitCode
 from runtime.logs import LOG_LEVEL_ENV, configure_logging
 from runtime.processes import ChildProcess
-from runtime.signals import ShutdownRequested, ignore_shutdown_signals, install_shutdown_signals
+from runtime.signals import ShutdownRequested, install_shutdown_signals
 
 logger = logging.getLogger("serve")
 
@@ -221,85 +210,17 @@ def frontend_options(args: argparse.Namespace) -> list[str]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    try:
-        config = EngineArgs.from_cli(args).create_engine_config()
-    except ConfigError as exc:
-        logger.error("%s", exc)
-        return ExitCode.BAD_CONFIG
-    engines = make_engines(
-        config,
-        args.executor_backend,
-        args.heartbeat_timeout_s,
-        args.address,
-        args.allow_remote_clients,
-    )
-    # Registered before they start: a signal at any point below still stops them.
-    children: dict[str, ChildProcess] = {engine.name: engine for engine in engines}
-    # The frontends' ready files go beside engine 0's socket: the engine removes the folder
-    # when it exits, so nothing is left even when this process is SIGKILLed.
-    runtime_dir = engines[0].runtime_dir
-    try:
-        served = start_engines(engines, args.ready_timeout_s)
-        for engine, engine_config in zip(engines, served):
-            blocks = engine_config.cache.num_blocks
-            logger.info("%s serves %s with %d KV blocks", engine.name, args.model, blocks)
-            print(f"ready: {engine.name} pid={engine.pid} address={engine.address}", flush=True)
+    def on_serving(
+        addresses: list[str], runtime_dir: Path, children: dict[str, ChildProcess]
+    ) -> None:
         # Frontends start only now, so they never talk to an engine still loading.
-        addresses = [engine.address for engine in engines]
         if args.frontends:
-            start_frontends(args, addresses, runtime_dir, children)
+            start_frontends(args, addresses, frontend_options(args), runtime_dir, children)
             print(f"ready: http://{args.host}:{args.port}", flush=True)
             if args.demo_prompt is not None:
                 show_completion(args, args.demo_prompt)
-        logger.error("%s; stopping everything", watch_children(args, children, len(engines)))
-        return ExitCode.FAILED
-    except ShutdownRequested as signal_name:
-        logger.info("%s: stopping everything", signal_name)
-        return ExitCode.OK
-    except (EngineStartError, FrontendStartError) as exc:
-        logger.error("%s", exc)
-        return ExitCode.FAILED
-    finally:
-        ignore_shutdown_signals()  # stopping the children must not itself be interrupted
-        stop_all(children, args.stop_timeout_s, args.drain_timeout_s)
 
-
-def watch_children(
-    args: argparse.Namespace, children: dict[str, ChildProcess], num_engines: int
-) -> str:
-    """Watch until a death stops everything (with one engine, its death does at once)."""
-    restarts = RestartBudget(args.frontend_max_restarts, args.frontend_restart_window_s)
-    engine_restarts = None
-    if num_engines > 1:
-        engine_restarts = RestartBudget(args.engine_max_restarts, args.engine_restart_window_s)
-    return watch(children, restarts, engine_restarts, args.ready_timeout_s)
-
-
-def start_frontends(
-    args: argparse.Namespace,
-    addresses: list[str],
-    runtime_dir: Path,
-    children: dict[str, ChildProcess],
-) -> None:
-    """Start every frontend, then wait for each: they load their tokenizers in parallel."""
-    # By the environment, which, unlike a command line, other users cannot read.
-    env = {API_KEY_ENV: args.resolved_api_key} if args.resolved_api_key else {}
-    metrics_dir = None
-    if not args.disable_metrics:
-        # One folder for all: a scrape of any frontend reports the whole server.
-        metrics_dir = make_shared_dir(runtime_dir)
-        env[MULTIPROC_DIR_ENV] = str(metrics_dir)
-    frontends = []
-    for index in range(args.frontends):
-        frontend = FrontendProcess(
-            index, addresses, frontend_options(args), runtime_dir, env, metrics_dir
-        )
-        children[f"frontend-{index}"] = frontend
-        frontends.append(frontend.start())
-    deadline = time.monotonic() + args.frontend_ready_timeout_s
-    for frontend in frontends:
-        frontend.wait_ready(max(deadline - time.monotonic(), 0.0))
-    wait_healthy(args.host, args.port, max(deadline - time.monotonic(), 1.0))
+    return serve_host(args, on_serving)
 
 
 def demo_body(args: argparse.Namespace, prompt: str) -> dict[str, object]:
@@ -350,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         refused = check_multi_host_args(args)
         if refused is not None:
             return refused
-        return run_headless(args) if args.headless else serve(args)
+        # --headless with --nnodes: tensor-parallel ranks; without: data-parallel engines.
+        return run_headless(args) if args.headless and args.nnodes > 1 else serve(args)
     except ShutdownRequested:
         return ExitCode.OK
 

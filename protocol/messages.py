@@ -193,8 +193,9 @@ class Hello(msgspec.Struct, tag=3, array_like=True, gc=False):
 
 class Heartbeat(msgspec.Struct, tag=4, array_like=True, gc=False):
     """Sent by a client every few seconds; a client silent for too long is dropped and its
-    requests aborted. The engine answers nothing (it knows the client is alive), unless it has
-    dropped the client already: then it answers ``EngineDead`` with ``client_dropped``."""
+    requests aborted. The engine answers ``EngineHeartbeat`` (a client on another host cannot
+    see the engine's pid: silence is how it learns the engine is gone), or ``EngineDead`` with
+    ``client_dropped`` if it has dropped the client already."""
 
 
 class Goodbye(msgspec.Struct, tag=5, array_like=True, gc=False):
@@ -261,4 +262,10 @@ class AllFreeReport(msgspec.Struct, tag=13, array_like=True, gc=False):
     problem: str = ""
 
 
-EngineCoreServerMessage = Union[EngineOutputsFrame, Ready, EngineDead, AllFreeReport]
+class EngineHeartbeat(msgspec.Struct, tag=14, array_like=True, gc=False):
+    """The engine's answer to a client's ``Heartbeat``: it is still there."""
+
+
+EngineCoreServerMessage = Union[
+    EngineOutputsFrame, Ready, EngineDead, AllFreeReport, EngineHeartbeat
+]

@@ -5,6 +5,10 @@ Shared by the engine-core process on the head (``engine_core.node_link``) and th
 supervisor on each other host (``entrypoints.headless``). The workers' own commands and replies
 travel as today (``protocol.worker_messages``); these say only whether each host is still there,
 which a host that vanished (power, network, ``kill -9`` of its whole tree) cannot say itself.
+
+Data-parallel engines on other hosts (``entrypoints.dp_hosts``) announce themselves to the head's
+supervisor with ``EngineAnnounce``: the head learns each remote engine's address and the public
+key its socket presents from them.
 """
 
 from __future__ import annotations
@@ -29,6 +33,15 @@ class NodeFailure(msgspec.Struct, tag=31, array_like=True, gc=False):
     reason: str
 
 
-NodeMessage = Union[NodeHeartbeat, NodeFailure]
+class EngineAnnounce(msgspec.Struct, tag=32, array_like=True, gc=False):
+    """A headless host serves data-parallel engine ``data_parallel_rank`` at ``address``; its
+    socket presents ``server_key`` (z85, the host's public CURVE key; empty without keys)."""
+
+    data_parallel_rank: int
+    address: str
+    server_key: str = ""
+
+
+NodeMessage = Union[NodeHeartbeat, NodeFailure, EngineAnnounce]
 
 NODE_MESSAGE: WireCodec[NodeMessage] = WireCodec(NodeMessage)

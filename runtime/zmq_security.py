@@ -17,7 +17,10 @@ $CONVEYOR_CURVE_KEYS (a path, so no secret ever sits on a command line):
                        server's key before it connects)
 
 A server socket accepts a client only if ZAP finds the client's key among the authorized ones (or
-this host's own); everything on the connection is then encrypted. pyzmq is the one import here
+this host's own); everything on the connection is then encrypted. A client checks the server's
+key: the head's by default; a server elsewhere (a data-parallel engine on another host) is named
+with its key, ``tcp://HOST:PORT?curve-server-key=KEY`` (``with_server_key``), since an address is
+all an engine client is ever given. pyzmq is the one import here
 beyond the standard library: every conveyor process already loads it.
 """
 
@@ -40,6 +43,8 @@ CURVE_KEYS_ENV = "CONVEYOR_CURVE_KEYS"
 KEY_NAME = "node"
 AUTHORIZED_DIR = "authorized"
 HEAD_KEY_FILE = "head.key"
+# Between an address and the (public) key its server presents; no host:port contains it.
+SERVER_KEY_MARK = "?curve-server-key="
 
 
 class InsecureAddressError(ValueError):
@@ -114,6 +119,17 @@ def faces_network(address: str) -> bool:
         return True  # "*", a host name or an interface name: assume the network
 
 
+def with_server_key(address: str, server_key: str) -> str:
+    """``address`` naming the public key its server must present (none: as it is)."""
+    return f"{address}{SERVER_KEY_MARK}{server_key}" if server_key else address
+
+
+def split_server_key(address: str) -> tuple[str, bytes | None]:
+    """The endpoint ZeroMQ connects to, and the server key named with it (or None)."""
+    endpoint, mark, key = address.partition(SERVER_KEY_MARK)
+    return endpoint, (key.encode() if mark else None)
+
+
 def check_address(address: str, keys: CurveKeys | None) -> None:
     """Raise ``InsecureAddressError`` if ``address`` would carry unauthenticated traffic."""
     if keys is None and faces_network(address):
@@ -128,13 +144,15 @@ def connect(
 ) -> None:
     """``socket.connect(address)`` as a CURVE client when keys are given and it is TCP.
 
-    ``server_key``: the public key the server must present (default: the head's).
+    ``server_key``: the public key the server must present (default: the one named with the
+    address, else the head's).
     """
+    address, named_key = split_server_key(address)
     check_address(address, keys)
     if keys is not None and address.startswith("tcp://"):
         socket.curve_secretkey = keys.secret_key
         socket.curve_publickey = keys.public_key
-        socket.curve_serverkey = server_key or keys.head_key
+        socket.curve_serverkey = server_key or named_key or keys.head_key
     socket.connect(address)
 
 

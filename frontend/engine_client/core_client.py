@@ -10,7 +10,9 @@ callers encode (through an inproc pipe, which never blocks them), decodes what t
 heartbeats, and checks that the engine process still exists. Heartbeats come from this thread,
 not from the caller's event loop, so a busy loop cannot starve them; an async client lets them go
 out only while its loop still answers (``responsive``), so the engine drops a frontend only when
-it is really stuck, never for a long request.
+it is really stuck, never for a long request. The engine answers each heartbeat: an engine that
+answers none for ``SILENCE_HEARTBEATS`` heartbeats in a row is gone, even where its pid cannot be
+watched (an engine on another host that vanished, a stalled one).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ _STOP_FRAME = b""  # never a real message: every encoded message has at least on
 _pipe_names = itertools.count()
 
 EngineMessage = EngineOutputsFrame | AllFreeReport | EngineDead
+# Heartbeats in a row the engine may leave unanswered before it counts as gone (10 s by default).
+SILENCE_HEARTBEATS = 5
 
 
 def launch_engine(
@@ -220,6 +224,10 @@ class SocketThread(threading.Thread):
         self._deliver = deliver
         self._on_death = on_death
         self._responsive = responsive
+        self._silence_limit_s = SILENCE_HEARTBEATS * heartbeat_interval_s
+        # When the oldest heartbeat the engine has not answered (nor sent anything since) left.
+        self._unanswered_since: float | None = None
+        self._last_round = time.monotonic()
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -235,9 +243,8 @@ class SocketThread(threading.Thread):
                     return
                 if time.monotonic() >= next_heartbeat:
                     next_heartbeat = time.monotonic() + self._heartbeat_interval_s
-                    if self._responsive():
-                        self._dealer.send(HEARTBEAT_FRAME)
-                reason = self._liveness.death_reason()
+                    self._heartbeat()
+                reason = self._liveness.death_reason() or self._silence()
                 if reason is not None:
                     self._on_death(reason)
                     return
@@ -247,6 +254,28 @@ class SocketThread(threading.Thread):
         finally:
             self._dealer.close()
             self._pipe.close(linger=0)
+
+    def _heartbeat(self) -> None:
+        if not self._responsive():
+            # We are the stalled side: the engine's silence since proves nothing.
+            self._unanswered_since = None
+            return
+        self._dealer.send(HEARTBEAT_FRAME)
+        if self._unanswered_since is None:
+            self._unanswered_since = time.monotonic()
+
+    def _silence(self) -> str | None:
+        """Why the engine counts as gone for not answering our heartbeats, or None."""
+        now = time.monotonic()
+        if now - self._last_round > max(self._silence_limit_s / 2, 4 * LIVENESS_INTERVAL_S):
+            # This thread did not run for a while (a stopped or starved process): the engine
+            # had no chance to be heard; start counting again.
+            self._unanswered_since = None
+        self._last_round = now
+        since = self._unanswered_since
+        if since is None or now - since <= self._silence_limit_s:
+            return None
+        return f"the engine answered no heartbeat for {now - since:.1f} s"
 
     def _forward(self) -> bool:
         """Send the caller's frames on; False at the stop frame."""
@@ -266,6 +295,7 @@ class SocketThread(threading.Thread):
                 frame = self._dealer.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return True
+            self._unanswered_since = None  # any frame: the engine is there
             try:
                 message = ENGINE_TO_CLIENT.decode(frame)
             except Exception as exc:

@@ -15,6 +15,10 @@ the stats those clients already receive. What happens when an engine dies:
 * with one engine, its death is the group's, as it always was: every stream fails, /health says
   503, and the supervisor stops everything.
 
+A request one engine refuses at once (its queue cap, ``--max-waiting-requests``) is offered to
+the others, least loaded first; its client sees the refusal (429) only when every engine up has
+refused it.
+
 The addresses given to ``start`` are the one place a frontend learns where its engines are.
 """
 
@@ -97,6 +101,7 @@ class EngineGroupClient:
         self._owners: dict[str, int] = {}
         self._reattaching: dict[int, asyncio.Task[None]] = {}
         self.num_resent = 0
+        self.num_refusals_retried = 0
         self._watcher: asyncio.Task[None] | None = None
         if len(members) > 1:
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
@@ -175,14 +180,38 @@ class EngineGroupClient:
         if len(self._members) == 1:
             return 0  # nothing to choose: no hashing for a request that can go nowhere else
         router = self.router
+        self._refresh_router()
+        if not any(router.is_up(e) for e in range(router.num_engines)):
+            raise EngineDeadError(self.dead_reason or "no engine is up")
+        return router.choose(request.prompt_token_ids)
+
+    def _refresh_router(self) -> None:
+        """Tell the router which engines are up and their latest stats."""
+        router = self.router
         for engine, member in enumerate(self._members):
             up = member.dead_reason is None
             if up != router.is_up(engine):
                 router.set_up(engine, up)
             router.observe_stats(engine, member.stats)
-        if not any(router.is_up(e) for e in range(router.num_engines)):
-            raise EngineDeadError(self.dead_reason or "no engine is up")
-        return router.choose(request.prompt_token_ids)
+
+    async def _send_elsewhere(
+        self, request: EngineCoreRequest, refused_by: set[int]
+    ) -> tuple[int, AsyncIterator[EngineCoreOutput]] | None:
+        """After the engines in ``refused_by`` refused ``request`` (their queue cap), send it to
+        the least loaded other engine up; None once there is none left to try."""
+        if len(self._members) == 1:
+            return None
+        self._refresh_router()
+        while (engine := self.router.choose_other(refused_by)) is not None:
+            refused_by.add(engine)
+            try:
+                stream = await self._members[engine].add_request(request)
+            except EngineDeadError:
+                continue
+            self.num_refusals_retried += 1
+            self._owners[request.request_id] = engine
+            return engine, stream
+        return None
 
     async def _send(
         self, request: EngineCoreRequest
@@ -201,15 +230,24 @@ class EngineGroupClient:
     async def _follow(
         self, request: EngineCoreRequest, engine: int, stream: AsyncIterator[EngineCoreOutput]
     ) -> AsyncIterator[EngineCoreOutput]:
-        """The request's outputs; sent again elsewhere if its engine dies before any token."""
+        """The request's outputs; sent again elsewhere if its engine dies before any token, or
+        refuses it while another engine may take it."""
         streamed = False
+        refused_by = {engine}
         try:
             while True:
                 try:
                     async for output in stream:
+                        if output.finish_reason == "rejected" and not streamed:
+                            moved = await self._send_elsewhere(request, refused_by)
+                            if moved is not None:
+                                await stream.aclose()  # type: ignore[attr-defined]
+                                engine, stream = moved
+                                break
                         streamed = streamed or bool(output.new_token_ids)
                         yield output
-                    return
+                    else:
+                        return
                 except EngineDeadError as exc:
                     if streamed or len(self._members) == 1 or self.closing:
                         raise

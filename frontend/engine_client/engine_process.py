@@ -90,7 +90,9 @@ class EngineProcess(ChildProcess):
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 1000)
         try:
-            connect(socket, self.address, keys_from_env())
+            # Our engine presents this host's own key (on a headless host not the head's).
+            keys = keys_from_env()
+            connect(socket, self.address, keys, keys.public_key if keys else None)
             ready = handshake(socket, self.liveness(), timeout_s, client_name="ready-probe")
             socket.send(CLIENT_TO_ENGINE.encode(Goodbye()))
         except BaseException:

@@ -140,6 +140,16 @@ class Router:
         self._num_routed[engine] += 1
         return engine
 
+    def choose_other(self, excluded: set[int]) -> int | None:
+        """The least loaded engine that is up and not in ``excluded`` (counted as routed
+        there), or None: where a request some engines refused (their queue cap) goes next."""
+        candidates = [e for e in range(self.num_engines) if self._up[e] and e not in excluded]
+        if not candidates:
+            return None
+        engine = min(candidates, key=self.load)
+        self._num_routed[engine] += 1
+        return engine
+
     def _round_robin(self) -> int:
         for offset in range(self.num_engines):
             engine = (self._next + offset) % self.num_engines

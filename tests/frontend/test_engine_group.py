@@ -28,6 +28,7 @@ class StandInEngine:
         self.session_lost = False
         self.received: list[str] = []
         self.aborted: list[str] = []
+        self.full = False  # refuses every request at once, as a full queue cap does
         self._queues: list[asyncio.Queue] = []
 
     async def add_request(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
@@ -35,6 +36,8 @@ class StandInEngine:
             raise EngineDeadError(self.dead_reason)
         self.received.append(request.request_id)
         queue: asyncio.Queue = asyncio.Queue()
+        if self.full:
+            queue.put_nowait(([], "rejected"))
         self._queues.append(queue)
         return self._iterate(request.request_id, queue)
 
@@ -113,6 +116,32 @@ def test_an_unstarted_request_moves_to_another_engine_and_a_started_one_fails():
         await group.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_request_one_engine_refuses_goes_to_another_before_its_client_sees_429():
+    async def run() -> None:
+        engines = [StandInEngine(i) for i in range(3)]
+        group = _group(*engines)
+        engines[0].full = True  # its queue cap refuses at once: engine 1 or 2 takes the request
+        moved = asyncio.ensure_future(_collect_reasons(await group.add_request(_request("r1"))))
+        await asyncio.sleep(0.01)
+        taker = next(e for e in engines[1:] if e.received == ["r1"])
+        assert group.engine_label("r1") == str(taker.engine_index)  # its metrics label
+        taker.emit([5], "length")
+        assert await moved == ["length"]
+        assert group.num_refusals_retried == 1
+        # Refused everywhere: the client gets the refusal, once each engine was asked.
+        for engine in engines:
+            engine.full = True
+        assert await _collect_reasons(await group.add_request(_request("r2"))) == ["rejected"]
+        assert [e.received.count("r2") for e in engines] == [1, 1, 1]
+        await group.shutdown()
+
+    asyncio.run(run())
+
+
+async def _collect_reasons(stream: AsyncIterator[EngineCoreOutput]) -> list[str]:
+    return [output.finish_reason async for output in stream if output.finish_reason]
 
 
 def test_with_one_engine_its_death_is_the_groups():

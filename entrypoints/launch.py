@@ -1,0 +1,170 @@
+"""One host's ``conveyor serve`` process tree: start its engine cores, learn where the engines on
+other hosts are, start the frontends, then watch everything until it must stop.
+
+Runs in the supervisor (``conveyor serve``; ``serve`` parses the flags and calls ``serve_host``).
+On the head (the default) that is this host's data-parallel engines, the remote ones' addresses
+(``dp_hosts``: with ``--data-parallel-size-local`` below ``--data-parallel-size``) and the HTTP
+frontends, which get every engine's address in rank order. With ``--headless`` (data parallelism
+across hosts) it is this host's engines alone, announced to the head and restarted in place when
+they die, within the engine restart budget. Stopping (a signal, a fatal death) stops every child.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from entrypoints.dp_hosts import (
+    DataParallelLayout,
+    EngineAnnouncer,
+    own_address_towards,
+    wait_for_remote_engines,
+)
+from entrypoints.engines import (
+    local_engine_addresses,
+    make_engines,
+    remote_engine_address,
+    start_engines,
+)
+from entrypoints.supervisor import (
+    FrontendProcess,
+    FrontendStartError,
+    RestartBudget,
+    stop_all,
+    wait_healthy,
+    watch,
+)
+from frontend.engine_args import EngineArgs
+from frontend.engine_client import EngineProcess, EngineStartError
+from frontend.server.main import API_KEY_ENV
+from frontend.server.metrics_dir import MULTIPROC_DIR_ENV, make_shared_dir
+from protocol import ConfigError, EngineConfig
+from runtime.exit_codes import ExitCode
+from runtime.processes import ChildProcess
+from runtime.signals import ShutdownRequested, ignore_shutdown_signals
+from runtime.zmq_security import InsecureAddressError, check_address, keys_from_env
+
+logger = logging.getLogger("serve")
+
+# What the head does once every engine serves, given all their addresses in rank order.
+OnServing = Callable[[list[str], Path, dict[str, ChildProcess]], None]
+
+
+def serve_host(args: argparse.Namespace, on_serving: OnServing) -> int:
+    """This host's tree, from start to exit status."""
+    try:
+        config = EngineArgs.from_cli(args).create_engine_config()
+        layout = DataParallelLayout.from_args(args, config.parallel.data_parallel_size)
+        addresses = _engine_addresses(args, layout)
+    except (ConfigError, InsecureAddressError) as exc:
+        logger.error("%s", exc)
+        return ExitCode.BAD_CONFIG
+    # Another host's engines must face the head: that is their point.
+    allow_remote = args.allow_remote_clients or args.headless
+    engines = make_engines(
+        config, args.executor_backend, args.heartbeat_timeout_s, addresses, allow_remote
+    )
+    # Registered before they start: a signal at any point below still stops them.
+    children: dict[str, ChildProcess] = {engine.name: engine for engine in engines}
+    announcer = None
+    try:
+        _start_local_engines(args, engines)
+        if args.headless:
+            announced = {e.config.parallel.data_parallel_rank: e.address for e in engines}
+            announcer = EngineAnnouncer(layout, keys_from_env(), announced)
+            announcer.start()
+        else:
+            all_addresses = _all_engine_addresses(config, layout, engines)
+            # The frontends' ready files go beside engine 0's socket: the engine removes the
+            # folder when it exits, so nothing is left even when this process is SIGKILLed.
+            on_serving(all_addresses, engines[0].runtime_dir, children)
+        logger.error("%s; stopping everything", watch_children(args, children, layout.size))
+        return ExitCode.FAILED
+    except ShutdownRequested as signal_name:
+        logger.info("%s: stopping everything", signal_name)
+        return ExitCode.OK
+    except (EngineStartError, FrontendStartError) as exc:
+        logger.error("%s", exc)
+        return ExitCode.FAILED
+    finally:
+        ignore_shutdown_signals()  # stopping the children must not itself be interrupted
+        if announcer is not None:
+            announcer.stop()
+        stop_all(children, args.stop_timeout_s, args.drain_timeout_s)
+
+
+def _engine_addresses(
+    args: argparse.Namespace, layout: DataParallelLayout
+) -> dict[int, str | None]:
+    """Where this host's engines listen: on the head, as --address says; on another host, the
+    rpc port + rank on the interface facing the head (refused off loopback without keys)."""
+    if not args.headless:
+        return local_engine_addresses(args.address, layout.local_ranks, layout.size)
+    host = own_address_towards(layout.address, layout.rpc_port)
+    addresses = {r: remote_engine_address(host, layout.rpc_port, r) for r in layout.local_ranks}
+    keys = keys_from_env()
+    for address in addresses.values():
+        check_address(address, keys)
+    return dict(addresses)
+
+
+def _start_local_engines(args: argparse.Namespace, engines: list[EngineProcess]) -> None:
+    served = start_engines(engines, args.ready_timeout_s)
+    for engine, engine_config in zip(engines, served):
+        blocks = engine_config.cache.num_blocks
+        logger.info("%s serves %s with %d KV blocks", engine.name, args.model, blocks)
+        print(f"ready: {engine.name} pid={engine.pid} address={engine.address}", flush=True)
+
+
+def _all_engine_addresses(
+    config: EngineConfig, layout: DataParallelLayout, engines: list[EngineProcess]
+) -> list[str]:
+    """Every engine's address in rank order: ours, and those other hosts announce."""
+    addresses = {e.config.parallel.data_parallel_rank: e.address for e in engines}
+    if layout.spans_hosts:
+        timeout_s = config.parallel.nodes.join_timeout_s
+        remote = wait_for_remote_engines(layout, keys_from_env(), timeout_s)
+        for rank, address in remote.items():
+            print(f"ready: remote engine_core-{rank} address={address}", flush=True)
+        addresses.update(remote)
+    return [addresses[rank] for rank in range(layout.size)]
+
+
+def watch_children(
+    args: argparse.Namespace, children: dict[str, ChildProcess], num_engines: int
+) -> str:
+    """Watch until a death stops everything (with one engine in all, its death does at once)."""
+    restarts = RestartBudget(args.frontend_max_restarts, args.frontend_restart_window_s)
+    engine_restarts = None
+    if num_engines > 1:
+        engine_restarts = RestartBudget(args.engine_max_restarts, args.engine_restart_window_s)
+    return watch(children, restarts, engine_restarts, args.ready_timeout_s)
+
+
+def start_frontends(
+    args: argparse.Namespace,
+    addresses: list[str],
+    options: list[str],
+    runtime_dir: Path,
+    children: dict[str, ChildProcess],
+) -> None:
+    """Start every frontend, then wait for each: they load their tokenizers in parallel."""
+    # By the environment, which, unlike a command line, other users cannot read.
+    env = {API_KEY_ENV: args.resolved_api_key} if args.resolved_api_key else {}
+    metrics_dir = None
+    if not args.disable_metrics:
+        # One folder for all: a scrape of any frontend reports the whole server.
+        metrics_dir = make_shared_dir(runtime_dir)
+        env[MULTIPROC_DIR_ENV] = str(metrics_dir)
+    frontends = []
+    for index in range(args.frontends):
+        frontend = FrontendProcess(index, addresses, options, runtime_dir, env, metrics_dir)
+        children[f"frontend-{index}"] = frontend
+        frontends.append(frontend.start())
+    deadline = time.monotonic() + args.frontend_ready_timeout_s
+    for frontend in frontends:
+        frontend.wait_ready(max(deadline - time.monotonic(), 0.0))
+    wait_healthy(args.host, args.port, max(deadline - time.monotonic(), 1.0))
