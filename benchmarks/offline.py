@@ -100,13 +100,20 @@ def start_llm(engine_args: EngineArgs, workload: str, num_warmup: int, **overrid
     return llm
 
 
+def timed_requests(
+    llm: LLM, workload: str, num_requests: int, repeat: int
+) -> tuple[list[list[int]], list[SamplingParams]]:
+    """The prompts of timed run `repeat` (also what bench reference gives the other engine)."""
+    vocab_size = min(len(llm.get_tokenizer()), llm.config.model.vocab_size)
+    seed = 0 if repeat == 0 else 100 + repeat
+    return make_requests(workload, num_requests, vocab_size, seed=seed)
+
+
 def timed_run(
     llm: LLM, args: argparse.Namespace, progress: bool, repeat: int = 0
 ) -> dict[str, object]:
     """One timed batch; each repeat gets new prompts, so none hits the prefix cache."""
-    vocab_size = min(len(llm.get_tokenizer()), llm.config.model.vocab_size)
-    seed = 0 if repeat == 0 else 100 + repeat
-    prompts, params = make_requests(args.workload, args.num_requests, vocab_size, seed=seed)
+    prompts, params = timed_requests(llm, args.workload, args.num_requests, repeat)
     with Timing() as timing:
         outputs = llm.generate(prompts, params, use_tqdm=progress)
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)

@@ -82,6 +82,12 @@ def _bench_offline(argv: list[str]) -> int:
     return main(argv)
 
 
+def _bench_reference(argv: list[str]) -> int:
+    from benchmarks.reference import main
+
+    return main(argv)
+
+
 def _bench_scheduler(argv: list[str]) -> int:
     from benchmarks.scheduler import main
 
@@ -166,6 +172,7 @@ COMMANDS: dict[str, tuple[Main, str]] = {
 BENCH_COMMANDS: dict[str, tuple[Main, str]] = {
     "serve": (_bench_serve, "load generator for any OpenAI-compatible server (vllm bench serve)"),
     "offline": (_bench_offline, "offline throughput through LLM.generate"),
+    "reference": (_bench_reference, "conveyor against vLLM's CPU build, interleaved, ratios"),
     "scheduler": (_bench_scheduler, "the scheduler's cost per step, no model"),
     "step-budget": (_bench_step_budget, "what a TBT SLO adds to schedule(), no model"),
     "scaleout": (_bench_scaleout, "1 to 16 simulated engines behind the router, per policy"),
