@@ -10,13 +10,15 @@ the interface that faces the head, which announces it to the head (``dp_hosts``)
 
 With one engine nothing changes from before: it is ``engine_core``, and its death stops the
 server. With several, engine i is ``engine_core-i`` and is started again in place (same address,
-same folder) when it dies, within a restart budget, while the others serve on.
+same folder) when it dies, within a restart budget, while the others serve on; with
+``--executor-backend ray`` each is a Ray actor in a placement group (``ray_engines``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import PurePosixPath
 
 from msgspec.structs import replace
@@ -67,10 +69,16 @@ def make_engines(
 ) -> list[EngineProcess]:
     """One (unstarted) engine process per data-parallel rank in ``addresses`` (this host's)."""
     size = config.parallel.data_parallel_size
+    make_engine: Callable[..., EngineProcess] = EngineProcess
+    if executor_backend == "ray" and size > 1:
+        # Ray places the engine cores too (an optional extra: imported only when asked for).
+        from entrypoints.ray_engines import RayEnginePlacement
+
+        make_engine = RayEnginePlacement(len(addresses)).engine
     engines = []
     for rank, address in addresses.items():
         parallel = replace(config.parallel, data_parallel_rank=rank)
-        engine = EngineProcess(
+        engine = make_engine(
             replace(config, parallel=parallel),
             executor_backend,
             heartbeat_timeout_s,

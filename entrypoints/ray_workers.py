@@ -32,6 +32,12 @@ DEFAULT_PLACEMENT_TIMEOUT_S = 300.0
 _ACTOR_DIED = -9
 
 
+def ranks_group_name(data_parallel_rank: int) -> str:
+    """The ranks' group's name: a killed engine actor cannot free its group, so the supervisor
+    finds it by name in the job's namespace and frees it (``ray_engines``)."""
+    return f"conveyor-engine-{data_parallel_rank}-ranks"
+
+
 class RayPlacementError(RuntimeError):
     """No Ray cluster to join, or it could not place the ranks in time."""
 
@@ -68,7 +74,8 @@ class RayWorkerProcesses(WorkerProcesses):
         from ray.util.placement_group import placement_group
 
         self._bundle = {"GPU": 1.0} if config.device.startswith("cuda") else {"CPU": 1.0}
-        group = placement_group([self._bundle] * tp_size, strategy="PACK")
+        name = ranks_group_name(config.parallel.data_parallel_rank)
+        group = placement_group([self._bundle] * tp_size, strategy="PACK", name=name)
         ready, _ = self._ray.wait([group.ready()], timeout=timeout_s)
         if not ready:
             self._ray.util.remove_placement_group(group)

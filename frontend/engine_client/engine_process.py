@@ -68,13 +68,17 @@ class EngineProcess(ChildProcess):
     def start(self) -> EngineProcess:
         """Spawn the child (again, after it died). Call from a long-lived thread: the child's
         parent-death signal fires when the thread that forked it ends."""
+        self.restore_folder()
+        super().start()
+        logger.info("engine core at %s", self.address)
+        return self
+
+    def restore_folder(self) -> None:
+        """Make the runtime folder and config file again if a run removed them."""
         if not self._config_file.exists():
             # A run that ended with an error removed its folder: the next run needs it again.
             restore_runtime_dir(self.runtime_dir)
             self._config_file.write_bytes(msgspec.msgpack.encode(self.config))
-        super().start()
-        logger.info("engine core at %s", self.address)
-        return self
 
     def liveness(self) -> EngineLiveness:
         return EngineLiveness(self.address, exit_code=self.exit_code)

@@ -1,5 +1,6 @@
 """``--distributed-executor-backend ray``: the tensor-parallel ranks as Ray actors in a placement
-group on a local single-node Ray cluster (``ray start --head``), serving the tokens of one rank.
+group on a local single-node Ray cluster (``ray start --head``), serving the tokens of one rank;
+with ``--data-parallel-size 2``, the engine cores as Ray actors too, both serving HTTP requests.
 
 Runs in the test process, which never joins the cluster itself (the engine process does). The
 cluster is this test's own: started with ``--block`` and stopped by the pids of its tree.
@@ -7,6 +8,7 @@ cluster is this test's own: started with ``--block`` and stopped by the pids of 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import re
@@ -30,6 +32,15 @@ from tests.entrypoints.host_helpers import (
     reference_tokens,
     served_tokens,
 )
+from tests.frontend.http_helpers import (
+    MODEL_NAME,
+    get,
+    metric,
+    parse_metrics,
+    post_json,
+    start_served_http,
+    wait_for,
+)
 from tests.process_tree import descendants, kill_all, wait_until_gone
 
 pytest.importorskip("ray", reason="ray is not installed (pip install '.[ray]')")
@@ -46,12 +57,13 @@ def _ray_status(address: str) -> str:
 
 
 @pytest.fixture
-def ray_cluster() -> Iterator[str]:
-    """A two-CPU head node of our own; its address."""
+def ray_cluster(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A head node of our own, of two logical CPUs unless parametrized; its address."""
+    num_cpus = getattr(request, "param", 2)
     port = free_ports(1)
     # Ray's socket paths must stay short: not under pytest's deep tmp_path.
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-    command = [*RAY, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2"]
+    command = [*RAY, "start", "--head", "--block", "--port", str(port), "--num-cpus", str(num_cpus)]
     command += ["--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp_dir]
     head = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
@@ -102,3 +114,53 @@ def test_ray_places_two_ranks_that_serve_the_tokens_of_one(
         assert wait_until_gone(rank_pids, 10.0) == []
     finally:
         kill_all([server.process.pid, *descendants(server.process.pid)])
+
+
+def _wait_for_cpus(address: str, usage: str) -> None:
+    deadline = time.monotonic() + 30.0
+    while usage not in _ray_status(address):
+        assert time.monotonic() < deadline, f"not {usage}:\n{_ray_status(address)}"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ray_cluster", [4], indirect=True)
+def test_ray_places_data_parallel_engines_that_both_serve(ray_cluster, tiny_model_dir, tmp_path):
+    """Two engine cores as Ray actors (a CPU each) with a rank each (a CPU each): both serve the
+    frontend's requests; a killed engine actor is restarted; SIGTERM stops the server with every
+    actor gone."""
+    extra = ["--data-parallel-size", "2", "--distributed-executor-backend", "ray"]
+    extra += ["--max-num-seqs", "2", "--router", "least-loaded", "--device", "cpu"]
+    served = start_served_http(
+        tiny_model_dir, tmp_path / "serve.log", extra, 180.0, {"RAY_ADDRESS": ray_cluster}
+    )
+    try:
+        engine_pids = list(served.dp_engine_pids.values())
+        assert sorted(served.dp_engine_pids) == [0, 1]
+        # Placed by Ray: the engines are not the server's children.
+        assert not set(engine_pids) & set(descendants(served.process.pid))
+        assert "4.0/4.0 CPU" in _ray_status(ray_cluster)
+        body = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+        def complete(index: int) -> int:
+            return post_json(served.base_url, "/v1/completions", {**body, "prompt": f"{index}"})[0]
+
+        # At once, so both engines take some (least-loaded spreads a burst).
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            assert list(pool.map(complete, range(6))) == [200] * 6
+        samples = parse_metrics(get(served.base_url, "/metrics")[1])
+        for engine in ("0", "1"):
+            assert metric(samples, "conveyor:request_success_total", engine=engine) > 0
+
+        # A killed engine actor is a dead engine: restarted in place, in its bundle.
+        os.kill(engine_pids[1], signal.SIGKILL)
+        restarted = wait_for(lambda: "engine_core-1 serves again" in served.log.read_text(), 90.0)
+        assert restarted, _ray_status(ray_cluster)
+        assert complete(0) == 200
+
+        served.process.send_signal(signal.SIGTERM)
+        assert served.process.wait(60.0) == 0, served.log.read_text()
+        _wait_for_cpus(ray_cluster, "0.0/4.0 CPU")
+        assert wait_until_gone(engine_pids, 10.0) == []
+    finally:
+        served.stop()
