@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
-import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -23,8 +22,9 @@ from frontend import LLM
 from frontend.engine_client import MPEngineClient
 from frontend.engine_client.session import EngineStartError
 from protocol import SamplingParams
-from runtime.zmq_security import CURVE_KEYS_ENV, generate_keys, load_keys, with_server_key
+from runtime.zmq_security import CURVE_KEYS_ENV, load_keys, with_server_key
 from tests.commands import CONVEYOR
+from tests.curve_keys import trusted_key_dirs
 from tests.entrypoints.host_helpers import Host, free_ports
 from tests.frontend.http_helpers import (
     MODEL_NAME,
@@ -38,6 +38,10 @@ from tests.frontend.http_helpers import (
 )
 from tests.process_tree import kill_all
 
+# One xdist group for the modules that start several engines, hosts or a Ray cluster each: run
+# side by side on a 2-core machine they starve each other's (and the timing tests') heartbeats.
+pytestmark = pytest.mark.xdist_group("multi-engine")
+
 PROMPTS = [f"def function_{i}(x):\n    return" for i in range(4)]
 MAX_TOKENS = 8
 DP_FLAGS = ["--data-parallel-size", "2", "--data-parallel-size-local", "1"]
@@ -47,13 +51,7 @@ REMOTE_READY = re.compile(r"^ready: engine_core-1 pid=(\d+) address=(\S+)\s*$")
 @pytest.fixture
 def key_dirs(tmp_path: Path) -> dict[str, Path]:
     """The head and node 1 trust each other; the stranger knows the head's public key only."""
-    dirs = {name: tmp_path / "keys" / name for name in ("head", "node1", "stranger")}
-    for directory in dirs.values():
-        generate_keys(directory)
-    shutil.copy(dirs["node1"] / "node.key", dirs["head"] / "authorized" / "node1.key")
-    for name in ("node1", "stranger"):
-        shutil.copy(dirs["head"] / "node.key", dirs[name] / "authorized" / "head.key")
-    return dirs
+    return trusted_key_dirs(tmp_path / "keys")
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -21,8 +20,9 @@ import pytest
 
 from frontend.engine_client import MPEngineClient
 from frontend.engine_client.session import EngineStartError
-from runtime.zmq_security import CURVE_KEYS_ENV, generate_keys, load_keys
+from runtime.zmq_security import CURVE_KEYS_ENV, load_keys
 from tests.commands import CONVEYOR
+from tests.curve_keys import trusted_key_dirs
 from tests.entrypoints.host_helpers import (
     ENGINE_FLAGS,
     Host,
@@ -33,19 +33,17 @@ from tests.entrypoints.host_helpers import (
 )
 from tests.process_tree import kill_all, wait_until_gone
 
+# One xdist group for the modules that start several engines, hosts or a Ray cluster each: run
+# side by side on a 2-core machine they starve each other's (and the timing tests') heartbeats.
+pytestmark = pytest.mark.xdist_group("multi-engine")
+
 NODE_TIMEOUT_S = 3.0
 
 
 @pytest.fixture
 def key_dirs(tmp_path: Path) -> dict[str, Path]:
     """The head and node 1 trust each other; the stranger knows the head's public key only."""
-    dirs = {name: tmp_path / "keys" / name for name in ("head", "node1", "stranger")}
-    for directory in dirs.values():
-        generate_keys(directory)
-    shutil.copy(dirs["node1"] / "node.key", dirs["head"] / "authorized" / "node1.key")
-    for name in ("node1", "stranger"):
-        shutil.copy(dirs["head"] / "node.key", dirs[name] / "authorized" / "head.key")
-    return dirs
+    return trusted_key_dirs(tmp_path / "keys")
 
 
 @pytest.fixture

@@ -45,6 +45,10 @@ from tests.process_tree import descendants, kill_all, wait_until_gone
 
 pytest.importorskip("ray", reason="ray is not installed (pip install '.[ray]')")
 
+# One xdist group for the modules that start several engines, hosts or a Ray cluster each: run
+# side by side on a 2-core machine they starve each other's (and the timing tests') heartbeats.
+pytestmark = pytest.mark.xdist_group("multi-engine")
+
 RAY = [str(Path(sys.executable).parent / "ray")]
 PLACED = re.compile(r"Ray placed ranks on .* \(pids \[(\d+), (\d+)\]\)")
 

@@ -37,7 +37,9 @@ from tests.frontend.http_helpers import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http-data-parallel")]
+# One xdist group for the modules that start several engines, hosts or a Ray cluster each: run
+# side by side on a 2-core machine they starve each other's (and the timing tests') heartbeats.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multi-engine")]
 
 GREEDY_PROMPTS = [f"def function_{i}(x):\n    return" for i in range(6)]
 MAX_TOKENS = 12

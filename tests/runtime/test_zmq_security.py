@@ -6,7 +6,6 @@ Runs in the test process; every socket is on 127.0.0.1 and every wait is bounded
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -29,19 +28,14 @@ from runtime.zmq_security import (
     keys_from_env,
     load_keys,
 )
+from tests.curve_keys import trusted_key_dirs
 
 
 @pytest.fixture
 def key_dirs(tmp_path: Path) -> dict[str, Path]:
     """Three hosts' key folders: the head and node 1 trust each other; the stranger is trusted
     by nobody (it knows the head's public key, as anyone may)."""
-    dirs = {name: tmp_path / name for name in ("head", "node1", "stranger")}
-    for directory in dirs.values():
-        generate_keys(directory)
-    shutil.copy(dirs["node1"] / "node.key", dirs["head"] / "authorized" / "node1.key")
-    for name in ("node1", "stranger"):
-        shutil.copy(dirs["head"] / "node.key", dirs[name] / "authorized" / "head.key")
-    return dirs
+    return trusted_key_dirs(tmp_path)
 
 
 def test_a_key_folder_holds_a_private_pair_and_names_the_head(key_dirs):
