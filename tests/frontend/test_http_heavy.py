@@ -32,6 +32,7 @@ from tests.frontend.http_helpers import (
     send_completion,
     start_served_http,
     stream_text,
+    wait_for,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http-heavy")]
@@ -67,7 +68,7 @@ def reference(served: ServedHttp) -> str:
 
 
 class HealthPoller:
-    """GET /health every 20 ms from a thread; keeps the slowest answer and any failure."""
+    """GET /health every 5 ms from a thread; keeps the slowest answer and any failure."""
 
     def __init__(self, base_url: str) -> None:
         self._base_url = base_url
@@ -85,7 +86,7 @@ class HealthPoller:
         self._thread.join(10.0)
 
     def _poll(self) -> None:
-        while not self._stop.wait(0.02):
+        while not self._stop.wait(0.005):
             start = time.perf_counter()
             try:
                 status, _ = get(self._base_url, "/health")
@@ -144,8 +145,11 @@ def _while_streams_run(
     try:
         with HealthPoller(served.base_url) as health:
             # The streams are generating. Polled from now on: the heavy requests may all be
-            # refused within a tenth of a second, too short a window for a p95 of its own.
+            # refused within a tenth of a second, too short a window for a p95 of its own, so
+            # the poller first gets enough answers while the streams run (on a loaded machine
+            # its thread may need far longer than 0.3 s for them).
             time.sleep(0.3)
+            wait_for(lambda: len(health.latencies_s) > 10, 2.0, 0.02)
             start = time.perf_counter()
             heavy()
             end = time.perf_counter()
