@@ -50,6 +50,28 @@ def make_request(
     )
 
 
+def make_requests(gen, pool, shapes, block_size, num_heads, num_kv_heads, dtype, head_dim=HEAD_DIM):
+    """One request per (cached prefix, scheduled tokens) shape, each on the next blocks of
+    ``pool`` (a shuffled list of block ids, so a request's blocks are scattered)."""
+    requests = []
+    for num_computed, num_scheduled in shapes:
+        n = -(-(num_computed + num_scheduled) // block_size)
+        block_ids, pool = pool[:n], pool[n:]
+        requests.append(
+            make_request(
+                gen,
+                num_computed,
+                num_scheduled,
+                num_heads,
+                num_kv_heads,
+                block_ids,
+                dtype,
+                head_dim,
+            )  # fmt: skip
+        )
+    return requests
+
+
 class KernelSpy:
     """Stands in for the compiled kernel and counts its calls, so a test knows which path ran."""
 
@@ -166,24 +188,11 @@ def random_mixed_batch(seed, block_size, num_heads, num_kv_heads, num_reqs=7, he
         num_computed = int(rng.integers(0, 70)) if is_decode or rng.random() < 0.7 else 0
         num_scheduled = 1 if is_decode else int(rng.integers(2, 40))
         shapes.append((num_computed, num_scheduled))
-    blocks_needed = [-(-(c + s) // block_size) for c, s in shapes]
-    pool = rng.permutation(sum(blocks_needed) + 5).tolist()
-    requests = []
-    for (num_computed, num_scheduled), n in zip(shapes, blocks_needed):
-        block_ids, pool = pool[:n], pool[n:]
-        requests.append(
-            make_request(
-                gen,
-                num_computed,
-                num_scheduled,
-                num_heads,
-                num_kv_heads,
-                block_ids,
-                torch.float32,
-                head_dim,
-            )
-        )
-    num_blocks = sum(blocks_needed) + 5
+    num_blocks = sum(-(-(c + s) // block_size) for c, s in shapes) + 5
+    pool = rng.permutation(num_blocks).tolist()
+    requests = make_requests(
+        gen, pool, shapes, block_size, num_heads, num_kv_heads, torch.float32, head_dim
+    )
     return requests, num_blocks
 
 

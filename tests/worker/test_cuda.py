@@ -17,7 +17,7 @@ from frontend import LLM
 from frontend.engine_args import EngineArgs
 from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from tests.devices import logprob_tolerance, requires_cuda
-from tests.worker.test_attention import Request, make_request, reference_attention, step_inputs
+from tests.worker.test_attention import Request, make_requests, reference_attention, step_inputs
 from worker.attention.flash_attn_backend import FlashAttnBackend, flash_attn_import_error
 from worker.attention.torch_backend import TorchAttentionBackend
 from worker.model_runner import ModelRunner
@@ -153,22 +153,10 @@ def test_bf16_flash_attn_matches_the_torch_backend_at_head_dim_128(num_heads, nu
     head_dim, block_size, dtype = 128, 256, torch.bfloat16
     gen = torch.Generator().manual_seed(0)
     pool = np.random.default_rng(0).permutation(16).tolist()
-    requests = []
-    for num_computed, num_scheduled in [(300, 1), (0, 200), (37, 1), (260, 90), (511, 1)]:
-        n = -(-(num_computed + num_scheduled) // block_size)
-        block_ids, pool = pool[:n], pool[n:]
-        requests.append(
-            make_request(
-                gen,
-                num_computed,
-                num_scheduled,
-                num_heads,
-                num_kv_heads,
-                block_ids,
-                dtype,
-                head_dim,
-            )
-        )
+    shapes = [(300, 1), (0, 200), (37, 1), (260, 90), (511, 1)]
+    requests = make_requests(
+        gen, pool, shapes, block_size, num_heads, num_kv_heads, dtype, head_dim
+    )
     outputs = []
     for backend in (FlashAttnBackend(), TorchAttentionBackend()):
         kv_cache = torch.zeros(

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.worker.test_attention import Request, make_request, step_inputs, store_prefix
+from tests.worker.test_attention import Request, make_requests, step_inputs, store_prefix
 from worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel
 from worker.attention.torch_backend import TorchAttentionBackend
 
@@ -26,24 +26,11 @@ def make_batch(
     """Requests of (cached prefix, chunk length) on one shuffled pool of blocks."""
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
-    blocks_needed = [-(-(c + q) // BLOCK_SIZE) for c, q in shapes]
-    num_blocks = sum(blocks_needed) + 3
+    num_blocks = sum(-(-(c + q) // BLOCK_SIZE) for c, q in shapes) + 3
     pool = rng.permutation(num_blocks).tolist()
-    requests = []
-    for (num_computed, num_scheduled), n in zip(shapes, blocks_needed):
-        block_ids, pool = pool[:n], pool[n:]
-        requests.append(
-            make_request(
-                gen,
-                num_computed,
-                num_scheduled,
-                num_heads,
-                num_kv_heads,
-                block_ids,
-                torch.float32,
-                head_dim,
-            )  # fmt: skip
-        )
+    requests = make_requests(
+        gen, pool, shapes, BLOCK_SIZE, num_heads, num_kv_heads, torch.float32, head_dim
+    )
     return requests, num_blocks
 
 
