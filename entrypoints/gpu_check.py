@@ -24,11 +24,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 CUDA_TEST_FILES = ("tests/worker/test_cuda.py", "tests/worker/test_attention.py")
@@ -43,6 +45,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="everything on CPU, tiny shapes")
     parser.add_argument("--wheels", type=Path, help="install missing requirements from here")
     parser.add_argument("--skip-tests", action="store_true", help="do not run the CUDA tests")
+    parser.add_argument(
+        "--test-timeout", type=float, default=120.0, help="seconds one CUDA test may take"
+    )
+    parser.add_argument(
+        "--tests-timeout", type=float, default=300.0, help="seconds all the CUDA tests may take"
+    )
     parser.add_argument("--model", type=Path, help="measure this model directory instead")
     parser.add_argument("--batches", default=None, help="decode batch sizes (default 1,16,64,256)")
     parser.add_argument("--prompts", default=None, help="prefill lengths (default 2048,8192,32768)")
@@ -91,21 +99,47 @@ def install_from_wheels(wheels: Path) -> None:
 # ------------------------------------------------------------------ 2. the CUDA tests
 
 
-def run_cuda_tests(dry_run: bool) -> tuple[str, bool]:
-    """(pytest's summary line, whether it passed). The dry run only collects them."""
+def run_cuda_tests(dry_run: bool, per_test_timeout: float, timeout: float) -> tuple[str, bool]:
+    """(pytest's summary line, whether it passed). The dry run only collects them.
+
+    pytest's output is streamed as it comes (a lent machine's call can end mid-run; what was
+    printed by then is what comes back). A test that hangs (a graph capture waiting on a stream,
+    say) is stopped after ``per_test_timeout`` seconds and the whole run after ``timeout``, so
+    the measurement still runs.
+    """
     files = [f for f in CUDA_TEST_FILES if Path(f).is_file()]
     if not files:
         return "not run: no tests/ in the current directory (run from a checkout)", True
     command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"]
-    command += ["--collect-only", *files] if dry_run else ["-rs", *files]
+    if dry_run:
+        command += ["--collect-only", *files]
+    else:
+        if importlib.util.find_spec("pytest_timeout") is not None:
+            command += [f"--timeout={per_test_timeout:g}"]
+        command += ["-rs", *files]
     env = os.environ | {"CONVEYOR_TEST_DEVICE": "cpu" if dry_run else "cuda"}
     print(f"tests: {' '.join(command[1:])}", flush=True)
-    result = subprocess.run(command, env=env, capture_output=True, text=True)
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    if result.returncode != 0 or not dry_run:
-        print("\n".join(lines[-40:]), result.stderr[-2000:], sep="\n", flush=True)
-    summary = lines[-1].strip("= ") if lines else f"pytest exited {result.returncode}"
-    return summary, result.returncode == 0
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    timer = threading.Timer(timeout, process.kill)
+    timer.start()
+    lines: list[str] = []
+    try:
+        for line in process.stdout:
+            if line.strip():
+                lines.append(line.rstrip())
+            if not dry_run:
+                print(line, end="", flush=True)
+        returncode = process.wait()
+    finally:
+        timer.cancel()
+    if returncode < 0:
+        return f"stopped after {timeout:g} s ({len(lines)} lines of output)", False
+    if returncode != 0 and dry_run:
+        print("\n".join(lines[-40:]), flush=True)
+    summary = lines[-1].strip("= ") if lines else f"pytest exited {returncode}"
+    return summary, returncode == 0
 
 
 # ------------------------------------------------------------------ 3 and 4. the model, the table
@@ -154,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("CONVEYOR_CACHE", str(model_cache_dir()))
     tests, passed = ("skipped (--skip-tests)", True)
     if not args.skip_tests:
-        tests, passed = run_cuda_tests(args.dry_run)
+        tests, passed = run_cuda_tests(args.dry_run, args.test_timeout, args.tests_timeout)
     from benchmarks.gpu_check import format_report, measure, report_as_dict
 
     report = measure(make_plan(args))
