@@ -8,6 +8,8 @@ the model runner's profiling pass (a forward of the largest batch, so activation
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from protocol.config import ConfigError
@@ -43,30 +45,78 @@ def num_blocks_for_memory(memory_bytes: int, bytes_per_block: int) -> int:
 def num_blocks_for_cuda(
     total_bytes: int, peak_bytes: int, gpu_memory_utilization: float, bytes_per_block: int
 ) -> int:
-    """Blocks that fit in ``total * utilization - peak``, the peak measured while profiling."""
+    """Blocks that fit in ``total * utilization - peak``, the peak being this engine's own
+    (weights, the profiling pass, graphs; engine_peak_bytes)."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     budget = int(total_bytes * gpu_memory_utilization) - int(peak_bytes)
     if budget < MIN_NUM_BLOCKS * bytes_per_block:
         raise ConfigError(
             f"no room for the KV cache: {gpu_memory_utilization:.0%} of {_format_bytes(total_bytes)} is "
-            f"{_format_bytes(total_bytes * gpu_memory_utilization)}, the profiling pass peaked at "
+            f"{_format_bytes(total_bytes * gpu_memory_utilization)}, the weights and profiling pass peaked at "
             f"{_format_bytes(peak_bytes)}; {_format_bytes(MIN_NUM_BLOCKS * bytes_per_block)} more is needed for "
             f"{MIN_NUM_BLOCKS} blocks of {bytes_per_block} bytes"
         )
     return num_blocks_for_memory(budget, bytes_per_block)
 
 
-def measure_cuda_memory(device: torch.device) -> tuple[int, int]:
-    """(total, peak used) bytes on ``device`` after the profiling forward, for num_blocks_for_cuda.
+@dataclass(frozen=True)
+class CudaMemory:
+    """A reading of one device's memory: the driver's view and torch's, in bytes."""
 
-    The peak is torch's own peak allocation plus whatever else holds device memory now (the CUDA
-    context, communication buffers, other processes): memory in use that torch did not reserve.
+    total: int
+    free: int
+    allocated: int  # torch tensors of this process
+    reserved: int  # torch's caching allocator, allocated or not
+
+    @property
+    def outside_torch(self) -> int:
+        """In use but not by this process's torch: the CUDA context, NCCL, other processes."""
+        return max(0, self.total - self.free - self.reserved)
+
+    @staticmethod
+    def read(device: torch.device) -> CudaMemory:
+        free, total = torch.cuda.mem_get_info(device)
+        return CudaMemory(
+            total=total,
+            free=free,
+            allocated=torch.cuda.memory_allocated(device),
+            reserved=torch.cuda.memory_reserved(device),
+        )
+
+
+def claim_cuda_memory(device: torch.device, gpu_memory_utilization: float) -> CudaMemory:
+    """The reading a runner's accounting starts from, taken before it loads anything; an error
+    naming the numbers when ``utilization`` of the device is not free now.
+
+    Every engine on a device claims its own share (vLLM's meaning): what others hold (an earlier
+    in-process engine, another server) is not counted against this one, but the share must be
+    free at start, or two engines would each plan on memory only one of them can have.
     """
-    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-    outside_torch = (total_bytes - free_bytes) - torch.cuda.memory_reserved(device)
-    peak_bytes = torch.cuda.max_memory_allocated(device) + max(0, outside_torch)
-    return total_bytes, peak_bytes
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    torch.cuda.empty_cache()  # blocks this process's torch keeps but no tensor uses
+    baseline = CudaMemory.read(device)
+    requested = int(baseline.total * gpu_memory_utilization)
+    if requested > baseline.free:
+        raise ConfigError(
+            f"gpu_memory_utilization {gpu_memory_utilization:g} asks for "
+            f"{_format_bytes(requested)} of {device} ({_format_bytes(baseline.total)}), but only "
+            f"{_format_bytes(baseline.free)} is free: other processes or engines hold "
+            f"{_format_bytes(baseline.total - baseline.free)}. Lower --gpu-memory-utilization "
+            "or stop them"
+        )
+    return baseline
+
+
+def engine_peak_bytes(baseline: CudaMemory, device: torch.device) -> int:
+    """This engine's peak since ``baseline``: torch's peak allocation above what was allocated
+    then (weights, activations, temporary buffers) plus memory outside torch it added (its
+    share of the CUDA context, communication buffers). The caller resets torch's peak before
+    the pass it measures."""
+    now = CudaMemory.read(device)
+    torch_peak = torch.cuda.max_memory_allocated(device) - baseline.allocated
+    return max(0, torch_peak) + max(0, now.outside_torch - baseline.outside_torch)
 
 
 def allocate_kv_caches(

@@ -2,9 +2,10 @@
 
 Runs in worker processes (CUDA only; on CPU the KV budget is a configured byte count). One
 forward at the full token budget, split into as many requests as the width cap allows, plus
-logits for every request, shows the activation peak; whatever the weights, that peak and other
-processes leave below ``gpu_memory_utilization`` of the device goes to KV blocks. The decode
-CUDA graphs are captured right after that step (they never read the KV cache) and the memory they
+logits for every request, shows the activation peak; whatever the weights and that peak leave of
+this engine's ``gpu_memory_utilization`` of the device goes to KV blocks. What other engines and
+processes hold is not counted, but that share must be free when the engine starts (kv_cache.py,
+as vLLM does). The decode CUDA graphs are captured right after that step (they never read the KV cache) and the memory they
 keep is subtracted too: graph memory is never available to anything else.
 """
 
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from worker.attention.metadata_builder import build_attention_metadata
-from worker.kv_cache import measure_cuda_memory, num_blocks_for_cuda
+from worker.kv_cache import engine_peak_bytes, num_blocks_for_cuda
 
 if TYPE_CHECKING:
     from worker.model_runner import ModelRunner
@@ -64,15 +65,16 @@ def run_worst_case_step(runner: ModelRunner) -> None:
 
 def profile_num_blocks(runner: ModelRunner, utilization: float) -> int:
     """Run the worst-case step once, capture the decode graphs; the KV blocks that fit in what
-    both leave free (CUDA)."""
+    both leave of this engine's share of the device (CUDA)."""
     torch.cuda.synchronize(runner.device)
     torch.cuda.reset_peak_memory_stats(runner.device)
     run_worst_case_step(runner)
     torch.cuda.synchronize(runner.device)
     # The peak includes the temporary cache; it is small (the dummy requests' blocks only).
-    total, peak = measure_cuda_memory(runner.device)
+    peak = engine_peak_bytes(runner.memory_baseline, runner.device)
     torch.cuda.empty_cache()
     # Captured after the peak was read: the graphs' pool is held for good, on top of what a
     # step's activations need, so the two add up.
     graph_bytes = runner.capture_cuda_graphs()
+    total = runner.memory_baseline.total
     return num_blocks_for_cuda(total, peak + graph_bytes, utilization, runner.bytes_per_block())

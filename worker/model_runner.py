@@ -11,6 +11,7 @@ forward is launched, and the sampled tokens come down through an event (worker/d
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Any
@@ -22,7 +23,13 @@ from worker.attention.selector import select_backend
 from worker.cuda_graphs import DecodeGraphs, capture_decode_graphs, capture_sizes
 from worker.device_buffers import HostCopier
 from worker.input_batch import InputBatch
-from worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_memory
+from worker.kv_cache import (
+    CudaMemory,
+    allocate_kv_caches,
+    claim_cuda_memory,
+    kv_bytes_per_block,
+    num_blocks_for_memory,
+)
 from worker.loader import load_model, resolve_dtype
 from worker.memory_profile import profile_num_blocks
 from worker.sampler import Sampler, SamplerOutput, logprobs_to_wire
@@ -45,6 +52,11 @@ class ModelRunner:
         self.device = device
         self.block_size = config.cache.block_size
         self.dtype = resolve_dtype(config.model.dtype, device, config.model.model)
+        # CUDA: where this engine's memory accounting starts (before its weights), and a clear
+        # error now if its share of the device is not free.
+        self.memory_baseline: CudaMemory | None = None
+        if device.type == "cuda":
+            self.memory_baseline = claim_cuda_memory(device, config.cache.gpu_memory_utilization)
         self.model = load_model(config.model.model, self.dtype, device, tp_rank, tp_size)
         self.vocab_size = config.model.vocab_size
         self.attention_layers = self.model.attention_layers()
@@ -161,6 +173,23 @@ class ModelRunner:
             layer.kv_cache = cache
             layer.backend = self.backend
         self.num_blocks = num_blocks
+
+    def release(self) -> None:
+        """Let go of every device tensor: the KV cache, the graphs and their pool, the weights.
+
+        An in-process engine's close (``LLM`` in a notebook, a test) leaves its process running;
+        without this its cache stays allocated and the next engine on the device finds its share
+        taken. A worker process exits right after and loses nothing by it.
+        """
+        for layer in self.attention_layers:
+            layer.kv_cache = None
+        self.attention_layers = []
+        self.decode_graphs = None
+        self.model = None
+        self.num_blocks = None
+        if self.device.type == "cuda":
+            gc.collect()  # the model's modules hold reference cycles
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ one step
 

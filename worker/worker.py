@@ -108,5 +108,6 @@ class Worker:
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
+        self.runner.release()
         if self.tp_size > 1 and dist.is_initialized():
             dist.destroy_process_group()

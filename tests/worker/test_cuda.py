@@ -16,6 +16,7 @@ import torch
 from frontend import LLM
 from frontend.engine_args import EngineArgs
 from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from protocol.config import ConfigError
 from tests.devices import logprob_tolerance, requires_cuda
 from tests.worker.test_attention import Request, make_requests, reference_attention, step_inputs
 from worker.attention.flash_attn_backend import FlashAttnBackend, flash_attn_import_error
@@ -75,6 +76,21 @@ def _assert_same_tokens_but_near_ties(ours: list, theirs: list, tie: float = 1e-
 # ------------------------------------------------------------------ the step itself
 
 
+@pytest.fixture
+def make_runner():
+    """``_runner``, with every runner released after the test, passed or not: a failed test's
+    runner would otherwise keep its cache until the garbage collector finds it."""
+    runners: list[ModelRunner] = []
+
+    def make(model_dir, **engine_args) -> ModelRunner:
+        runners.append(_runner(model_dir, **engine_args))
+        return runners[-1]
+
+    yield make
+    for runner in runners:
+        runner.release()
+
+
 def _runner(model_dir, **engine_args) -> ModelRunner:
     args = dict(max_num_seqs=8, max_model_len=256, block_size=16, device="cuda")
     args["gpu_memory_utilization"] = 0.3
@@ -86,8 +102,10 @@ def _runner(model_dir, **engine_args) -> ModelRunner:
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_a_steady_decode_step_never_synchronises_with_the_device(tiny_model_dir, enforce_eager):
-    runner = _runner(tiny_model_dir, dtype="float32", enforce_eager=enforce_eager)
+def test_a_steady_decode_step_never_synchronises_with_the_device(
+    make_runner, tiny_model_dir, enforce_eager
+):
+    runner = make_runner(tiny_model_dir, dtype="float32", enforce_eager=enforce_eager)
     assert (runner.decode_graphs is None) == enforce_eager
     # Every sampling feature on at once: filters, a seed, logprobs, penalties, min_tokens.
     params = [
@@ -96,7 +114,7 @@ def test_a_steady_decode_step_never_synchronises_with_the_device(tiny_model_dir,
         SamplingParams(temperature=1.0, seed=7, min_p=0.05),
         SamplingParams(temperature=0.0, logprobs=2),
         SamplingParams(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.5),
-        SamplingParams(temperature=0.0, min_tokens=50, stop_token_ids=[5]),
+        SamplingParams(temperature=0.0, max_tokens=64, min_tokens=50, stop_token_ids=[5]),
     ]
     prompts = _prompts(len(params))
     new = [
@@ -178,14 +196,14 @@ def test_bf16_flash_attn_matches_the_torch_backend_at_head_dim_128(num_heads, nu
 
 
 @needs_flash_attn
-def test_bf16_flash_attn_and_torch_backend_models_agree_in_logprobs(qwen3_0_6b_dir):
+def test_bf16_flash_attn_and_torch_backend_models_agree_in_logprobs(make_runner, qwen3_0_6b_dir):
     """The whole Qwen3-0.6B-shaped model, teacher-forced: the same prompts (prefill) and one
     decode step through each backend; the top logprobs agree within bfloat16's tolerance."""
     prompts = _prompts(4, vocab=8000, seed=3)
     wants = SamplingParams(temperature=0.0, logprobs=5)
     tops = []
     for backend in ("flash-attn", "torch"):
-        runner = _runner(
+        runner = make_runner(
             qwen3_0_6b_dir, dtype="bfloat16", attention_backend=backend, block_size=256
         )
         new = [NewRequestData(i, p, wants, [1 + i], 0, len(p)) for i, p in enumerate(prompts)]
@@ -200,8 +218,7 @@ def test_bf16_flash_attn_and_torch_backend_models_agree_in_logprobs(qwen3_0_6b_d
         # The decode step feeds each backend its own first token; compare where they agree.
         second = runner.execute_model(SchedulerOutput(2, scheduled_cached_reqs=cached))
         tops.append((first, second))
-        del runner
-        torch.cuda.empty_cache()
+        runner.release()
     tolerance = logprob_tolerance("bfloat16")
     for step in (0, 1):
         a, b = tops[0][step], tops[1][step]
@@ -216,10 +233,12 @@ def test_bf16_flash_attn_and_torch_backend_models_agree_in_logprobs(qwen3_0_6b_d
 
 
 def test_memory_profiling_leaves_room_and_a_16k_prompt_chunk_never_holds_a_score_matrix(
-    qwen3_0_6b_dir,
+    make_runner, qwen3_0_6b_dir
 ):
     utilization, prompt_len, chunk = 0.5, 16384, 4096
-    runner = _runner(
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(CUDA)
+    runner = make_runner(
         qwen3_0_6b_dir,
         dtype="bfloat16",
         attention_backend="torch",
@@ -229,7 +248,8 @@ def test_memory_profiling_leaves_room_and_a_16k_prompt_chunk_never_holds_a_score
         gpu_memory_utilization=utilization,
     )
     total = torch.cuda.get_device_properties(CUDA).total_memory
-    assert torch.cuda.memory_reserved(CUDA) <= utilization * total + (512 << 20)
+    # This engine's share (what an earlier test left allocated is not part of it).
+    assert torch.cuda.memory_reserved(CUDA) - before <= utilization * total + (512 << 20)
     prompt = np.random.default_rng(0).integers(3, 8000, prompt_len).tolist()
     blocks = list(range(1, 1 + -(-(prompt_len + 1) // 16)))
     torch.cuda.synchronize()
@@ -247,6 +267,31 @@ def test_memory_profiling_leaves_room_and_a_16k_prompt_chunk_never_holds_a_score
     # A masked chunk through SDPA's math kernel would hold 16 heads x 4096 x 16384 scores
     # (2 GiB in bfloat16, twice that in float32); chunk activations are ~0.2 GiB.
     assert torch.cuda.max_memory_allocated(CUDA) - baseline < (1 << 30)
+
+
+def test_engines_share_a_device_by_their_own_shares_and_a_closed_one_gives_its_memory_back(
+    tiny_model_dir,
+):
+    prompts = _prompts(4, seed=5)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(CUDA)
+    args = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.4, seed=0)
+    with (
+        LLM(str(tiny_model_dir), engine="inprocess", **args) as first,
+        LLM(str(tiny_model_dir), engine="inprocess", **args) as second,
+    ):
+        # Each holds ~0.4 of the card; a third share does not fit beside them.
+        assert torch.cuda.memory_allocated(CUDA) - before > 0.6 * _total()
+        with pytest.raises(ConfigError, match="only .* is free"):
+            LLM(str(tiny_model_dir), engine="inprocess", **args)
+        a = first.generate(prompts, GREEDY, use_tqdm=False)
+        b = second.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert torch.cuda.memory_allocated(CUDA) - before < (64 << 20)
+
+
+def _total() -> int:
+    return torch.cuda.get_device_properties(CUDA).total_memory
 
 
 # ------------------------------------------------------------------ tensor parallel

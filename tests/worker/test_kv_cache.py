@@ -10,6 +10,8 @@ from worker.attention.flash_attn_backend import FlashAttnBackend
 from worker.attention.torch_backend import TorchAttentionBackend
 from worker.kv_cache import (
     allocate_kv_caches,
+    claim_cuda_memory,
+    engine_peak_bytes,
     kv_bytes_per_block,
     num_blocks_for_cuda,
     num_blocks_for_memory,
@@ -49,6 +51,53 @@ def test_cuda_errors_when_the_peak_leaves_no_room():
         num_blocks_for_cuda(80 * GIB, 75 * GIB, 0.9, 2 << 20)
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         num_blocks_for_cuda(80 * GIB, GIB, 1.5, 2 << 20)
+
+
+class _FakeDevice:
+    """torch.cuda's memory queries over numbers a test sets (the accounting runs on CPU)."""
+
+    def __init__(self, monkeypatch, total: int) -> None:
+        self.total, self.used_elsewhere = total, 0
+        self.allocated = self.reserved = self.peak = 0
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(cuda, "mem_get_info", lambda device: (self.free(), self.total))
+        monkeypatch.setattr(cuda, "memory_allocated", lambda device: self.allocated)
+        monkeypatch.setattr(cuda, "memory_reserved", lambda device: self.reserved)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device: self.peak)
+
+    def free(self) -> int:
+        return self.total - self.used_elsewhere - self.reserved
+
+    def allocate(self, size: int) -> None:
+        self.allocated += size
+        self.reserved = max(self.reserved, self.allocated)
+        self.peak = max(self.peak, self.allocated)
+
+
+def test_an_engine_counts_only_its_own_memory_against_its_share(monkeypatch):
+    device = _FakeDevice(monkeypatch, 80 * GIB)
+    # Another process holds 20 GiB and this process an earlier engine's 10 GiB.
+    device.used_elsewhere = 20 * GIB
+    device.allocate(10 * GIB)
+    baseline = claim_cuda_memory(torch.device("cuda"), 0.5)
+    device.allocate(3 * GIB)  # weights
+    device.allocate(2 * GIB)  # the profiling pass's activations, freed after
+    device.allocated -= 2 * GIB
+    device.used_elsewhere += GIB // 2  # this engine's CUDA context
+    peak = engine_peak_bytes(baseline, torch.device("cuda"))
+    assert peak == 5 * GIB + GIB // 2
+    assert num_blocks_for_cuda(baseline.total, peak, 0.5, 2 << 20) == int(34.5 * 512)
+
+
+def test_a_share_that_is_not_free_at_start_is_refused_with_the_numbers(monkeypatch):
+    device = _FakeDevice(monkeypatch, 80 * GIB)
+    device.used_elsewhere = 50 * GIB
+    with pytest.raises(ConfigError, match=r"asks for 40.00 GiB .* only 30.00 GiB is free"):
+        claim_cuda_memory(torch.device("cuda"), 0.5)
+    assert claim_cuda_memory(torch.device("cuda"), 0.3).free == 30 * GIB
+    with pytest.raises(ConfigError, match="gpu_memory_utilization must be in"):
+        claim_cuda_memory(torch.device("cuda"), 0.0)
 
 
 def test_allocation_gives_one_zeroed_tensor_per_layer_in_the_backend_layout():
