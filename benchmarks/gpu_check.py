@@ -36,6 +36,7 @@ class CheckPlan:
     gpu_memory_utilization: float = 0.9
     # CPU only: the KV cache's bytes (on CUDA the profiled free memory decides).
     kv_cache_memory: int = 256 << 20
+    attention_backend: str = "auto"
 
 
 @dataclass
@@ -111,6 +112,7 @@ def _start_worker(plan: CheckPlan) -> tuple[Worker, int]:
         max_model_len=longest + 1,
         gpu_memory_utilization=plan.gpu_memory_utilization,
         kv_cache_memory=plan.kv_cache_memory,
+        attention_backend=plan.attention_backend,
     )
     worker = Worker(args.create_engine_config())
     num_blocks = worker.determine_num_blocks()

@@ -6,7 +6,7 @@
 1. ``--wheels DIR``: install what this checkout needs and the machine lacks from wheels carried
    there (pip, no index: such a machine may reach no registry; docs/performance.md#gpu says how to
    download them for its Python);
-2. the CUDA tests (``pytest -m cuda``, with ``CONVEYOR_TEST_DEVICE=cuda``);
+2. the CUDA tests (``pytest -m "cuda or gpu_kernel"``, with ``CONVEYOR_TEST_DEVICE=cuda``);
 3. a random-weight model with Qwen3-0.6B's shapes in bfloat16, generated once into the model cache;
 4. decode step time and output tok/s at batch 1, 16, 64 and 256 with CUDA graphs and eagerly,
    prefill tok/s at 2k, 8k and 32k-token prompts, peak GPU memory, launches per decode step, and
@@ -33,7 +33,11 @@ import sys
 import threading
 from pathlib import Path
 
-CUDA_TEST_FILES = ("tests/worker/test_cuda.py", "tests/worker/test_attention.py")
+CUDA_TEST_FILES = (
+    "tests/worker/test_cuda.py",
+    "tests/worker/test_attention.py",
+    "tests/worker/test_triton_attention.py",
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tests-timeout", type=float, default=300.0, help="seconds all the CUDA tests may take"
     )
     parser.add_argument("--model", type=Path, help="measure this model directory instead")
+    parser.add_argument(
+        "--attention-backend", default="auto", help="measure with this attention backend"
+    )
     parser.add_argument("--batches", default=None, help="decode batch sizes (default 1,16,64,256)")
     parser.add_argument("--prompts", default=None, help="prefill lengths (default 2048,8192,32768)")
     parser.add_argument("--context", type=int, default=None, help="tokens per decode request")
@@ -110,7 +117,8 @@ def run_cuda_tests(dry_run: bool, per_test_timeout: float, timeout: float) -> tu
     files = [f for f in CUDA_TEST_FILES if Path(f).is_file()]
     if not files:
         return "not run: no tests/ in the current directory (run from a checkout)", True
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"]
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda or gpu_kernel"]
+    command += ["-p", "no:cacheprovider"]
     if dry_run:
         command += ["--collect-only", *files]
     else:
@@ -163,6 +171,7 @@ def make_plan(args: argparse.Namespace):
             decode_steps=args.steps or 4,
             prefill_lens=_ints(args.prompts, (128, 512, 2048)),
             kv_cache_memory=128 << 20,
+            attention_backend=args.attention_backend,
         )
     return CheckPlan(
         model_dir=args.model or ensure_model("qwen3-0.6b", "qwen3"),
@@ -173,6 +182,7 @@ def make_plan(args: argparse.Namespace):
         decode_steps=args.steps or 20,
         prefill_lens=_ints(args.prompts, (2048, 8192, 32768)),
         gpu_memory_utilization=args.gpu_memory_utilization,
+        attention_backend=args.attention_backend,
     )
 
 

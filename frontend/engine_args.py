@@ -253,8 +253,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
         default=d.attention_backend,
-        help="auto: flash-attn on CUDA when installed, else torch ops (and the compiled CPU "
-        "kernel on CPU); a forced choice that cannot run fails at start-up",
+        help="auto: on CUDA flash-attn when it can run, else the Triton kernel, else torch ops; "
+        "on CPU torch ops and the compiled CPU kernel; a forced choice that cannot run fails "
+        "at start-up",
     )
     group.add_argument(
         "--enforce-eager",

@@ -20,7 +20,7 @@ QueueOrder = Literal["fcfs", "priority"]
 POLICIES: tuple[str, ...] = ("stall-free", "prefill-first", "orca", "static")
 # "auto": flash-attn where it can run, else the torch backend (with the compiled CPU kernel on
 # CPU); "torch": torch ops only; "cpu-kernel": the torch backend with the compiled kernel required.
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash-attn", "torch", "cpu-kernel")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash-attn", "triton", "torch", "cpu-kernel")
 
 
 class ConfigError(ValueError):

@@ -5,7 +5,8 @@ test module touches torch. The suite runs on the CPU unless ``CONVEYOR_TEST_DEVI
 the GPU:
 
 - ``cpu`` (the default): ``CUDA_VISIBLE_DEVICES`` is emptied, so neither this process nor any it
-  starts (engines, workers, servers) sees a GPU. Every engine's ``device="auto"`` is then the CPU
+  starts (engines, workers, servers) sees a GPU, and ``TRITON_INTERPRET=1`` runs Triton kernels
+  in Triton's interpreter. Every engine's ``device="auto"`` is then the CPU
   and ``dtype="auto"`` float32, which is what the suite's tolerances were set for, on a GPU
   machine too. Tests marked ``cuda`` skip, saying how to run them.
 - ``cuda``: the GPU stays visible and ``device="auto"`` engines run there; the model tests pass
@@ -42,6 +43,9 @@ def pin_test_device() -> None:
     if TEST_DEVICE == "cpu":
         # Before torch initialises CUDA (it reads the variable once, at its first CUDA call).
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        # Triton kernels run in Triton's interpreter on the CPU (test_triton_attention.py). It
+        # is read when triton is imported, which transformers does when it is installed.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def check_cuda_run(config: pytest.Config) -> None:

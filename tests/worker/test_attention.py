@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from worker.attention import selector
 from worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel
 from worker.attention.flash_attn_backend import FlashAttnBackend, flash_attn_import_error
 from worker.attention.metadata_builder import build_attention_metadata
 from worker.attention.selector import flash_attn_unusable_reason, select_backend
 from worker.attention.torch_backend import TorchAttentionBackend
+from worker.attention.triton_backend import TritonAttentionBackend
 
 HEAD_DIM = 16
 CPU = torch.device("cpu")
@@ -423,17 +425,35 @@ def test_forced_backends_run_as_named_or_fail_saying_why(monkeypatch):
         select_backend(CPU, 16, "cpu-kernel")
 
 
-def test_falling_back_to_torch_ops_on_cuda_is_a_warning_naming_the_fix(caplog):
+def test_falling_back_to_torch_ops_on_cuda_is_a_warning_naming_the_fix(caplog, monkeypatch):
     # Building the torch backend touches no device, so this runs anywhere.
+    monkeypatch.setattr(selector, "triton_unusable_reason", lambda device: "no triton here")
     with caplog.at_level("WARNING", logger="worker.attention.selector"):
         backend = select_backend(torch.device("cuda"), 16, None, torch.bfloat16)
     assert isinstance(backend, TorchAttentionBackend)
     (record,) = [r for r in caplog.records if r.levelname == "WARNING"]
     assert "multiple of 256" in record.getMessage() and "--block-size" in record.getMessage()
+    assert "no triton here" in record.getMessage()
     caplog.clear()
     with caplog.at_level("INFO", logger="worker.attention.selector"):
         select_backend(CPU, 16)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_without_flash_attn_cuda_gets_the_triton_kernel_saying_why(caplog, monkeypatch):
+    monkeypatch.setattr(selector, "triton_unusable_reason", lambda device: None)
+    with caplog.at_level("INFO", logger="worker.attention.selector"):
+        backend = select_backend(torch.device("cuda"), 16, None, torch.float32)
+    assert isinstance(backend, TritonAttentionBackend)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert any(
+        "triton" in r.getMessage() and "multiple of 256" in r.getMessage() for r in caplog.records
+    )
+    # Sinks rule flash-attn out, not Triton.
+    assert isinstance(
+        select_backend(torch.device("cuda"), 256, None, torch.bfloat16, needs_sinks=True),
+        TritonAttentionBackend,
+    )
 
 
 def test_flash_attn_reasons_name_block_size_and_dtype():

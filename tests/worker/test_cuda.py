@@ -195,18 +195,35 @@ def test_bf16_flash_attn_matches_the_torch_backend_at_head_dim_128(num_heads, nu
     torch.testing.assert_close(outputs[0], expected, atol=2e-2, rtol=2e-2)
 
 
-@needs_flash_attn
-def test_bf16_flash_attn_and_torch_backend_models_agree_in_logprobs(make_runner, qwen3_0_6b_dir):
+@pytest.mark.parametrize(
+    "backend,block_size",
+    [
+        pytest.param("flash-attn", 256, marks=needs_flash_attn, id="flash-attn"),
+        pytest.param("triton", 16, id="triton"),
+    ],
+)
+def test_bf16_models_agree_in_logprobs_with_the_torch_backend(
+    make_runner, qwen3_0_6b_dir, backend, block_size
+):
     """The whole Qwen3-0.6B-shaped model, teacher-forced: the same prompts (prefill) and one
     decode step through each backend; the top logprobs agree within bfloat16's tolerance."""
+    if backend == "triton":
+        pytest.importorskip("triton")
     prompts = _prompts(4, vocab=8000, seed=3)
     wants = SamplingParams(temperature=0.0, logprobs=5)
     tops = []
-    for backend in ("flash-attn", "torch"):
+    for name in (backend, "torch"):
         runner = make_runner(
-            qwen3_0_6b_dir, dtype="bfloat16", attention_backend=backend, block_size=256
+            qwen3_0_6b_dir, dtype="bfloat16", attention_backend=name, block_size=block_size
         )
-        new = [NewRequestData(i, p, wants, [1 + i], 0, len(p)) for i, p in enumerate(prompts)]
+        assert runner.backend.name == name
+        blocks = -(-max(len(p) + 1 for p in prompts) // block_size)
+        new = [
+            NewRequestData(
+                i, p, wants, list(range(1 + i * blocks, 1 + (i + 1) * blocks)), 0, len(p)
+            )
+            for i, p in enumerate(prompts)
+        ]
         first = runner.execute_model(SchedulerOutput(1, new))
         cached = CachedRequestData(
             req_ids=list(range(len(prompts))),

@@ -1,9 +1,10 @@
 """Pick the attention backend for a device, block size and dtype.
 
 Runs in worker processes. flash-attn is chosen automatically where it can run (CUDA, flash_attn
-importable, block_size a multiple of 256, float16/bfloat16, no attention sinks); everywhere else
-the torch backend, which on CPU runs short queries through the compiled kernel where it builds.
-Falling back to torch ops on CUDA is a WARNING saying why. An explicit choice
+importable, block_size a multiple of 256, float16/bfloat16, no attention sinks); on CUDA where it
+cannot, the Triton kernel (any block size and dtype, sinks too), said at INFO with the reason;
+everywhere else the torch backend, which on CPU runs every query through the compiled kernel where
+it builds. Falling back to torch ops on CUDA is a WARNING saying why. An explicit choice
 (``--attention-backend``) that cannot run is an error naming the reason, never a silent
 fallback.
 """
@@ -23,10 +24,11 @@ from worker.attention.flash_attn_backend import (
     flash_attn_import_error,
 )
 from worker.attention.torch_backend import TorchAttentionBackend
+from worker.attention.triton_backend import TritonAttentionBackend, triton_unusable_reason
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("torch", "flash-attn", "cpu-kernel")
+BACKEND_NAMES = ("torch", "flash-attn", "triton", "cpu-kernel")
 
 
 def select_backend(
@@ -52,6 +54,12 @@ def select_backend(
         return TorchAttentionBackend(use_cpu_kernel=False)
     if override == "cpu-kernel":
         return _cpu_kernel_backend(device)
+    if override == "triton":
+        triton_reason = triton_unusable_reason(device)
+        if triton_reason is not None:
+            raise ValueError(f"attention backend 'triton' cannot run here: {triton_reason}")
+        logger.info("attention backend: triton (requested)")
+        return TritonAttentionBackend()
     if needs_sinks:
         reason: str | None = "the model has attention sinks, which flash-attn 2 does not compute"
     else:
@@ -67,12 +75,22 @@ def select_backend(
         )
         return FlashAttnBackend()
     if device.type == "cuda":
+        triton_reason = triton_unusable_reason(device)
+        if triton_reason is None:
+            logger.info(
+                "attention backend: triton (flash-attn cannot run: %s; with flash-attn installed "
+                "and --block-size unset it would, docs/serving.md#cuda)",
+                reason,
+            )
+            return TritonAttentionBackend()
         # The torch path on a GPU is correct but several times slower: say why and what to do.
         logger.warning(
-            "attention backend: torch ops on CUDA, because flash-attn cannot run: %s. For the "
-            "fast path install flash-attn (docs/serving.md#cuda) and leave --block-size unset "
-            "(it then defaults to 256), or pass --attention-backend torch to silence this",
+            "attention backend: torch ops on CUDA, because flash-attn cannot run: %s, and "
+            "triton cannot either: %s. For the fast path install flash-attn "
+            "(docs/serving.md#cuda) and leave --block-size unset (it then defaults to 256), or "
+            "pass --attention-backend torch to silence this",
             reason,
+            triton_reason,
         )
     else:
         logger.info("attention backend: torch (flash-attn not used: %s)", reason)

@@ -1,0 +1,196 @@
+"""The Triton paged-attention kernel against dense causal attention written out in float64.
+
+On the CPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set by
+tests/devices.py before anything imports triton: the same kernel source, each program executed
+with numpy), which checks its indexing, masking and online softmax;
+with CONVEYOR_TEST_DEVICE=cuda it is compiled and run on the GPU, float32 and bfloat16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.devices import TEST_DEVICE
+from tests.worker.test_attention import (
+    HEAD_DIM,
+    make_requests,
+    random_mixed_batch,
+    reference_attention,
+    slot_view,
+    step_inputs,
+    store_prefix,
+)
+from worker.attention.selector import select_backend
+from worker.attention.torch_backend import TorchAttentionBackend
+from worker.attention.triton_backend import (
+    TritonAttentionBackend,
+    triton_import_error,
+    triton_unusable_reason,
+)
+
+pytestmark = [
+    pytest.mark.gpu_kernel,
+    pytest.mark.skipif(
+        triton_import_error() is not None, reason=f"needs triton ({triton_import_error()})"
+    ),
+]
+DEVICE = torch.device("cuda" if TEST_DEVICE == "cuda" else "cpu")
+
+
+def run(requests, num_blocks, block_size, num_kv_heads, dtype=torch.float32, scale=None, **kw):
+    head_dim = requests[0].query.shape[-1]
+    scale = head_dim**-0.5 if scale is None else scale
+    kv_cache = torch.zeros(
+        TorchAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim),
+        dtype=dtype,
+    )
+    for r in requests:
+        store_prefix(kv_cache, r, block_size)
+    metadata, _, query, key, value = step_inputs(requests, block_size, DEVICE)
+    kv_cache = kv_cache.to(DEVICE)
+    sinks = kw.get("sinks")
+    output = TritonAttentionBackend().forward(
+        query.to(dtype),
+        key.to(dtype),
+        value.to(dtype),
+        kv_cache,
+        metadata,
+        scale,
+        kw.get("sliding_window"),
+        None if sinks is None else sinks.to(DEVICE),
+        kw.get("softcap"),
+    )
+    expected = torch.cat(
+        [
+            reference_attention(r, scale, kw.get("sliding_window"), sinks, kw.get("softcap"))
+            for r in requests
+        ]
+    )
+    return output, expected.float(), kv_cache, metadata, key, value
+
+
+def assert_close(output, expected, dtype=torch.float32):
+    # float32 runs with IEEE dots (no TF32): the torch backend's tolerance.
+    tol = 1e-5 if dtype == torch.float32 and DEVICE.type == "cpu" else 1e-4
+    if dtype != torch.float32:
+        tol = 2e-2
+    torch.testing.assert_close(output.float().cpu(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (16, 1), (12, 4), (14, 2)])
+def test_mixed_batches_match_dense_attention(block_size, num_heads, num_kv_heads):
+    # GQA groups 1, 4, 16, 3 and 7: the last two do not divide the tile's rows.
+    requests, num_blocks = random_mixed_batch(block_size, block_size, num_heads, num_kv_heads)
+    output, expected, kv_cache, metadata, key, value = run(
+        requests, num_blocks, block_size, num_kv_heads
+    )
+    assert_close(output, expected)
+    slots = metadata.slot_mapping
+    torch.testing.assert_close(slot_view(kv_cache)[0][:, slots].cpu(), key.transpose(0, 1))
+    torch.testing.assert_close(slot_view(kv_cache)[1][:, slots].cpu(), value.transpose(0, 1))
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_head_dims_that_fill_pad_and_span_tiles(head_dim):
+    # 80 is padded to 128 lanes; the prompt chunks span several query and key tiles.
+    gen = torch.Generator().manual_seed(head_dim)
+    shapes = [(0, 150), (37, 90), (200, 1), (64, 64), (5, 1)]
+    pool = np.random.default_rng(head_dim).permutation(60).tolist()
+    requests = make_requests(gen, pool, shapes, 16, 8, 2, torch.float32, head_dim)
+    output, expected, *_ = run(requests, 60, 16, 2)
+    assert_close(output, expected)
+
+
+def test_a_decode_only_step_matches_dense_attention():
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(n, 1) for n in (0, 1, 15, 16, 17, 63, 64, 65, 200)]
+    pool = np.random.default_rng(3).permutation(40).tolist()
+    requests = make_requests(gen, pool, shapes, 16, 8, 2, torch.float32)
+    output, expected, *_ = run(requests, 40, 16, 2)
+    assert_close(output, expected)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 5, 24, 37, 100])
+def test_sliding_windows_match_dense_attention(sliding_window):
+    requests, num_blocks = random_mixed_batch(7, 16, 8, 2, num_reqs=9)
+    output, expected, *_ = run(requests, num_blocks, 16, 2, sliding_window=sliding_window)
+    assert_close(output, expected)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 13])
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_sinks_and_softcap_match_dense_attention(sliding_window, softcap):
+    requests, num_blocks = random_mixed_batch(9, 16, 8, 2, num_reqs=8)
+    for r in requests:
+        r.query.mul_(4.0)  # scores past the cap, so the tanh bends them
+    sinks = torch.linspace(-4.0, 6.0, 8)
+    output, expected, *_ = run(
+        requests,
+        num_blocks,
+        16,
+        2,
+        scale=0.25,
+        sliding_window=sliding_window,
+        sinks=sinks,
+        softcap=softcap,
+    )
+    assert_close(output, expected)
+
+
+def test_padded_rows_after_the_actual_tokens_come_out_zero():
+    requests, num_blocks = random_mixed_batch(4, 16, 4, 2, num_reqs=3)
+    kv_cache = torch.zeros(TorchAttentionBackend.kv_cache_shape(num_blocks, 16, 2, HEAD_DIM))
+    metadata, _, query, key, value = step_inputs(requests, 16, DEVICE)
+    padded = torch.cat([query, torch.randn(5, *query.shape[1:])]).to(DEVICE)
+    key = torch.cat([key, torch.randn(5, *key.shape[1:])]).to(DEVICE)
+    value = torch.cat([value, torch.randn(5, *value.shape[1:])]).to(DEVICE)
+    out = TritonAttentionBackend().forward(padded, key, value, kv_cache.to(DEVICE), metadata, 0.25)
+    assert out.shape == padded.shape
+    assert torch.count_nonzero(out[metadata.num_actual_tokens :]) == 0
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="bfloat16 dots need the GPU")
+def test_bfloat16_matches_dense_attention_on_cuda():
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(0, 300), (120, 1), (500, 1), (33, 77), (0, 1)]
+    pool = np.random.default_rng(11).permutation(80).tolist()
+    requests = make_requests(gen, pool, shapes, 16, 16, 8, torch.float32, 128)
+    output, expected, *_ = run(requests, 80, 16, 8, dtype=torch.bfloat16)
+    assert_close(output, expected, torch.bfloat16)
+
+
+def test_triton_is_named_where_it_cannot_run(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "CUDA device" in triton_unusable_reason(torch.device("cpu"))
+    with pytest.raises(ValueError, match="'triton' cannot run here: it needs a CUDA device"):
+        select_backend(torch.device("cpu"), 16, "triton")
+
+
+def test_an_engine_on_the_triton_backend_gives_the_torch_backends_tokens(tiny_model_dir):
+    # Chunked prompts (a 32-token budget), shared prefixes and decodes through the whole engine.
+    from frontend import LLM
+    from protocol import SamplingParams
+
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 200, 20).tolist()
+    prompts = [shared + rng.integers(3, 200, int(rng.integers(1, 40))).tolist() for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for backend in ("triton", "torch"):
+        with LLM(
+            str(tiny_model_dir),
+            engine="inprocess",
+            device=DEVICE.type,
+            dtype="float32",
+            attention_backend=backend,
+            max_num_batched_tokens=32,
+            enable_prefix_caching=True,
+            gpu_memory_utilization=0.3,
+        ) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            tokens[backend] = [o.outputs[0].token_ids for o in outputs]
+            assert llm.stats.prefix_cache_hits > 0
+    assert tokens["triton"] == tokens["torch"]

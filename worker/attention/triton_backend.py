@@ -1,0 +1,163 @@
+"""Paged attention on CUDA without flash-attn: one Triton kernel for decodes and prompt chunks.
+
+Runs in worker processes. Where flash-attn cannot run (not installed, a block size that is not a
+multiple of 256, float32, attention sinks), the torch backend gathers every decode's context and
+runs a prompt chunk per SDPA call: a dozen launches per layer and copies of the whole context.
+This kernel reads K/V through the block table where they lie, in the torch backend's cache layout
+``(2, num_kv_heads, num_blocks, block_size, head_dim)``, so the two share the write path and
+their caches are interchangeable.
+
+One program takes one tile of a request's query tokens for one KV head: the tile's tokens times
+the query heads sharing that KV head are the rows of its score matrix (GQA costs no repeated K/V
+reads), and it walks the request's keys in tiles with an online softmax (no score matrix in
+memory), stopping at the tile's last query position (causal) and starting at the window's first
+key (sliding window). A soft-cap (Gemma 2) and a sink logit per head (gpt-oss) are applied in the
+same pass. The host splits each request into tiles from the metadata's host copies, once a step
+for all layers, so nothing waits on the device.
+
+Tested against the torch backend on CPU through Triton's interpreter (TRITON_INTERPRET=1) and on
+CUDA (tests/worker/test_triton_attention.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import torch
+
+from worker.attention.backend import AttentionBackend, AttentionMetadata
+from worker.attention.torch_backend import write_kv
+from worker.device_buffers import array_to_device
+
+# Score-matrix rows per program: a decode-only step has one token per request, so its tiles are
+# the GQA group padded to the 16 rows tl.dot needs; prompt chunks take 64 rows (tokens x group).
+_DECODE_ROWS = 16
+_PREFILL_ROWS = 64
+_KEYS_PER_TILE = 64
+
+
+@functools.cache
+def triton_import_error() -> str | None:
+    """Why Triton cannot be used here (None when it can)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - any import failure means "not here"
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def triton_unusable_reason(device: torch.device) -> str | None:
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"it needs a CUDA device, this is {device.type}"
+    import_error = triton_import_error()
+    if import_error is not None:
+        return f"triton does not import ({import_error})"
+    return None
+
+
+def _kernel():
+    """The jitted kernel; its module is imported on first use, not with this one."""
+    from worker.attention.triton_kernel import paged_attention
+
+    return paged_attention
+
+
+class _TilePlan:
+    """Each program's request and first query token, on the device; shared by a step's layers."""
+
+    def __init__(self, query_start_loc: np.ndarray, rows: int, group: int, device) -> None:
+        tokens_per_tile = max(1, rows // group)
+        query_lens = np.diff(query_start_loc)
+        tiles = -(-query_lens // tokens_per_tile)
+        self.tile_req = np.repeat(np.arange(len(query_lens), dtype=np.int32), tiles)
+        first_tile = np.cumsum(tiles) - tiles
+        index_in_req = np.arange(len(self.tile_req)) - np.repeat(first_tile, tiles)
+        tile_start = (index_in_req * tokens_per_tile).astype(np.int32)
+        self.num_tiles = len(self.tile_req)
+        self.tile_req_dev = array_to_device(self.tile_req, device)
+        self.tile_start_dev = array_to_device(tile_start, device)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._plan_key: tuple[object, ...] | None = None
+        self._plan: _TilePlan | None = None
+
+    @staticmethod
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (2, num_kv_heads, num_blocks, block_size, head_dim)
+
+    def _plan_for(self, metadata: AttentionMetadata, rows: int, group: int, device) -> _TilePlan:
+        key = (metadata.query_start_loc_cpu.tobytes(), rows, group, str(device))
+        if self._plan is None or key != self._plan_key:
+            self._plan = _TilePlan(metadata.query_start_loc_cpu, rows, group, device)
+            self._plan_key = key
+        return self._plan
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        num_tokens = metadata.num_actual_tokens
+        write_kv(kv_cache, key[:num_tokens], value[:num_tokens], metadata.slot_mapping[:num_tokens])
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        output[num_tokens:].zero_()
+        if num_tokens == 0:
+            return output
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+        group = query.shape[1] // num_kv_heads
+        base_rows = _DECODE_ROWS if metadata.max_query_len <= 1 else _PREFILL_ROWS
+        rows = max(base_rows, 1 << (group - 1).bit_length())
+        plan = self._plan_for(metadata, rows, group, query.device)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        _kernel()[(plan.num_tiles, num_kv_heads)](
+            query,
+            k_cache,
+            v_cache,
+            output,
+            metadata.block_table,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            plan.tile_req_dev,
+            plan.tile_start_dev,
+            sinks if sinks is not None else query,  # unread without USE_SINKS
+            scale,
+            float(softcap or 0.0),
+            int(sliding_window or 0),
+            query.stride(0),
+            query.stride(1),
+            output.stride(0),
+            output.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            metadata.block_table.stride(0),
+            GROUP=group,
+            ROWS=rows,
+            KEYS=_KEYS_PER_TILE if head_dim <= 128 else _KEYS_PER_TILE // 2,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=max(16, 1 << (head_dim - 1).bit_length()),
+            BLOCK_SIZE=block_size,
+            USE_WINDOW=sliding_window is not None,
+            USE_SOFTCAP=softcap is not None,
+            USE_SINKS=sinks is not None,
+            PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        )
+        return output

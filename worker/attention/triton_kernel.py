@@ -1,0 +1,123 @@
+"""The Triton paged-attention kernel itself (worker/attention/triton_backend.py says what it does).
+
+A module of its own so that importing the backend never needs Triton: this one is imported on the
+first forward. Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) patches ``tl`` in the
+kernel's module globals, so the kernel must live at a module's top level.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_attention(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    tile_req_ptr,
+    tile_start_ptr,
+    sinks_ptr,
+    scale,
+    softcap,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kh,
+    stride_kb,
+    stride_ks,
+    stride_bt,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    KEYS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = tl.load(tile_req_ptr + tile)
+    first = tl.load(tile_start_ptr + tile)  # the tile's first query, counted in its request
+    q_begin = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_begin
+    context = tl.load(seq_lens_ptr + req) - q_len  # keys cached before this step's queries
+
+    # Row r: query token first + r // GROUP, query head kv_head * GROUP + r % GROUP.
+    rows = tl.arange(0, ROWS)
+    token = first + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < (ROWS // GROUP) * GROUP) & (token < q_len)
+    position = context + token
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + (q_begin + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+
+    last_token = tl.minimum(first + ROWS // GROUP, q_len) - 1
+    end = context + last_token + 1  # keys past the tile's last query are never visible
+    start = 0
+    if USE_WINDOW:
+        start = tl.maximum(context + first - window + 1, 0)
+        start = (start // KEYS) * KEYS
+    head_offset = kv_head.to(tl.int64) * stride_kh  # a layer's cache can pass 2**31 elements
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
+    for key_start in range(start, end, KEYS):
+        keys = key_start + tl.arange(0, KEYS)
+        key_ok = keys < end
+        block = tl.load(
+            block_table_ptr + req * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0
+        ).to(tl.int64)
+        offset = head_offset + block * stride_kb + (keys % BLOCK_SIZE) * stride_ks
+        kv_mask = key_ok[None, :] & dim_ok[:, None]
+        k = tl.load(k_ptr + offset[None, :] + dims[:, None], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, k, input_precision=PRECISION) * scale
+        if USE_SOFTCAP:
+            # c * tanh(s / c), tanh through exp (portable across Triton versions).
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+        visible = (keys[None, :] <= position[:, None]) & key_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (position[:, None] - keys[None, :] < window)
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # A row that has seen no visible key yet keeps -inf: shift by 0 instead (no NaN).
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - shift[:, None])
+        alpha = tl.exp(m_i - shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_ptr + offset[:, None] + dims[None, :],
+            mask=key_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+        m_end = tl.maximum(m_i, sink)
+        shift = tl.where(m_end == float("-inf"), 0.0, m_end)
+        alpha = tl.exp(m_i - shift)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp(sink - shift)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        out_ptr
+        + (q_begin + token)[:, None] * stride_ot
+        + head[:, None] * stride_oh
+        + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
