@@ -43,13 +43,12 @@ def run(requests, num_blocks, block_size, num_kv_heads, dtype=torch.float32, sca
     head_dim = requests[0].query.shape[-1]
     scale = head_dim**-0.5 if scale is None else scale
     kv_cache = torch.zeros(
-        TorchAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim),
-        dtype=dtype,
+        TorchAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
     )
-    for r in requests:
+    for r in requests:  # filled in float32 on the host, then moved and cast
         store_prefix(kv_cache, r, block_size)
     metadata, _, query, key, value = step_inputs(requests, block_size, DEVICE)
-    kv_cache = kv_cache.to(DEVICE)
+    kv_cache = kv_cache.to(DEVICE, dtype)
     sinks = kw.get("sinks")
     output = TritonAttentionBackend().forward(
         query.to(dtype),
@@ -89,8 +88,8 @@ def test_mixed_batches_match_dense_attention(block_size, num_heads, num_kv_heads
     )
     assert_close(output, expected)
     slots = metadata.slot_mapping
-    torch.testing.assert_close(slot_view(kv_cache)[0][:, slots].cpu(), key.transpose(0, 1))
-    torch.testing.assert_close(slot_view(kv_cache)[1][:, slots].cpu(), value.transpose(0, 1))
+    for cache, written in zip(slot_view(kv_cache), (key, value)):
+        torch.testing.assert_close(cache[:, slots].cpu(), written.transpose(0, 1).cpu())
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
@@ -144,9 +143,9 @@ def test_padded_rows_after_the_actual_tokens_come_out_zero():
     requests, num_blocks = random_mixed_batch(4, 16, 4, 2, num_reqs=3)
     kv_cache = torch.zeros(TorchAttentionBackend.kv_cache_shape(num_blocks, 16, 2, HEAD_DIM))
     metadata, _, query, key, value = step_inputs(requests, 16, DEVICE)
-    padded = torch.cat([query, torch.randn(5, *query.shape[1:])]).to(DEVICE)
-    key = torch.cat([key, torch.randn(5, *key.shape[1:])]).to(DEVICE)
-    value = torch.cat([value, torch.randn(5, *value.shape[1:])]).to(DEVICE)
+    padded, key, value = (
+        torch.cat([x.cpu(), torch.randn(5, *x.shape[1:])]).to(DEVICE) for x in (query, key, value)
+    )
     out = TritonAttentionBackend().forward(padded, key, value, kv_cache.to(DEVICE), metadata, 0.25)
     assert out.shape == padded.shape
     assert torch.count_nonzero(out[metadata.num_actual_tokens :]) == 0
