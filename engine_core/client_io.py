@@ -226,7 +226,11 @@ class ClientIO:
             client = registry.attach(identity, message.client_name)
             logger.info("client %d attached (%s)", client.client_index, client.name or "unnamed")
             ready = Ready(
-                client.client_index, self._config_msgpack, os.getpid(), self._engine_index
+                client.client_index,
+                self._config_msgpack,
+                os.getpid(),
+                self._engine_index,
+                registry.heartbeat_timeout_s,
             )
             self._send(identity, ready)
             if self._latest_stats_frame is not None:

@@ -235,6 +235,9 @@ class Ready(msgspec.Struct, tag=10, array_like=True, gc=False):
     engine_pid: int
     # Which engine this is among several (data parallelism); the ``engine`` metrics label.
     engine_index: int = 0
+    # How long the engine waits for a silent client before dropping it (0: not said): the
+    # client heartbeats often enough that a few late ones cannot get it dropped.
+    heartbeat_timeout_s: float = 0.0
 
 
 class EngineDead(msgspec.Struct, tag=11, array_like=True, gc=False):

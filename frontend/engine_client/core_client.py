@@ -75,6 +75,19 @@ def launch_engine(
     return engine, engine.address, engine.liveness()
 
 
+# Heartbeats per engine timeout at least: three may be late (a loaded machine, a slow start) and
+# the engine still hears the fourth in time.
+HEARTBEATS_PER_TIMEOUT = 4
+
+
+def heartbeat_interval(requested_s: float, engine_timeout_s: float) -> float:
+    """``requested_s``, or shorter where the engine said it drops a client sooner: a client
+    heartbeating every 2 s to an engine that waits 3 s is dropped by one late heartbeat."""
+    if engine_timeout_s <= 0:
+        return requested_s
+    return min(requested_s, engine_timeout_s / HEARTBEATS_PER_TIMEOUT)
+
+
 class EngineClientBase(ABC):
     """The state and frame handling both ZMQ clients share, after a successful handshake.
 
@@ -90,6 +103,7 @@ class EngineClientBase(ABC):
         self.client_index = ready.client_index
         self.engine_pid = ready.engine_pid
         self.engine_index = ready.engine_index
+        self.engine_heartbeat_timeout_s = ready.heartbeat_timeout_s
         self.config: EngineConfig = decode_ready_config(ready)
         self._engine = engine
         # Our own engine is watched exactly (its exit code); an attached one by its pid.
@@ -146,9 +160,16 @@ class EngineClientBase(ABC):
         the news on to where the client's state lives.
         """
         self._context = context
+        # How long a silent engine is given stays with the requested interval: heartbeating more
+        # often for a strict engine must not make this side quicker to give up on it.
+        silence_limit_s = SILENCE_HEARTBEATS * heartbeat_interval_s
+        heartbeat_interval_s = heartbeat_interval(
+            heartbeat_interval_s, self.engine_heartbeat_timeout_s
+        )
         self._io = SocketThread(
             context, dealer, self._liveness, heartbeat_interval_s, deliver, on_death, responsive
         )
+        self._io.silence_limit_s = silence_limit_s
         self._sender = context.socket(zmq.PUSH)
         self._sender.setsockopt(zmq.SNDHWM, 0)
         self._sender.connect(self._io.pipe_address)
@@ -224,7 +245,7 @@ class SocketThread(threading.Thread):
         self._deliver = deliver
         self._on_death = on_death
         self._responsive = responsive
-        self._silence_limit_s = SILENCE_HEARTBEATS * heartbeat_interval_s
+        self.silence_limit_s = SILENCE_HEARTBEATS * heartbeat_interval_s
         # When the oldest heartbeat the engine has not answered (nor sent anything since) left.
         self._unanswered_since: float | None = None
         self._last_round = time.monotonic()
@@ -267,13 +288,13 @@ class SocketThread(threading.Thread):
     def _silence(self) -> str | None:
         """Why the engine counts as gone for not answering our heartbeats, or None."""
         now = time.monotonic()
-        if now - self._last_round > max(self._silence_limit_s / 2, 4 * LIVENESS_INTERVAL_S):
+        if now - self._last_round > max(self.silence_limit_s / 2, 4 * LIVENESS_INTERVAL_S):
             # This thread did not run for a while (a stopped or starved process): the engine
             # had no chance to be heard; start counting again.
             self._unanswered_since = None
         self._last_round = now
         since = self._unanswered_since
-        if since is None or now - since <= self._silence_limit_s:
+        if since is None or now - since <= self.silence_limit_s:
             return None
         return f"the engine answered no heartbeat for {now - since:.1f} s"
 

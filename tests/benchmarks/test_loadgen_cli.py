@@ -151,9 +151,14 @@ def test_capacity_search_finds_the_fake_servers_threshold(fake_server_process, t
     probes = result["capacity_probes"]
     assert any(not p["holds"] for p in probes)
     held = max((p for p in probes if p["holds"]), key=lambda p: p["request_rate"])
+    broke = min(p["request_rate"] for p in probes if not p["holds"])
     threshold = 4 / (held["mean_e2el_ms"] / 1000)
     assert 30 <= threshold <= 90  # 4 / 45 ms at best; a busy machine stretches the sleeps
-    assert 0.75 * threshold <= result["capacity_request_rate"] <= 1.1 * threshold
+    # The answer is the highest rate that held, below every rate that broke, and never above
+    # what the server can do. (How far below depends on the machine: a probe that a burst of
+    # other work slows breaks the SLO at a lower rate, which the search must believe.)
+    assert result["capacity_request_rate"] == held["request_rate"] < broke
+    assert result["capacity_request_rate"] <= 1.1 * threshold
     assert "serving capacity:" in capsys.readouterr().out
 
 

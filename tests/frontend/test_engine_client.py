@@ -27,6 +27,7 @@ from frontend.engine_client import (
     MPEngineClient,
     async_client,
 )
+from frontend.engine_client.core_client import SILENCE_HEARTBEATS, heartbeat_interval
 from frontend.engine_client.engine_process import EngineProcess
 from protocol import EngineCoreRequest, SamplingParams
 from tests.process_tree import descendants, kill_all, wait_until_gone
@@ -309,6 +310,39 @@ def test_a_busy_event_loop_does_not_starve_the_heartbeats_and_a_stuck_one_is_dro
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(async_client, "LOOP_STALL_LIMIT_S", 6.0)
             run_async(scenario())
+    finally:
+        engine.stop(5.0)
+        kill_all(children)
+
+
+def test_a_client_heartbeats_often_enough_for_a_strict_engine(tiny_model_dir: Path):
+    """The engine says its heartbeat timeout in Ready; a client asked to heartbeat every 2 s
+    beats four times per timeout instead (one late heartbeat must not get it dropped), while
+    the time it gives a silent engine stays with the interval it was asked for."""
+    assert heartbeat_interval(2.0, 0.0) == 2.0  # an engine that did not say
+    assert heartbeat_interval(2.0, 10.0) == 2.0
+    assert heartbeat_interval(2.0, 3.0) == 0.75
+    config = EngineArgs(model=str(tiny_model_dir), kv_cache_memory=SMALL_KV).create_engine_config()
+    engine = EngineProcess(config, executor_backend="inprocess", heartbeat_timeout_s=2.0).start()
+    children: list[int] = []
+
+    async def scenario() -> None:
+        client = await AsyncEngineClient.start(address=engine.address, heartbeat_interval_s=2.0)
+        try:
+            assert client.engine_heartbeat_timeout_s == 2.0
+            assert client._io._heartbeat_interval_s == 0.5
+            assert client._io.silence_limit_s == 2.0 * SILENCE_HEARTBEATS
+            await asyncio.sleep(5.0)  # two and a half of the engine's timeouts, idle
+            assert not client.session_lost and client.dead_reason is None
+            stream = await client.add_request(greedy("after-idle", PROMPTS[0]))
+            assert len([t async for out in stream for t in out.new_token_ids]) == NUM_TOKENS
+        finally:
+            await client.shutdown()
+
+    try:
+        engine.wait_ready(60.0)
+        children += descendants(engine.pid)
+        run_async(scenario())
     finally:
         engine.stop(5.0)
         kill_all(children)
