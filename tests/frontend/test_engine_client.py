@@ -9,6 +9,7 @@ Every engine process started here is stopped by a fixture finalizer, even when a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -278,6 +279,24 @@ def test_an_engine_that_cannot_load_its_model_is_reported(tiny_model_dir, tmp_pa
         MPEngineClient(config, ready_timeout_s=60.0)
 
 
+@contextlib.contextmanager
+def strict_engine(model_dir: Path, heartbeat_timeout_s: float) -> Iterator[EngineProcess]:
+    """An engine (in-process executor) that drops clients silent for ``heartbeat_timeout_s``,
+    ready; stopped with every process it started."""
+    config = EngineArgs(model=str(model_dir), kv_cache_memory=SMALL_KV).create_engine_config()
+    engine = EngineProcess(
+        config, executor_backend="inprocess", heartbeat_timeout_s=heartbeat_timeout_s
+    ).start()
+    children: list[int] = []
+    try:
+        engine.wait_ready(60.0)
+        children += descendants(engine.pid)
+        yield engine
+    finally:
+        engine.stop(5.0)
+        kill_all(children)
+
+
 @pytest.mark.slow
 def test_a_busy_event_loop_does_not_starve_the_heartbeats_and_a_stuck_one_is_dropped(
     tiny_model_dir: Path,
@@ -285,11 +304,8 @@ def test_a_busy_event_loop_does_not_starve_the_heartbeats_and_a_stuck_one_is_dro
     """Heartbeats come from the client's socket thread: a loop blocked for twice the engine's
     heartbeat timeout keeps its session; one that answers nothing for longer than the stall
     limit stops heartbeating and is dropped (``session_lost``), as a stuck frontend must be."""
-    config = EngineArgs(model=str(tiny_model_dir), kv_cache_memory=SMALL_KV).create_engine_config()
-    engine = EngineProcess(config, executor_backend="inprocess", heartbeat_timeout_s=2.0).start()
-    children: list[int] = []
 
-    async def scenario() -> None:
+    async def scenario(engine: EngineProcess) -> None:
         client = await AsyncEngineClient.start(address=engine.address, heartbeat_interval_s=0.5)
         try:
             time.sleep(4.0)  # the loop does nothing else: twice the engine's patience
@@ -304,15 +320,9 @@ def test_a_busy_event_loop_does_not_starve_the_heartbeats_and_a_stuck_one_is_dro
         finally:
             await client.shutdown()
 
-    try:
-        engine.wait_ready(60.0)
-        children += descendants(engine.pid)
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(async_client, "LOOP_STALL_LIMIT_S", 6.0)
-            run_async(scenario())
-    finally:
-        engine.stop(5.0)
-        kill_all(children)
+    with strict_engine(tiny_model_dir, 2.0) as engine, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(async_client, "LOOP_STALL_LIMIT_S", 6.0)
+        run_async(scenario(engine))
 
 
 def test_a_client_heartbeats_often_enough_for_a_strict_engine(tiny_model_dir: Path):
@@ -322,11 +332,8 @@ def test_a_client_heartbeats_often_enough_for_a_strict_engine(tiny_model_dir: Pa
     assert heartbeat_interval(2.0, 0.0) == 2.0  # an engine that did not say
     assert heartbeat_interval(2.0, 10.0) == 2.0
     assert heartbeat_interval(2.0, 3.0) == 0.75
-    config = EngineArgs(model=str(tiny_model_dir), kv_cache_memory=SMALL_KV).create_engine_config()
-    engine = EngineProcess(config, executor_backend="inprocess", heartbeat_timeout_s=2.0).start()
-    children: list[int] = []
 
-    async def scenario() -> None:
+    async def scenario(engine: EngineProcess) -> None:
         client = await AsyncEngineClient.start(address=engine.address, heartbeat_interval_s=2.0)
         try:
             assert client.engine_heartbeat_timeout_s == 2.0
@@ -339,10 +346,5 @@ def test_a_client_heartbeats_often_enough_for_a_strict_engine(tiny_model_dir: Pa
         finally:
             await client.shutdown()
 
-    try:
-        engine.wait_ready(60.0)
-        children += descendants(engine.pid)
-        run_async(scenario())
-    finally:
-        engine.stop(5.0)
-        kill_all(children)
+    with strict_engine(tiny_model_dir, 2.0) as engine:
+        run_async(scenario(engine))
