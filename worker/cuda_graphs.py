@@ -73,7 +73,7 @@ class _AttentionCall:
     output: torch.Tensor
 
     def run(self, metadata: AttentionMetadata) -> None:
-        self.output.copy_(self.layer.attend(self.query, self.key, self.value, metadata))
+        self.layer.attend(self.query, self.key, self.value, metadata, out=self.output)
 
 
 class PiecewiseGraph:

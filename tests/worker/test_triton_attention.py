@@ -193,3 +193,20 @@ def test_an_engine_on_the_triton_backend_gives_the_torch_backends_tokens(tiny_mo
             tokens[backend] = [o.outputs[0].token_ids for o in outputs]
             assert llm.stats.prefix_cache_hits > 0
     assert tokens["triton"] == tokens["torch"]
+
+
+def test_the_output_lands_in_a_buffer_the_caller_gives():
+    # What a CUDA graph piece reads: attention writes its fixed buffer, no copy after.
+    requests, num_blocks = random_mixed_batch(5, 16, 8, 2, num_reqs=6)
+    kv_cache = torch.zeros(TorchAttentionBackend.kv_cache_shape(num_blocks, 16, 2, HEAD_DIM))
+    for r in requests:
+        store_prefix(kv_cache, r, 16)
+    metadata, _, query, key, value = step_inputs(requests, 16, DEVICE)
+    kv_cache = kv_cache.to(DEVICE)
+    buffer = torch.full_like(query, float("nan"))
+    out = TritonAttentionBackend().forward(
+        query, key, value, kv_cache, metadata, HEAD_DIM**-0.5, out=buffer
+    )
+    assert out.data_ptr() == buffer.data_ptr()
+    expected = torch.cat([reference_attention(r, HEAD_DIM**-0.5) for r in requests]).float()
+    assert_close(buffer, expected)

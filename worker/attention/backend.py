@@ -47,6 +47,9 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     name: str = "abstract"
+    # Whether forward takes ``out=``, a dense [num_tokens, num_heads, head_dim] buffer to write
+    # the output into (CUDA graph pieces read attention's output from fixed buffers).
+    accepts_out: bool = False
     # Whether forward takes attention sinks (models with them cannot use a backend without).
     supports_sinks: bool = True
 

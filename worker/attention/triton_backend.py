@@ -58,11 +58,11 @@ def triton_unusable_reason(device: torch.device) -> str | None:
     return None
 
 
-def _kernel():
-    """The jitted kernel; its module is imported on first use, not with this one."""
-    from worker.attention.triton_kernel import paged_attention
+def _kernels():
+    """The jitted kernels; their module is imported on first use, not with this one."""
+    from worker.attention import triton_kernel
 
-    return paged_attention
+    return triton_kernel
 
 
 class _TilePlan:
@@ -83,6 +83,8 @@ class _TilePlan:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    # forward(..., out=buffer) writes the output there (a dense [tokens, heads, head_dim]).
+    accepts_out = True
 
     def __init__(self) -> None:
         self._plan_key: tuple[object, ...] | None = None
@@ -112,22 +114,48 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
         softcap: float | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
-        write_kv(kv_cache, key[:num_tokens], value[:num_tokens], metadata.slot_mapping[:num_tokens])
-        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+        head_dim_pad = max(16, 1 << (head_dim - 1).bit_length())
+        kernels = _kernels()
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        if num_tokens and key.stride(-1) == value.stride(-1) == 1:
+            kernels.store_kv[(num_tokens, num_kv_heads)](
+                key,
+                value,
+                k_cache,
+                v_cache,
+                metadata.slot_mapping,
+                key.stride(0),
+                key.stride(1),
+                value.stride(0),
+                value.stride(1),
+                k_cache.stride(0),
+                k_cache.stride(1),
+                k_cache.stride(2),
+                HEAD_DIM=head_dim,
+                HEAD_DIM_PAD=head_dim_pad,
+                BLOCK_SIZE=block_size,
+            )
+        else:
+            slots = metadata.slot_mapping[:num_tokens]
+            write_kv(kv_cache, key[:num_tokens], value[:num_tokens], slots)
+        # Into the caller's buffer when it has one (a graph piece's input: no copy after).
+        if out is None:
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        output = out
         output[num_tokens:].zero_()
         if num_tokens == 0:
             return output
         if query.stride(-1) != 1:
             query = query.contiguous()
-        _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
         group = query.shape[1] // num_kv_heads
         base_rows = _DECODE_ROWS if metadata.max_query_len <= 1 else _PREFILL_ROWS
         rows = max(base_rows, 1 << (group - 1).bit_length())
         plan = self._plan_for(metadata, rows, group, query.device)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        _kernel()[(plan.num_tiles, num_kv_heads)](
+        kernels.paged_attention[(plan.num_tiles, num_kv_heads)](
             query,
             k_cache,
             v_cache,
@@ -153,7 +181,7 @@ class TritonAttentionBackend(AttentionBackend):
             ROWS=rows,
             KEYS=_KEYS_PER_TILE if head_dim <= 128 else _KEYS_PER_TILE // 2,
             HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=max(16, 1 << (head_dim - 1).bit_length()),
+            HEAD_DIM_PAD=head_dim_pad,
             BLOCK_SIZE=block_size,
             USE_WINDOW=sliding_window is not None,
             USE_SOFTCAP=softcap is not None,

@@ -121,3 +121,40 @@ def paged_attention(
         out.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None] & dim_ok[None, :],
     )
+
+
+@triton.jit
+def store_kv(
+    key_ptr,
+    value_ptr,
+    k_ptr,
+    v_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ch,
+    stride_cb,
+    stride_cs,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """One token's key and value for one KV head into the cache at its slot (block * size +
+    offset): K and V in one launch, where two index copies took two."""
+    token = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    key = tl.load(key_ptr + token * stride_kt + kv_head * stride_kh + dims, mask=dim_ok)
+    value = tl.load(value_ptr + token * stride_vt + kv_head * stride_vh + dims, mask=dim_ok)
+    where = (
+        kv_head.to(tl.int64) * stride_ch
+        + (slot // BLOCK_SIZE) * stride_cb
+        + (slot % BLOCK_SIZE) * stride_cs
+        + dims
+    )
+    tl.store(k_ptr + where, key.to(k_ptr.dtype.element_ty), mask=dim_ok)
+    tl.store(v_ptr + where, value.to(v_ptr.dtype.element_ty), mask=dim_ok)

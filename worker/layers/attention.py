@@ -61,12 +61,21 @@ class Attention(nn.Module):
         return self.attend(q, k, v, metadata)
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: AttentionMetadata,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The attention itself (what ``forward`` does outside graph capture)."""
+        """The attention itself (what ``forward`` does outside graph capture); with ``out`` (a
+        dense [num_tokens, num_heads * head_dim] buffer) the output lands there."""
         if self.backend is None or self.kv_cache is None:
             raise RuntimeError("attention layer used before the runner bound its backend and cache")
         num_tokens = q.shape[0]
+        extra = {}
+        if out is not None and self.backend.accepts_out:
+            extra["out"] = out.view(num_tokens, self.num_heads, self.head_dim)
         output = self.backend.forward(
             q.view(num_tokens, self.num_heads, self.head_dim),
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
@@ -77,8 +86,13 @@ class Attention(nn.Module):
             self.sliding_window,
             self.sinks,
             self.logit_softcap,
+            **extra,
         )
-        return output.reshape(num_tokens, self.num_heads * self.head_dim)
+        output = output.reshape(num_tokens, self.num_heads * self.head_dim)
+        if out is not None and output.data_ptr() != out.data_ptr():
+            out.copy_(output)
+            return out
+        return output
 
     def _load_sinks(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
