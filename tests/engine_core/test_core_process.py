@@ -24,6 +24,7 @@ from msgspec.structs import replace
 from engine_core import EngineCore
 from engine_core.client_registry import ClientRegistry
 from engine_core.core_process import EngineCoreProcess, StepWatchdog, find_address_problem
+from frontend.engine_client import core_client
 from frontend.engine_client.async_client import AsyncEngineClient
 from frontend.engine_client.session import EngineDeadError
 from protocol import EngineConfig, ModelRunnerOutput, ObservabilityConfig, SchedulerOutput
@@ -300,11 +301,13 @@ def test_a_silent_client_is_dropped_and_its_requests_aborted(make_engine, make_c
     assert "late" not in {o.request_id for o in outputs}
 
 
-def test_a_dropped_async_client_learns_its_session_is_lost(make_engine, make_client):
+def test_a_dropped_async_client_learns_its_session_is_lost(make_engine, make_client, monkeypatch):
     """A client that stalled past the heartbeat timeout (as a SIGSTOPped frontend does) hears,
     at its next heartbeat, that it was dropped: it is not served, while the engine serves on."""
     engine = make_engine(heartbeat_timeout_s=1.0)
     alive = make_client(engine.address, heartbeat_interval_s=0.1)
+    # The stall: this client keeps the interval it was given, whatever the engine's timeout.
+    monkeypatch.setattr(core_client, "heartbeat_interval", lambda requested, timeout: requested)
 
     async def scenario() -> None:
         # Heartbeats 1.5 s apart: the engine drops the client before the second one.
