@@ -71,6 +71,10 @@ class CheckReport:
     kv_cache_bytes: int = 0
     graph_bytes: int | None = None
     tests: str = "not run"
+    # The same measurement with another attention backend (gpu-check --compare-backend).
+    comparison: CheckReport | None = None
+    # bench offline's JSON per workload, or {"workload": ..., "error": ...}.
+    offline: list[dict] = field(default_factory=list)
 
     @property
     def weight_read_s(self) -> float:
@@ -216,6 +220,35 @@ def _gib(num_bytes: int | None) -> str:
 
 def format_report(report: CheckReport) -> str:
     """The table gpu-check prints (Markdown, so it can go to docs/performance.md as it is)."""
+    lines = _format_measurement(report)
+    if report.comparison is not None:
+        lines += [
+            "",
+            f"With attention backend {report.comparison.attention_backend}, same process:",
+        ]
+        lines += _format_measurement(report.comparison)[3:]
+    if report.offline:
+        lines += ["", "| offline workload | requests | output tok/s | total tok/s | seconds |"]
+        lines.append("|---|---|---|---|---|")
+        for run in report.offline:
+            if "error" in run:
+                lines.append(f"| {run['workload']} | failed: {run['error'][-200:]!r} | | | |")
+                continue
+            lines.append(
+                f"| {run['workload']} | {run['num_requests']} | {run['output_tok_s']:,.0f} "
+                f"| {run['total_tok_s']:,.0f} | {run['seconds']:.2f} |"
+            )
+    lines += [
+        "",
+        f"peak GPU memory: {_gib(report.peak_memory)} (KV cache {_gib(report.kv_cache_bytes)}, "
+        f"CUDA graphs {_gib(report.graph_bytes)})",
+        f"CUDA tests: {report.tests}",
+    ]
+    return "\n".join(lines)
+
+
+def _format_measurement(report: CheckReport) -> list[str]:
+    """The header lines, the decode table and the prefill table of one measurement."""
     limit = report.weight_read_s
     lines = [
         f"device: {report.device_name} (torch {report.torch_version}), {report.dtype}, "
@@ -242,10 +275,4 @@ def format_report(report: CheckReport) -> str:
         lines.append(
             f"| {row.prompt_len} | {_ms(row.seconds)} | {_rate(row.prompt_len, row.seconds)} |"
         )
-    lines += [
-        "",
-        f"peak GPU memory: {_gib(report.peak_memory)} (KV cache {_gib(report.kv_cache_bytes)}, "
-        f"CUDA graphs {_gib(report.graph_bytes)})",
-        f"CUDA tests: {report.tests}",
-    ]
-    return "\n".join(lines)
+    return lines

@@ -1,6 +1,6 @@
 """``conveyor gpu-check``: check a GPU machine end to end with one command, and print a table.
 
-    conveyor gpu-check [--wheels DIR] [--skip-tests] [--json FILE]
+    conveyor gpu-check [--wheels DIR] [--skip-tests] [--compare-backend torch] [--json FILE]
     conveyor gpu-check --dry-run
 
 1. ``--wheels DIR``: install what this checkout needs and the machine lacks from wheels carried
@@ -10,7 +10,10 @@
 3. a random-weight model with Qwen3-0.6B's shapes in bfloat16, generated once into the model cache;
 4. decode step time and output tok/s at batch 1, 16, 64 and 256 with CUDA graphs and eagerly,
    prefill tok/s at 2k, 8k and 32k-token prompts, peak GPU memory, launches per decode step, and
-   the decode step against the weight-read limit (benchmarks/gpu_check.py).
+   the decode step against the weight-read limit (benchmarks/gpu_check.py); with
+   ``--compare-backend`` the same again with another attention backend, in the same process;
+5. ``bench offline`` (``--offline``, default equal and mix, 256 requests) through the
+   multi-process engine on the same model.
 
 ``--dry-run`` does all of it on the CPU with the tiny test model and small shapes: the CUDA tests
 are only collected, and what only CUDA has reads "n/a". The test suite runs it.
@@ -22,6 +25,7 @@ current directory. Only the standard library is imported before the install step
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.metadata
 import importlib.util
@@ -59,6 +63,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--attention-backend", default="auto", help="measure with this attention backend"
     )
+    parser.add_argument(
+        "--compare-backend",
+        default=None,
+        help="measure decode and prefill again with this backend, in the same process (on a GPU "
+        "machine: torch, against the Triton or flash-attn default)",
+    )
+    parser.add_argument(
+        "--offline",
+        default="equal,mix",
+        help="bench offline workloads through the multi-process engine ('' for none)",
+    )
+    parser.add_argument("--offline-requests", type=int, default=None, help="requests per workload")
     parser.add_argument("--batches", default=None, help="decode batch sizes (default 1,16,64,256)")
     parser.add_argument("--prompts", default=None, help="prefill lengths (default 2048,8192,32768)")
     parser.add_argument("--context", type=int, default=None, help="tokens per decode request")
@@ -201,12 +217,38 @@ def main(argv: list[str] | None = None) -> int:
         tests, passed = run_cuda_tests(args.dry_run, args.test_timeout, args.tests_timeout)
     from benchmarks.gpu_check import format_report, measure, report_as_dict
 
-    report = measure(make_plan(args))
+    plan = make_plan(args)
+    report = measure(plan)
     report.tests = tests
+    if args.compare_backend:
+        report.comparison = measure(
+            dataclasses.replace(plan, attention_backend=args.compare_backend)
+        )
+    workloads = [w for w in args.offline.split(",") if w]
+    requests = args.offline_requests or (8 if args.dry_run else 256)
+    report.offline = [run_offline(plan, w, requests) for w in workloads]
     print(format_report(report), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(report_as_dict(report), indent=2) + "\n")
     return 0 if passed else 1
+
+
+def run_offline(plan, workload: str, num_requests: int) -> dict:
+    """``conveyor bench offline`` (the multi-process engine) on the measured model, in a child
+    process: its JSON, or what went wrong."""
+    command = [sys.executable, "-m", "entrypoints.cli", "bench", "offline", "--json"]
+    command += ["--model", str(plan.model_dir), "--device", plan.device, "--dtype", plan.dtype]
+    command += ["--workload", workload, "--num-requests", str(num_requests)]
+    command += ["--max-num-seqs", str(num_requests), "--attention-backend", plan.attention_backend]
+    command += ["--max-num-batched-tokens", "8192"]
+    if plan.device == "cpu":
+        command += ["--kv-cache-memory", str(plan.kv_cache_memory)]
+    print(f"offline: {' '.join(command[3:])}", flush=True)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        return {"workload": workload, "error": (result.stderr or result.stdout)[-500:]}
+    return json.loads(lines[-1])
 
 
 if __name__ == "__main__":
