@@ -85,11 +85,13 @@ def clients() -> Iterator[list]:
         client.shutdown()
 
 
-@pytest.fixture
-def engine_process(tiny_model_dir: Path) -> Iterator[EngineProcess]:
-    """A dedicated engine (with worker processes) for a test that kills it."""
-    config = EngineArgs(model=str(tiny_model_dir), kv_cache_memory=SMALL_KV).create_engine_config()
-    engine = EngineProcess(config, executor_backend="mp").start()
+@contextlib.contextmanager
+def running_engine(
+    model_dir: Path, executor_backend: str, heartbeat_timeout_s: float | None = None
+) -> Iterator[EngineProcess]:
+    """A dedicated engine process, ready; stopped with every process it started."""
+    config = EngineArgs(model=str(model_dir), kv_cache_memory=SMALL_KV).create_engine_config()
+    engine = EngineProcess(config, executor_backend, heartbeat_timeout_s).start()
     children: list[int] = []
     try:
         engine.wait_ready(60.0)
@@ -98,6 +100,13 @@ def engine_process(tiny_model_dir: Path) -> Iterator[EngineProcess]:
     finally:
         engine.stop(5.0)
         kill_all(children)
+
+
+@pytest.fixture
+def engine_process(tiny_model_dir: Path) -> Iterator[EngineProcess]:
+    """A dedicated engine (with worker processes) for a test that kills it."""
+    with running_engine(tiny_model_dir, "mp") as engine:
+        yield engine
 
 
 def test_llm_runs_an_engine_process_and_matches_the_in_process_tokens(llm, reference):
@@ -279,24 +288,6 @@ def test_an_engine_that_cannot_load_its_model_is_reported(tiny_model_dir, tmp_pa
         MPEngineClient(config, ready_timeout_s=60.0)
 
 
-@contextlib.contextmanager
-def strict_engine(model_dir: Path, heartbeat_timeout_s: float) -> Iterator[EngineProcess]:
-    """An engine (in-process executor) that drops clients silent for ``heartbeat_timeout_s``,
-    ready; stopped with every process it started."""
-    config = EngineArgs(model=str(model_dir), kv_cache_memory=SMALL_KV).create_engine_config()
-    engine = EngineProcess(
-        config, executor_backend="inprocess", heartbeat_timeout_s=heartbeat_timeout_s
-    ).start()
-    children: list[int] = []
-    try:
-        engine.wait_ready(60.0)
-        children += descendants(engine.pid)
-        yield engine
-    finally:
-        engine.stop(5.0)
-        kill_all(children)
-
-
 @pytest.mark.slow
 def test_a_busy_event_loop_does_not_starve_the_heartbeats_and_a_stuck_one_is_dropped(
     tiny_model_dir: Path,
@@ -320,7 +311,10 @@ def test_a_busy_event_loop_does_not_starve_the_heartbeats_and_a_stuck_one_is_dro
         finally:
             await client.shutdown()
 
-    with strict_engine(tiny_model_dir, 2.0) as engine, pytest.MonkeyPatch.context() as patch:
+    with (
+        running_engine(tiny_model_dir, "inprocess", 2.0) as engine,
+        pytest.MonkeyPatch.context() as patch,
+    ):
         patch.setattr(async_client, "LOOP_STALL_LIMIT_S", 6.0)
         run_async(scenario(engine))
 
@@ -346,5 +340,5 @@ def test_a_client_heartbeats_often_enough_for_a_strict_engine(tiny_model_dir: Pa
         finally:
             await client.shutdown()
 
-    with strict_engine(tiny_model_dir, 2.0) as engine:
+    with running_engine(tiny_model_dir, "inprocess", 2.0) as engine:
         run_async(scenario(engine))
