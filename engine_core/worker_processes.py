@@ -37,6 +37,7 @@ from protocol.worker_messages import (
 )
 from runtime.dirs import make_runtime_dir, remove_runtime_dir
 from runtime.processes import spawn_module, terminate_processes, wait_for_exit
+from runtime.signals import signals_held
 from runtime.zmq_security import SecureBinder, faces_network, keys_from_env
 
 logger = logging.getLogger(__name__)
@@ -131,7 +132,8 @@ class WorkerProcesses:
                 self.distributed_init_method(),
                 str(self.runtime_dir),
             )
-            self.processes.append(self._spawn(launch, env))
+            with signals_held():  # a signal now is raised once the handle is kept
+                self.processes.append(self._spawn(launch, env))
 
     def _spawn(self, launch: WorkerLaunch, env: dict[str, str]) -> subprocess.Popen[bytes]:
         return spawn_worker(launch, env)

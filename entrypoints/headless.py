@@ -34,7 +34,7 @@ from protocol.worker_messages import WorkerLaunch
 from runtime.dirs import make_runtime_dir, remove_runtime_dir
 from runtime.exit_codes import ExitCode
 from runtime.processes import describe_exit, terminate_processes, wait_for_exit
-from runtime.signals import ShutdownRequested, ignore_shutdown_signals
+from runtime.signals import ShutdownRequested, ignore_shutdown_signals, signals_held
 from runtime.zmq_security import (
     CURVE_KEYS_ENV,
     CurveKeys,
@@ -146,7 +146,8 @@ class HeadlessNode:
                 self.addresses.distributed_init_method,
                 str(self.runtime_dir),
             )
-            self.processes[rank] = spawn_worker(launch, env)
+            with signals_held():  # a signal now is raised once the handle is kept
+                self.processes[rank] = spawn_worker(launch, env)
         logger.info(
             "node %d: started ranks %d-%d (pids %s) for the head at %s",
             self.nodes.node_rank,

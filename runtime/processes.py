@@ -38,7 +38,8 @@ def spawn_module(
     ``env`` is added to this process's environment (secrets go there, never on a command line
     that every local user can read). ``new_session``: a Ctrl-C in the terminal then reaches only
     the parent, which decides how its children stop. A shutdown signal arriving meanwhile is
-    held until the child's handle exists.
+    held until the child's handle exists, and raised as this returns: a caller that keeps the
+    handle must store it inside its own ``signals_held()`` block.
     """
     command = [sys.executable, "-m", module, *args]
     stdin = subprocess.PIPE if stdin_pipe else None
@@ -66,7 +67,10 @@ class ChildProcess:
         return self.process.pid
 
     def start(self) -> ChildProcess:
-        self.process = spawn_module(self.module, self.args, env=self.env)
+        # Held until the handle is stored: raised as spawn_module returns, the signal would
+        # lose it, and the child would run on with nobody to stop it.
+        with signals_held():
+            self.process = spawn_module(self.module, self.args, env=self.env)
         logger.info("started %s, pid %d", self.name, self.process.pid)
         return self
 

@@ -149,3 +149,29 @@ def test_log_lines_name_the_process_and_levels_come_from_the_environment(monkeyp
     assert done.returncode == 0
     (line,) = done.stderr.strip().splitlines()  # the INFO line is below $CONVEYOR_LOG_LEVEL
     assert " worker-3[" in line and "] WARNING x: hello" in line
+
+
+def test_a_signal_as_a_child_starts_leaves_its_handle_with_the_child_process(monkeypatch):
+    """The signal lands while the child is spawned (as the supervisor's SIGTERM did while it
+    started a frontend): ShutdownRequested is raised, and the ChildProcess has the handle, so
+    the cleanup that follows stops the child instead of leaving it running."""
+    from runtime import processes
+
+    real_popen = subprocess.Popen
+
+    def popen_then_signal(*args, **kwargs):
+        handle = real_popen(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return handle
+
+    monkeypatch.setattr(processes.subprocess, "Popen", popen_then_signal)
+    child = ChildProcess("sleeper", "http.server", ["0", "--bind", "127.0.0.1"])
+    install_shutdown_signals()
+    try:
+        with pytest.raises(ShutdownRequested, match="SIGTERM"):
+            child.start()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert child.process is not None and pid_is_alive(child.pid)
+    assert child.stop(timeout_s=5) == -signal.SIGTERM
