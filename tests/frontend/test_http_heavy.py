@@ -226,7 +226,8 @@ def test_an_accepted_request_that_tokenizes_for_seconds_leaves_other_streams_run
     prompts of 3,630 tokens) is the same in both. A tokenizer on the event loop would hold every
     stream for the whole of the tokenizing on top of that; off the loop, the streams share
     the CPU with the tokenizer threads and wait at most twice as long as with the control
-    (``MAX_STREAM_GAP_S`` at least).
+    (``MAX_STREAM_GAP_S`` at least, or 0.6 of the tokenizing time: always less than what a
+    tokenizer on the loop would hold them for).
     """
     prompt = "def f(x):\n    return x + 1\n" * 330
     token_ids = list(load_tokenizer(tiny_model_dir)(prompt).input_ids)
@@ -258,6 +259,12 @@ def test_an_accepted_request_that_tokenizes_for_seconds_leaves_other_streams_run
     tokenizer = load_tokenizer(tiny_model_dir)
     start = time.perf_counter()
     tokenizer([prompt] * 256)
-    assert time.perf_counter() - start > 0.5, "not a heavy request to tokenize"
-    bound = max(MAX_STREAM_GAP_S, 2 * max(gaps["control"]))
-    assert max(gaps["text"]) < bound, f"requests took {took}; longest waits {gaps}"
+    tokenizing_s = time.perf_counter() - start
+    assert tokenizing_s > 0.5, "not a heavy request to tokenize"
+    # A tokenizer on the event loop would hold every stream for all of tokenizing_s; off it,
+    # the streams wait for a share of the CPU (2 cores, the rest of the suite beside them: a
+    # loaded CI run saw 0.57 s of 1.4 s), so the bound is a fraction of what on-loop would be.
+    bound = max(MAX_STREAM_GAP_S, 2 * max(gaps["control"]), 0.6 * tokenizing_s)
+    assert max(gaps["text"]) < bound, (
+        f"requests took {took}; longest waits {gaps}; tokenizing alone {tokenizing_s:.2f} s"
+    )
