@@ -489,15 +489,7 @@ def test_flash_attn_matches_torch_backend_over_two_steps(
     block_size, dtype, device = 256, torch.bfloat16, torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     pool = np.random.default_rng(0).permutation(12).tolist()
-    requests = []
-    for num_computed, num_scheduled in shapes:
-        n = -(-(num_computed + num_scheduled) // block_size)
-        block_ids, pool = pool[:n], pool[n:]
-        requests.append(
-            make_request(
-                gen, num_computed, num_scheduled, num_heads, num_kv_heads, block_ids, dtype
-            )
-        )
+    requests = make_requests(gen, pool, shapes, block_size, num_heads, num_kv_heads, dtype)
     # Step 1 fills the cached prefixes through each backend's own forward, whatever its layout.
     prefix_step = []
     for r in requests:
