@@ -111,9 +111,9 @@ def claim_cuda_memory(device: torch.device, gpu_memory_utilization: float) -> Cu
 
 def engine_peak_bytes(baseline: CudaMemory, device: torch.device) -> int:
     """This engine's peak since ``baseline``: torch's peak allocation above what was allocated
-    then (weights, activations, temporary buffers) plus memory outside torch it added (its
-    share of the CUDA context, communication buffers). The caller resets torch's peak before
-    the pass it measures."""
+    then (weights, activations, temporary buffers) plus memory outside torch it added since
+    (communication buffers, library workspaces; the CUDA context already existed at the
+    baseline). The caller resets torch's peak before the pass it measures."""
     now = CudaMemory.read(device)
     torch_peak = torch.cuda.max_memory_allocated(device) - baseline.allocated
     return max(0, torch_peak) + max(0, now.outside_torch - baseline.outside_torch)

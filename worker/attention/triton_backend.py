@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from worker.attention.backend import AttentionBackend, AttentionMetadata
-from worker.attention.torch_backend import write_kv
+from worker.attention.torch_backend import TorchAttentionBackend, write_kv
 from worker.device_buffers import array_to_device
 
 # Score-matrix rows per program: a decode-only step has one token per request, so its tiles are
@@ -90,11 +90,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._plan_key: tuple[object, ...] | None = None
         self._plan: _TilePlan | None = None
 
-    @staticmethod
-    def kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
-    ) -> tuple[int, ...]:
-        return (2, num_kv_heads, num_blocks, block_size, head_dim)
+    # The torch backend's layout, from its one definition: the two read and write the same cache.
+    kv_cache_shape = staticmethod(TorchAttentionBackend.kv_cache_shape)
 
     def _plan_for(self, metadata: AttentionMetadata, rows: int, group: int, device) -> _TilePlan:
         key = (metadata.query_start_loc_cpu.tobytes(), rows, group, str(device))
