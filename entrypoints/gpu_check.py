@@ -44,6 +44,23 @@ CUDA_TEST_FILES = (
 )
 
 
+# Kept here, not imported from protocol/benchmarks: only the standard library is imported before
+# the install step (tests/entrypoints/test_gpu_check.py checks both against their sources).
+ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch", "cpu-kernel")
+OFFLINE_WORKLOADS = ("equal", "long", "mix")
+
+
+def _workloads(text: str) -> list[str]:
+    """``--offline``: comma-separated bench offline workloads, refused if unknown."""
+    workloads = [w for w in text.split(",") if w]
+    unknown = [w for w in workloads if w not in OFFLINE_WORKLOADS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(OFFLINE_WORKLOADS)}"
+        )
+    return workloads
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="conveyor gpu-check",
@@ -61,16 +78,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--model", type=Path, help="measure this model directory instead")
     parser.add_argument(
-        "--attention-backend", default="auto", help="measure with this attention backend"
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="measure with this attention backend",
     )
     parser.add_argument(
         "--compare-backend",
+        choices=ATTENTION_BACKENDS,
         default=None,
         help="measure decode and prefill again with this backend, in the same process (on a GPU "
         "machine: torch, against the Triton or flash-attn default)",
     )
     parser.add_argument(
         "--offline",
+        type=_workloads,
         default="equal,mix",
         help="bench offline workloads through the multi-process engine ('' for none)",
     )
@@ -224,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         report.comparison = measure(
             dataclasses.replace(plan, attention_backend=args.compare_backend)
         )
-    workloads = [w for w in args.offline.split(",") if w]
+    workloads = args.offline
     requests = args.offline_requests or (8 if args.dry_run else 256)
     report.offline = [run_offline(plan, w, requests) for w in workloads]
     print(format_report(report), flush=True)

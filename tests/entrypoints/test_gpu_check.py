@@ -47,3 +47,20 @@ def test_the_dry_run_goes_end_to_end_on_cpu(tmp_path):
     assert "| offline workload | requests | output tok/s |" in result.stdout
     # The CUDA tests are collected (they would skip here), not run.
     assert "collected" in report["tests"] and "error" not in report["tests"]
+
+
+def test_its_flag_choices_are_the_engines_and_unknown_ones_are_refused():
+    """gpu-check spells out the backends and workloads (it imports nothing of conveyor before
+    installing it): they must be the engine's own, and a misspelling is refused, not ignored."""
+    from benchmarks.offline import WORKLOADS
+    from entrypoints import gpu_check
+    from protocol.config import ATTENTION_BACKENDS
+
+    assert gpu_check.ATTENTION_BACKENDS == ATTENTION_BACKENDS
+    assert tuple(sorted(WORKLOADS)) == gpu_check.OFFLINE_WORKLOADS
+    assert gpu_check.parse_args(["--offline", "mix,"]).offline == ["mix"]
+    assert gpu_check.parse_args(["--offline", ""]).offline == []
+    for flags in (["--offline", "equal,mixed"], ["--compare-backend", "flash"]):
+        with pytest.raises(SystemExit) as exit_info:
+            gpu_check.parse_args(flags)
+        assert exit_info.value.code == 2
