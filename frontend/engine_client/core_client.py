@@ -163,13 +163,10 @@ class EngineClientBase(ABC):
         # How long a silent engine is given stays with the requested interval: heartbeating more
         # often for a strict engine must not make this side quicker to give up on it.
         silence_limit_s = SILENCE_HEARTBEATS * heartbeat_interval_s
-        heartbeat_interval_s = heartbeat_interval(
-            heartbeat_interval_s, self.engine_heartbeat_timeout_s
-        )
+        beat_s = heartbeat_interval(heartbeat_interval_s, self.engine_heartbeat_timeout_s)
         self._io = SocketThread(
-            context, dealer, self._liveness, heartbeat_interval_s, deliver, on_death, responsive
+            context, dealer, self._liveness, beat_s, silence_limit_s, deliver, on_death, responsive
         )
-        self._io.silence_limit_s = silence_limit_s
         self._sender = context.socket(zmq.PUSH)
         self._sender.setsockopt(zmq.SNDHWM, 0)
         self._sender.connect(self._io.pipe_address)
@@ -230,6 +227,7 @@ class SocketThread(threading.Thread):
         dealer: zmq.Socket,
         liveness: EngineLiveness,
         heartbeat_interval_s: float,
+        silence_limit_s: float,
         deliver: Callable[[EngineMessage], None],
         on_death: Callable[[str], None],
         responsive: Callable[[], bool],
@@ -245,7 +243,7 @@ class SocketThread(threading.Thread):
         self._deliver = deliver
         self._on_death = on_death
         self._responsive = responsive
-        self.silence_limit_s = SILENCE_HEARTBEATS * heartbeat_interval_s
+        self.silence_limit_s = silence_limit_s
         # When the oldest heartbeat the engine has not answered (nor sent anything since) left.
         self._unanswered_since: float | None = None
         self._last_round = time.monotonic()
