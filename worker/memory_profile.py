@@ -5,8 +5,9 @@ forward at the full token budget, split into as many requests as the width cap a
 logits for every request, shows the activation peak; whatever the weights and that peak leave of
 this engine's ``gpu_memory_utilization`` of the device goes to KV blocks. What other engines and
 processes hold is not counted, but that share must be free when the engine starts (kv_cache.py,
-as vLLM does). The decode CUDA graphs are captured right after that step (they never read the KV cache) and the memory they
-keep is subtracted too: graph memory is never available to anything else.
+as vLLM does). The decode CUDA graphs are captured right after that step (they never read the
+KV cache) and the memory they keep is subtracted too: graph memory is never available to
+anything else.
 """
 
 from __future__ import annotations
