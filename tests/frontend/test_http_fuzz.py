@@ -147,6 +147,10 @@ def _one_request(rng: random.Random) -> bytes:
         if rng.random() < 0.5
         else [k.encode() + b": " + v for k, v in headers.items()]
     )
+    if any(line.lower().startswith(b"transfer-encoding:") and b"chunked" in line for line in lines):
+        # A chunked body ends at its last chunk: without one (a body cut to nothing, say) the
+        # server rightly waits for more, like a Content-Length above the body would.
+        body += b"0\r\n\r\n"
     head = f"{method} {path} HTTP/1.1".encode("latin-1")
     return b"\r\n".join([head, *lines]) + b"\r\n\r\n" + body
 
