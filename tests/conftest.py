@@ -31,6 +31,31 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["CONVEYOR_CACHE"] = str(cache.mkdir("conveyor-models"))
 
 
+UNGROUPED = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` (a pytest-xdist worker), check that the grouping took: the
+    modules that share one server per module (``xdist_group``) must run on one worker, or each
+    worker starts its own copy and the two fight over two cores. xdist marks a grouped test by
+    appending ``@group`` to its id; where a pytest ignores that, those tests fail at setup with
+    the reason (an error raised here would reach the user as an xdist internal error)."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid:
+            item.stash[UNGROUPED] = (
+                f"--dist loadgroup did not keep this module's tests on one worker (pytest "
+                f"{pytest.__version__} with pytest-xdist: see the pytest pin in pyproject.toml)"
+            )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if UNGROUPED in item.stash:
+        pytest.fail(item.stash[UNGROUPED], pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs() -> dict[str, Path]:
     """The tiny random-weight model of each family: {"qwen3": dir, "qwen2": dir, "llama": dir}."""
