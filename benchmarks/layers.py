@@ -8,7 +8,7 @@ Sections:
           x @ W^T pre-transposed, oneDNN with the weight packed once (what the layers use for
           small batches), MKL packed for one exact batch size.
   ops     the small ops, the straightforward version (as Hugging Face writes them) against ours:
-          residual add + RMSNorm, q/k head norms + RoPE, SiLU * up; with --compile also ours
+          residual add + RMSNorm (also our torch ops, which the compiled CPU op replaces), q/k head norms + RoPE, SiLU * up; with --compile also ours
           through torch.compile (static shapes, one compile per row count: minutes); with
           --device cuda the ops run on the GPU in bfloat16 (the other sections are CPU only).
   model   one forward with a stub attention that only copies q (so the time is everything but
@@ -213,6 +213,8 @@ class OpCases:
         cases = {
             "add+rmsnorm": {
                 "reference": lambda: reference_add_norm(x, residual, self.norm.weight),
+                # The layer's torch ops, which "ours" runs as one compiled op on CPU float32.
+                "torch ops": lambda: rms_normalize(x + residual, self.norm.weight, EPS),
                 "ours": lambda: self.norm(x, residual),
             },
             "qk norm+rope": {

@@ -11,6 +11,7 @@ a minute or two), so one test does it all.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import shutil
@@ -24,6 +25,7 @@ import pytest
 
 from tests.frontend.http_helpers import free_port
 from tests.process_tree import descendants, kill_all, wait_until_gone
+from worker.native import find_compiler
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +33,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("protocol", "runtime", "engine_core", "worker", "frontend", "entrypoints", "benchmarks")
 SUBCOMMANDS = ("serve", "frontend", "generate", "bench", "make-model", "plot-trace")
 BENCH_SUBCOMMANDS = ("serve", "offline", "scheduler", "wire", "attention", "layers", "fake-server")
+BUILD_COMPILED_PATHS = (
+    "from worker.attention.cpu_kernel import load_kernel; "
+    "from worker.layers.cpu_ops import load_token_ops; "
+    "print(load_kernel() is not None, load_token_ops() is not None)"
+)
 # What Python source looks like: a keyword or an indented line.
 PYTHON_LOOKING = re.compile(r"\b(def|return|self|import|if|for|in|None|class)\b|\n {4}")
 
@@ -44,8 +51,11 @@ def _copy_source(to: Path) -> Path:
     return to
 
 
-def _run(command: list[str], cwd: Path, timeout_s: float) -> str:
-    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
+def _run(command: list[str], cwd: Path, timeout_s: float, env: dict[str, str] | None = None) -> str:
+    environment = None if env is None else {**os.environ, **env}
+    done = subprocess.run(
+        command, cwd=cwd, capture_output=True, text=True, timeout=timeout_s, env=environment
+    )
     assert done.returncode == 0, f"{command}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     return done.stdout
 
@@ -65,6 +75,12 @@ def test_a_plain_pip_install_serves_the_default_model_from_any_directory(tmp_pat
     assert all(re.search(rf"^\s+{name}\b", usage, re.M) for name in SUBCOMMANDS), usage
     bench_usage = _run([conveyor, "bench", "--help"], work, 60)
     assert all(re.search(rf"^\s+{name}\b", bench_usage, re.M) for name in BENCH_SUBCOMMANDS)
+    # The compiled CPU paths build from the installed sources alone (their headers included),
+    # into an empty cache: without them the worker would fall back to torch ops, slower.
+    if find_compiler() is not None:
+        cache = {"CONVEYOR_CACHE": str(tmp_path / "cache")}
+        built = _run([str(python), "-c", BUILD_COMPILED_PATHS], work, 120, cache)
+        assert built.split() == ["True", "True"], built
 
     port = free_port()
     command = [conveyor, "serve", "--demo-prompt", "def main():", "--port", str(port)]

@@ -1,33 +1,27 @@
 """The compiled CPU paged-attention kernel: build on first use, load with ctypes, call.
 
-Runs in worker processes. ``csrc/paged_attention.c`` (and the headers beside it) is plain C (no
-torch headers), so the system compiler builds it in about a second; the shared object is cached
-under ``$CONVEYOR_CACHE/kernels`` (else ``~/.cache/conveyor/kernels``), named by a hash of the
-sources, the flags, the compiler and the CPU, and published by an atomic rename, so processes that race to
-build it (pytest-xdist, tensor parallel workers) all load a complete file. Where there is no
-compiler or the build fails, the reason is logged once and the torch backend keeps its pure-torch
-path. ``CONVEYOR_CPU_KERNEL=0`` turns the kernel off.
+Runs in worker processes. ``csrc/paged_attention.c`` (and the headers beside it) is built and
+cached by ``worker.native`` (the system compiler, about a second, cached by a hash of the sources,
+the flags, the compiler and the CPU). Where there is no compiler or the build fails, the reason is
+logged once and the torch backend keeps its pure-torch path. ``CONVEYOR_CPU_KERNEL=0`` turns the
+kernel off.
 
-ctypes releases the GIL for the call, and the kernel's OpenMP threads come from the same libgomp
-torch loaded (torch is imported before any kernel loads, and its libgomp has the system one's
-soname), so they are the threads torch's own ops use, not a second pool competing for the cores.
+ctypes releases the GIL for the call; the kernel's OpenMP threads are torch's own (see
+``worker.native``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from worker import native
+from worker.native import find_compiler
 
 logger = logging.getLogger(__name__)
 
@@ -41,18 +35,6 @@ MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
 ITEM_FIELDS = 4
 _ERRORS = {-1: "unsupported shape", -2: "block id out of range", -3: "slot out of range"}
-
-# Tried in order: the first set the compiler accepts wins. -march=native vectorises for this CPU
-# (the cache key includes the CPU, so a shared cache folder never hands it to another machine).
-_FLAG_SETS = (
-    ("-O3", "-march=native", "-fopenmp"),
-    ("-O3", "-fopenmp"),
-    ("-O3", "-fopenmp-simd"),
-    ("-O2",),
-)
-# ISO C mode turns off contracting a * b + c into one fused multiply-add; the kernel is nearly all
-# of those, and without FMA it ran at about half the speed.
-_COMMON_FLAGS = ("-shared", "-fPIC", "-std=c11", "-ffp-contract=fast")
 
 _i32, _i64, _f32, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _ARGTYPES = [
@@ -165,7 +147,7 @@ def queries_per_item(num_heads: int, num_kv_heads: int) -> int:
 
 
 def kernel_disabled() -> bool:
-    return os.environ.get("CONVEYOR_CPU_KERNEL", "1").strip().lower() in ("0", "false", "no", "off")
+    return native.compiled_paths_disabled()
 
 
 @functools.cache
@@ -178,87 +160,25 @@ def load_kernel() -> PagedAttentionKernel | None:
     if compiler is None:
         logger.warning("CPU attention kernel unavailable (no C compiler; set CC), using torch ops")
         return None
-    errors = []
-    for flags in _FLAG_SETS:
-        try:
-            return _load(_build(compiler, flags))
-        except Exception as error:  # any failure means "try plainer flags", never a crash
-            errors.append(f"{' '.join(flags)}: {error}")
-    logger.warning("CPU attention kernel unavailable, using torch ops:\n%s", "\n".join(errors))
-    return None
+    kernel, errors = native.build_and_load(SOURCE_PATH, _inputs(), _from_library, compiler)
+    if kernel is None:
+        logger.warning("CPU attention kernel unavailable, using torch ops:\n%s", "\n".join(errors))
+    return kernel
 
 
-def find_compiler() -> str | None:
-    for name in (os.environ.get("CC"), "gcc", "cc", "clang"):
-        if name and (path := shutil.which(name)):
-            return path
-    return None
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("CONVEYOR_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "conveyor"
-    return base / "kernels"
+def _inputs() -> list[Path]:
+    return sorted(SOURCE_PATH.parent.glob("*.[ch]"))
 
 
 def _build(compiler: str, flags: tuple[str, ...]) -> Path:
-    # The .c file and every header it includes: a change to any of them is a new build.
-    source = b"".join(p.read_bytes() for p in sorted(SOURCE_PATH.parent.glob("*.[ch]")))
-    folder = cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"paged_attention-{_build_key(compiler, source, flags)}.so"
-    if not path.exists():
-        _compile(compiler, flags, folder, path)
-        logger.info("built CPU attention kernel %s (%s)", path, " ".join(flags))
-    return path
+    return native.build(compiler, flags, SOURCE_PATH, _inputs())
 
 
 def _load(path: Path) -> PagedAttentionKernel:
-    library = ctypes.CDLL(str(path))
+    return _from_library(ctypes.CDLL(str(path)), path)
+
+
+def _from_library(library: ctypes.CDLL, path: Path) -> PagedAttentionKernel:
     if library.conveyor_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path} has ABI {library.conveyor_abi_version()}, want {ABI_VERSION}")
     return PagedAttentionKernel(library, path)
-
-
-def _compile(compiler: str, flags: tuple[str, ...], folder: Path, path: Path) -> None:
-    """Build into a private temporary file, then rename it into place (atomic on POSIX)."""
-    fd, temp_name = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        command = [compiler, *flags, *_COMMON_FLAGS, str(SOURCE_PATH), "-o", temp_name, "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise RuntimeError(result.stderr.strip()[-500:] or f"exit status {result.returncode}")
-        os.chmod(temp_name, 0o755)  # mkstemp made it private; any user of the cache may load it
-        os.replace(temp_name, path)
-    finally:
-        if os.path.exists(temp_name):
-            os.unlink(temp_name)
-
-
-def _build_key(compiler: str, source: bytes, flags: tuple[str, ...]) -> str:
-    digest = hashlib.sha256(source)
-    for part in (compiler, _compiler_version(compiler), *flags, *_COMMON_FLAGS, _cpu_identity()):
-        digest.update(b"\0" + part.encode())
-    return digest.hexdigest()[:16]
-
-
-@functools.cache
-def _compiler_version(compiler: str) -> str:
-    result = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
-    return result.stdout.splitlines()[0] if result.stdout else ""
-
-
-def _cpu_identity() -> str:
-    """What -march=native depends on: the CPU's model and feature flags."""
-    identity = [platform.machine()]
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "flags", "Features")):
-                    identity.append(line.strip())
-                if len(identity) >= 3:
-                    break
-    except OSError:
-        pass
-    return "\n".join(identity)

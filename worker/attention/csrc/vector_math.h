@@ -1,6 +1,7 @@
 /*
- * 8-float vector helpers shared by the paged-attention kernel's two item paths (included only by
- * paged_attention.c, so everything here is static inline).
+ * 8-float vector helpers shared by the paged-attention kernel's two item paths and by the token
+ * ops (worker/layers/csrc/token_ops.c); each library includes its own copy, so everything here is
+ * static inline.
  *
  * GCC/clang vector extensions: AVX on x86 with -march=native, pairs of SSE/NEON registers
  * otherwise. Written out rather than left to the auto-vectoriser, which kept the exp and max loops

@@ -1,0 +1,131 @@
+"""Compiled token-wise ops for float32 on CPU (``csrc/token_ops.c``): the residual add fused into
+the RMSNorm that follows it.
+
+Runs in worker processes. Built and cached like the attention kernel (``worker.native``); where
+it cannot be built, or ``CONVEYOR_CPU_KERNEL=0``, the layers keep their torch ops. In the `bench`
+model's forward the torch add + RMSNorm was 5.8 % of the time (`equal` workload); this is 3-5x
+faster per call (docs/performance.md#prefill).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from worker import native
+
+logger = logging.getLogger(__name__)
+
+SOURCE_PATH = Path(__file__).parent / "csrc" / "token_ops.c"
+# The attention kernel's vector helpers, which the source includes.
+VECTOR_MATH_PATH = Path(__file__).parent.parent / "attention" / "csrc" / "vector_math.h"
+# Must match CONVEYOR_TOKEN_OPS_ABI_VERSION in the source.
+ABI_VERSION = 1
+
+_i32, _i64, _f32, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_ADD_RMS_NORM_ARGTYPES = [
+    _ptr, _i64, _ptr, _i64,  # x and its row stride, residual (or NULL) and its row stride
+    _ptr, _i64, _i32, _f32,  # weight, rows, size, eps
+    _ptr, _i64, _ptr, _i64,  # out and its row stride, summed (or NULL) and its row stride
+    _i32,  # threads
+]  # fmt: skip
+
+
+class TokenOps:
+    """The loaded library."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._add_rms_norm = library.conveyor_add_rms_norm
+        self._add_rms_norm.argtypes = _ADD_RMS_NORM_ARGTYPES
+        self._add_rms_norm.restype = ctypes.c_int
+
+    @staticmethod
+    def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """CPU float32 rows with dense last dimensions and one weight per column."""
+        tensors = (x, weight) if residual is None else (x, weight, residual)
+        return all(t.is_cpu and t.dtype == torch.float32 for t in tensors) and (
+            TokenOps.takes_rows(x, residual) and TokenOps.takes_weight(weight, x.shape[1])
+        )
+
+    @staticmethod
+    def takes_weight(weight: torch.Tensor, size: int) -> bool:
+        return (
+            weight.is_cpu
+            and weight.dtype == torch.float32
+            and weight.shape == (size,)
+            and (weight.is_contiguous())
+        )
+
+    @staticmethod
+    def takes_rows(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether ``x`` (CPU float32, which the caller has checked) and ``residual`` fit."""
+        return (
+            x.dim() == 2
+            and x.stride(1) == 1
+            and (
+                residual is None
+                or (
+                    residual.shape == x.shape
+                    and residual.stride(1) == 1
+                    and residual.dtype == torch.float32
+                    and residual.is_cpu
+                )
+            )
+        )
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(norm(x + residual) * weight, x + residual); without ``residual``, (norm(x) * weight,
+        None). Fresh tensors: the inputs are left as they were. ``supports`` must hold."""
+        num_rows, size = x.shape
+        out = torch.empty((num_rows, size))
+        if residual is None:
+            summed = None
+            residual_ptr = summed_ptr = residual_stride = 0
+        else:
+            summed = torch.empty((num_rows, size))
+            residual_ptr, residual_stride = residual.data_ptr(), residual.stride(0)
+            summed_ptr = summed.data_ptr()
+        status = self._add_rms_norm(
+            x.data_ptr(), x.stride(0), residual_ptr, residual_stride,
+            weight.data_ptr(), num_rows, size, eps,
+            out.data_ptr(), size, summed_ptr, size,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"add_rms_norm failed with status {status}")
+        return out, summed
+
+
+@functools.cache
+def load_token_ops() -> TokenOps | None:
+    """The library, built if needed; None (logged once) where it is off or cannot be built."""
+    if native.compiled_paths_disabled():
+        return None
+    compiler = native.find_compiler()
+    if compiler is None:
+        logger.info("compiled CPU token ops unavailable (no C compiler), using torch ops")
+        return None
+    ops, errors = native.build_and_load(SOURCE_PATH, _inputs(), _from_library, compiler)
+    if ops is None:
+        logger.warning(
+            "compiled CPU token ops unavailable, using torch ops:\n%s", "\n".join(errors)
+        )
+    return ops
+
+
+def _inputs() -> list[Path]:
+    return [SOURCE_PATH, VECTOR_MATH_PATH]
+
+
+def _from_library(library: ctypes.CDLL, path: Path) -> TokenOps:
+    version = library.conveyor_token_ops_abi_version()
+    if version != ABI_VERSION:
+        raise RuntimeError(f"{path} has ABI {version}, want {ABI_VERSION}")
+    return TokenOps(library, path)

@@ -1,0 +1,132 @@
+"""Build the worker's C sources with the system compiler on first use, cached, and load them.
+
+Runs in worker processes. The sources are plain C (no torch headers), so a build takes about a
+second. A shared object is cached under ``$CONVEYOR_CACHE/kernels`` (else
+``~/.cache/conveyor/kernels``), named by a hash of the sources, the flags, the compiler and the
+CPU, and published by an atomic rename, so processes that race to build it (pytest-xdist, tensor
+parallel workers) all load a complete file. Callers try ``FLAG_SETS`` in order and fall back to
+torch ops where nothing builds; ``CONVEYOR_CPU_KERNEL=0`` turns every compiled path off.
+
+The libraries' OpenMP threads come from the libgomp torch loaded (torch is imported before any
+library loads, and its libgomp has the system one's soname), so they are the threads torch's own
+ops use, not a second pool competing for the cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+# Tried in order: the first set the compiler accepts wins. -march=native vectorises for this CPU
+# (the cache key includes the CPU, so a shared cache folder never hands it to another machine).
+FLAG_SETS = (
+    ("-O3", "-march=native", "-fopenmp"),
+    ("-O3", "-fopenmp"),
+    ("-O3", "-fopenmp-simd"),
+    ("-O2",),
+)
+# ISO C mode turns off contracting a * b + c into one fused multiply-add; the kernels are nearly
+# all of those, and without FMA the attention kernel ran at about half the speed.
+COMMON_FLAGS = ("-shared", "-fPIC", "-std=c11", "-ffp-contract=fast")
+
+
+def compiled_paths_disabled() -> bool:
+    return os.environ.get("CONVEYOR_CPU_KERNEL", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def find_compiler() -> str | None:
+    for name in (os.environ.get("CC"), "gcc", "cc", "clang"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("CONVEYOR_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "conveyor"
+    return base / "kernels"
+
+
+def build_and_load(
+    source: Path,
+    inputs: Sequence[Path],
+    load: Callable[[ctypes.CDLL, Path], T],
+    compiler: str,
+) -> tuple[T | None, list[str]]:
+    """``load(library, path)`` of the first flag set that builds and loads; else None and why
+    each failed. ``inputs``: every file the build reads (the source and its headers)."""
+    errors = []
+    for flags in FLAG_SETS:
+        try:
+            path = build(compiler, flags, source, inputs)
+            return load(ctypes.CDLL(str(path)), path), errors
+        except Exception as error:  # any failure means "try plainer flags", never a crash
+            errors.append(f"{' '.join(flags)}: {error}")
+    return None, errors
+
+
+def build(compiler: str, flags: tuple[str, ...], source: Path, inputs: Sequence[Path]) -> Path:
+    """The shared object of ``source`` built with ``flags``, from the cache when it is there."""
+    # Every file the build reads: a change to any of them is a new build.
+    content = b"".join(p.read_bytes() for p in sorted(set(inputs)))
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{source.stem}-{_build_key(compiler, content, flags)}.so"
+    if not path.exists():
+        _compile(compiler, flags, source, folder, path)
+    return path
+
+
+def _compile(compiler: str, flags: tuple[str, ...], source: Path, folder: Path, path: Path) -> None:
+    """Build into a private temporary file, then rename it into place (atomic on POSIX)."""
+    fd, temp_name = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        command = [compiler, *flags, *COMMON_FLAGS, str(source), "-o", temp_name, "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr.strip()[-500:] or f"exit status {result.returncode}")
+        os.chmod(temp_name, 0o755)  # mkstemp made it private; any user of the cache may load it
+        os.replace(temp_name, path)
+    finally:
+        if os.path.exists(temp_name):
+            os.unlink(temp_name)
+
+
+def _build_key(compiler: str, content: bytes, flags: tuple[str, ...]) -> str:
+    digest = hashlib.sha256(content)
+    for part in (compiler, _compiler_version(compiler), *flags, *COMMON_FLAGS, _cpu_identity()):
+        digest.update(b"\0" + part.encode())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    result = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    return result.stdout.splitlines()[0] if result.stdout else ""
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    identity = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features")):
+                    identity.append(line.strip())
+                if len(identity) >= 3:
+                    break
+    except OSError:
+        pass
+    return "\n".join(identity)
