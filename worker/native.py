@@ -63,11 +63,14 @@ def build_and_load(
     inputs: Sequence[Path],
     load: Callable[[ctypes.CDLL, Path], T],
     compiler: str,
+    defines: tuple[str, ...] = (),
 ) -> tuple[T | None, list[str]]:
     """``load(library, path)`` of the first flag set that builds and loads; else None and why
-    each failed. ``inputs``: every file the build reads (the source and its headers)."""
+    each failed. ``inputs``: every file the build reads (the source and its headers);
+    ``defines``: flags every attempt adds (``-DNAME``), a build variant of the same source."""
     errors = []
     for flags in FLAG_SETS:
+        flags = (*flags, *defines)
         try:
             path = build(compiler, flags, source, inputs)
             return load(ctypes.CDLL(str(path)), path), errors

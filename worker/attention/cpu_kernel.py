@@ -6,8 +6,9 @@ the flags, the compiler and the CPU). Where there is no compiler or the build fa
 logged once and the torch backend keeps its pure-torch path. ``CONVEYOR_CPU_KERNEL=0`` turns the
 kernel off.
 
-ctypes releases the GIL for the call; the kernel's OpenMP threads are torch's own (see
-``worker.native``).
+The source builds twice, on demand: for float32, and with ``-DCONVEYOR_BF16`` for bfloat16
+models (bfloat16 queries, cache and output; the arithmetic stays float32). ctypes releases the GIL
+for the call; the kernel's OpenMP threads are torch's own (see ``worker.native``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_attention.c"
 # Must match CONVEYOR_ABI_VERSION in the source: a stale or foreign build is never called.
-ABI_VERSION = 7
+ABI_VERSION = 8
 # Must match the source's limits: rows per work item (query tokens x GQA group, TILE_MAX_ROWS),
 # head_dim (at most MAX_HEAD_DIM, a multiple of HEAD_DIM_MULTIPLE: 8-float vectors).
 MAX_ROWS = 32
@@ -35,6 +36,8 @@ MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
 ITEM_FIELDS = 4
 _ERRORS = {-1: "unsupported shape", -2: "block id out of range", -3: "slot out of range"}
+# The dtypes it is built for, and the defines of each build.
+BUILDS = {torch.float32: (), torch.bfloat16: ("-DCONVEYOR_BF16",)}
 
 _i32, _i64, _f32, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _ARGTYPES = [
@@ -54,8 +57,10 @@ _WRITE_ARGTYPES = [
 class PagedAttentionKernel:
     """The loaded kernel: checks what it can run, then attends straight from the paged cache."""
 
-    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+    def __init__(self, library: ctypes.CDLL, path: Path, dtype: torch.dtype) -> None:
         self.path = path
+        # Of the queries, the cache and the output: this build takes no other.
+        self.dtype = dtype
         self._function = library.conveyor_paged_attention
         self._function.argtypes = _ARGTYPES
         self._function.restype = ctypes.c_int
@@ -63,16 +68,16 @@ class PagedAttentionKernel:
         self._write.argtypes = _WRITE_ARGTYPES
         self._write.restype = ctypes.c_int
 
-    @staticmethod
-    def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """Whether these tensors fit the kernel: CPU float32, dense head rows, a dense cache."""
+    def supports(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether these tensors fit the kernel: CPU, this build's dtype, dense head rows, a dense
+        cache."""
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[1]
         return (
             kv_cache.device.type == "cpu"
             and query.device.type == "cpu"
-            and kv_cache.dtype == torch.float32
-            and query.dtype == torch.float32
+            and kv_cache.dtype == self.dtype
+            and query.dtype == self.dtype
             and kv_cache.is_contiguous()
             and query.stride(2) == 1
             and head_dim <= MAX_HEAD_DIM
@@ -151,8 +156,11 @@ def kernel_disabled() -> bool:
 
 
 @functools.cache
-def load_kernel() -> PagedAttentionKernel | None:
-    """The kernel, built if needed; None (logged once) where it is disabled or cannot be built."""
+def load_kernel(dtype: torch.dtype = torch.float32) -> PagedAttentionKernel | None:
+    """The kernel for ``dtype``, built if needed; None (logged once) where it is disabled, has no
+    build for that dtype, or cannot be built."""
+    if dtype not in BUILDS:
+        return None
     if kernel_disabled():
         logger.info("CPU attention kernel disabled by CONVEYOR_CPU_KERNEL; using torch ops")
         return None
@@ -160,7 +168,13 @@ def load_kernel() -> PagedAttentionKernel | None:
     if compiler is None:
         logger.warning("CPU attention kernel unavailable (no C compiler; set CC), using torch ops")
         return None
-    kernel, errors = native.build_and_load(SOURCE_PATH, _inputs(), _from_library, compiler)
+    kernel, errors = native.build_and_load(
+        SOURCE_PATH,
+        _inputs(),
+        functools.partial(_from_library, dtype=dtype),
+        compiler,
+        BUILDS[dtype],
+    )
     if kernel is None:
         logger.warning("CPU attention kernel unavailable, using torch ops:\n%s", "\n".join(errors))
     return kernel
@@ -170,15 +184,20 @@ def _inputs() -> list[Path]:
     return sorted(SOURCE_PATH.parent.glob("*.[ch]"))
 
 
-def _build(compiler: str, flags: tuple[str, ...]) -> Path:
-    return native.build(compiler, flags, SOURCE_PATH, _inputs())
+def _build(compiler: str, flags: tuple[str, ...], dtype: torch.dtype = torch.float32) -> Path:
+    return native.build(compiler, (*flags, *BUILDS[dtype]), SOURCE_PATH, _inputs())
 
 
-def _load(path: Path) -> PagedAttentionKernel:
-    return _from_library(ctypes.CDLL(str(path)), path)
+def _load(path: Path, dtype: torch.dtype = torch.float32) -> PagedAttentionKernel:
+    return _from_library(ctypes.CDLL(str(path)), path, dtype)
 
 
-def _from_library(library: ctypes.CDLL, path: Path) -> PagedAttentionKernel:
+def _from_library(
+    library: ctypes.CDLL, path: Path, dtype: torch.dtype = torch.float32
+) -> PagedAttentionKernel:
     if library.conveyor_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path} has ABI {library.conveyor_abi_version()}, want {ABI_VERSION}")
-    return PagedAttentionKernel(library, path)
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    if library.conveyor_element_bytes() != element_bytes:
+        raise RuntimeError(f"{path} is not the {dtype} build")
+    return PagedAttentionKernel(library, path, dtype)

@@ -16,6 +16,7 @@ import logging
 import torch
 
 from worker.attention.backend import AttentionBackend
+from worker.attention.cpu_kernel import BUILDS as KERNEL_BUILDS
 from worker.attention.cpu_kernel import kernel_disabled, load_kernel
 from worker.attention.flash_attn_backend import (
     FLASH_BLOCK_SIZE_MULTIPLE,
@@ -53,7 +54,7 @@ def select_backend(
         logger.info("attention backend: torch ops (requested)")
         return TorchAttentionBackend(use_cpu_kernel=False)
     if override == "cpu-kernel":
-        return _cpu_kernel_backend(device)
+        return _cpu_kernel_backend(device, dtype or torch.float32)
     if override == "triton":
         triton_reason = triton_unusable_reason(device)
         if triton_reason is not None:
@@ -97,12 +98,16 @@ def select_backend(
     return TorchAttentionBackend()
 
 
-def _cpu_kernel_backend(device: torch.device) -> TorchAttentionBackend:
+def _cpu_kernel_backend(device: torch.device, dtype: torch.dtype) -> TorchAttentionBackend:
     if device.type != "cpu":
         raise ValueError(f"attention backend 'cpu-kernel' runs on CPU only, this is {device.type}")
     if kernel_disabled():
         raise ValueError("attention backend 'cpu-kernel' requested but CONVEYOR_CPU_KERNEL=0")
-    if load_kernel() is None:
+    if dtype not in KERNEL_BUILDS:
+        raise ValueError(
+            f"attention backend 'cpu-kernel' runs float32 and bfloat16 models, not {dtype}"
+        )
+    if load_kernel(dtype) is None:
         raise ValueError(
             "attention backend 'cpu-kernel' cannot run here: the kernel did not build (the "
             "log above says why; it needs a C compiler with OpenMP, e.g. gcc)"

@@ -7,7 +7,7 @@ the attention matmuls read, without a second copy. Decode rows (query length 1) 
 together in a few chunks; requests with longer queries (prompt chunks) one by one. Both use
 ``scaled_dot_product_attention``, which on CPU runs a flash-style kernel.
 
-On CPU with float32, a compiled kernel (cpu_kernel.py) takes every query instead, decodes and
+On CPU with float32 or bfloat16, a compiled kernel (cpu_kernel.py) takes every query instead, decodes and
 prompt chunks in one call: it reads K/V through the block table where they lie, so the gathers (a
 copy of every request's whole context, each layer, each step) and the prompt chunks' masks
 disappear. Where it cannot be built this file's torch path runs.
@@ -147,12 +147,14 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> PagedAttentionKernel | None:
         if self._use_cpu_kernel is False or kv_cache.is_cuda:
             return None
-        if self.cpu_kernel is None:
-            self.cpu_kernel = load_kernel()
-            if self.cpu_kernel is None:
-                self._use_cpu_kernel = False
+        kernel = self.cpu_kernel
+        if kernel is None or kernel.dtype != kv_cache.dtype:
+            # One build per dtype (float32, bfloat16); a model runs one dtype, so this loads once.
+            kernel = load_kernel(kv_cache.dtype)
+            if kernel is None:
                 return None
-        return self.cpu_kernel if self.cpu_kernel.supports(query, kv_cache) else None
+            self.cpu_kernel = kernel
+        return kernel if kernel.supports(query, kv_cache) else None
 
     def _plan_for(
         self,

@@ -4,13 +4,60 @@
  *
  * Cache layout (the torch backend's): [2][num_kv_heads][num_blocks][block_size][head_dim], keys
  * then values.
+ *
+ * Queries, the cache and the output are float32, or bfloat16 in a build with CONVEYOR_BF16
+ * (elem_t): bfloat16 elements are widened to float32 as they are loaded, every product, sum and
+ * softmax runs in float32, and the outputs are rounded to the nearest bfloat16 (ties to even, as
+ * torch rounds) once, when they are written.
  */
 #ifndef CONVEYOR_PAGED_KV_H
 #define CONVEYOR_PAGED_KV_H
 
 #include <stdint.h>
+#include <string.h>
+
+#include "vector_math.h"
 
 #define MAX_HEAD_DIM 256
+
+#ifdef CONVEYOR_BF16
+typedef uint16_t elem_t; /* the bits of a bfloat16: the top half of a float32 */
+typedef uint16_t vu16x8 __attribute__((vector_size(16)));
+
+static inline float elem_to_float(elem_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline elem_t float_to_elem(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (elem_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (elem_t)(bits >> 16);
+}
+
+static inline vf8 load_elems(const elem_t *p) {
+    vu16x8 raw;
+    memcpy(&raw, p, sizeof raw);
+    return (vf8)(__builtin_convertvector(raw, vi8) << 16);
+}
+
+static inline void store_elems(elem_t *p, vf8 v) {
+    for (int i = 0; i < LANES; i++) p[i] = float_to_elem(v[i]);
+}
+#else
+typedef float elem_t;
+
+static inline float elem_to_float(elem_t x) { return x; }
+static inline elem_t float_to_elem(float f) { return f; }
+static inline vf8 load_elems(const elem_t *p) { return load(p); }
+static inline void store_elems(elem_t *p, vf8 v) { store(p, v); }
+#endif
+/* Elements per 64-byte cache line, the step of the software prefetches. */
+#define CACHE_LINE_ELEMS ((int)(64 / sizeof(elem_t)))
 
 enum { CONVEYOR_OK = 0, CONVEYOR_BAD_SHAPE = -1, CONVEYOR_BAD_BLOCK = -2, CONVEYOR_BAD_SLOT = -3 };
 
@@ -19,9 +66,9 @@ enum { CONVEYOR_OK = 0, CONVEYOR_BAD_SHAPE = -1, CONVEYOR_BAD_BLOCK = -2, CONVEY
 enum { ITEM_TABLE_ROW, ITEM_TOKEN_START, ITEM_NUM_QUERIES, ITEM_FIRST_POSITION, ITEM_FIELDS };
 
 typedef struct {
-    const float *query;
+    const elem_t *query;
     int64_t query_token_stride, query_head_stride;
-    const float *kv_cache;
+    const elem_t *kv_cache;
     int64_t num_blocks;
     int num_kv_heads, block_size, head_dim, num_heads;
     const int32_t *block_table;
@@ -30,14 +77,14 @@ typedef struct {
     int window; /* 0: every earlier key */
     const float *sinks; /* per query head, natural-log units; NULL: none */
     float softcap; /* natural-log units; 0: none */
-    float *output;
+    elem_t *output;
     int64_t output_token_stride;
 } attention_args;
 
 /* Where the key and value of key position pos lie; false if its block id is out of range. */
 static inline __attribute__((always_inline)) int locate_keys(
     const attention_args *a, const int32_t *blocks, int kv_head, int pos, const int D,
-    const float **keys, const float **values) {
+    const elem_t **keys, const elem_t **values) {
     int32_t block = blocks[pos / a->block_size];
     if (block < 0 || block >= a->num_blocks) return 0;
     int64_t row = ((int64_t)kv_head * a->num_blocks + block) * a->block_size + pos % a->block_size;

@@ -43,7 +43,7 @@ typedef struct {
     vf8 s[WIDE_TILE_KEYS][TILE_ROW_VECTORS]; /* this tile's scores, then its weights */
     vf8 max[TILE_ROW_VECTORS], sum[TILE_ROW_VECTORS];
     vi8 first_visible[TILE_ROW_VECTORS], num_visible[TILE_ROW_VECTORS]; /* per row, as in paged_kv.h */
-    const float *keys[WIDE_TILE_KEYS], *values[WIDE_TILE_KEYS];
+    const elem_t *keys[WIDE_TILE_KEYS], *values[WIDE_TILE_KEYS];
 } query_tile;
 
 /* Pack the item's rows: transposed, scaled queries; running max and sum; visible key ranges.
@@ -64,9 +64,9 @@ static inline __attribute__((always_inline)) void start_tile(
     }
     for (int r = 0; r < num_rows; r++) {
         const int qi = r / group, head = kv_head * group + r % group, v = r / LANES, l = r % LANES;
-        const float *src = a->query + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->query_token_stride
-                           + (int64_t)head * a->query_head_stride;
-        for (int d = 0; d < D; d++) st->qt[d][v][l] = src[d] * q_scale;
+        const elem_t *src = a->query + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->query_token_stride
+                            + (int64_t)head * a->query_head_stride;
+        for (int d = 0; d < D; d++) st->qt[d][v][l] = elem_to_float(src[d]) * q_scale;
         if (a->sinks != NULL) { /* the sink as a key seen first: weight exp(0) = 1, value 0 */
             st->max[v][l] = a->sinks[head] * LOG2E;
             st->sum[v][l] = 1.0f;
@@ -81,7 +81,7 @@ static inline __attribute__((always_inline)) int locate_tile(
     query_tile *st, const attention_args *a, const int32_t *blocks, int kv_head, int pos, int n,
     const int D) {
     for (int t = 0; t < n;) {
-        const float *keys, *values;
+        const elem_t *keys, *values;
         if (!locate_keys(a, blocks, kv_head, pos + t, D, &keys, &values)) return 0;
         int run = a->block_size - (pos + t) % a->block_size; /* rows left in this block */
         for (int i = 0; i < run && t < n; i++, t++) {
@@ -98,14 +98,14 @@ static inline __attribute__((always_inline)) void score_tile(
     int t = 0;
     for (; t + SCORE_KEYS <= n; t += SCORE_KEYS) {
         vf8 acc[SCORE_KEYS][TILE_ROW_VECTORS];
-        const float *k[SCORE_KEYS];
+        const elem_t *k[SCORE_KEYS];
         for (int i = 0; i < SCORE_KEYS; i++) {
             k[i] = st->keys[t + i];
             for (int v = 0; v < NRV; v++) acc[i][v] = splat(0.0f);
         }
         for (int d = 0; d < D; d++) {
             for (int i = 0; i < SCORE_KEYS; i++) {
-                const vf8 key = splat(k[i][d]);
+                const vf8 key = splat(elem_to_float(k[i][d]));
                 for (int v = 0; v < NRV; v++) acc[i][v] += key * st->qt[d][v];
             }
         }
@@ -116,7 +116,8 @@ static inline __attribute__((always_inline)) void score_tile(
         vf8 acc[TILE_ROW_VECTORS];
         for (int v = 0; v < NRV; v++) acc[v] = splat(0.0f);
         for (int d = 0; d < D; d++)
-            for (int v = 0; v < NRV; v++) acc[v] += splat(st->keys[t][d]) * st->qt[d][v];
+            for (int v = 0; v < NRV; v++)
+                acc[v] += splat(elem_to_float(st->keys[t][d])) * st->qt[d][v];
         for (int v = 0; v < NRV; v++) st->s[t][v] = acc[v];
     }
 }
@@ -163,9 +164,9 @@ static inline __attribute__((always_inline)) void accumulate_dims(
     for (int i = 0; i < DIMS; i++)
         for (int v = 0; v < NRV; v++) acc[i][v] = st->ot[d0 + i][v];
     for (int t = 0; t < n; t++) {
-        const float *value = st->values[t] + d0;
+        const elem_t *value = st->values[t] + d0;
         for (int i = 0; i < DIMS; i++) {
-            const vf8 element = splat(value[i]);
+            const vf8 element = splat(elem_to_float(value[i]));
             for (int v = 0; v < NRV; v++) acc[i][v] += element * st->s[t][v];
         }
     }
@@ -188,10 +189,10 @@ static inline __attribute__((always_inline)) void finish_tile(
     const int group = a->num_heads / a->num_kv_heads;
     for (int r = 0; r < item[ITEM_NUM_QUERIES] * group; r++) {
         const int qi = r / group, head = kv_head * group + r % group, v = r / LANES, l = r % LANES;
-        float *dst = a->output + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->output_token_stride
-                     + (int64_t)head * D;
+        elem_t *dst = a->output + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->output_token_stride
+                      + (int64_t)head * D;
         const float inv = 1.0f / st->sum[v][l];
-        for (int d = 0; d < D; d++) dst[d] = st->ot[d][v][l] * inv;
+        for (int d = 0; d < D; d++) dst[d] = float_to_elem(st->ot[d][v][l] * inv);
     }
 }
 

@@ -24,7 +24,6 @@
 #define TILE_KEYS 32
 #define TILE_VECTORS (TILE_KEYS / LANES)
 #define HEAD_VECTORS (MAX_HEAD_DIM / LANES)
-#define CACHE_LINE_FLOATS 16
 
 typedef struct {
     vf8 q[SHORT_MAX_ROWS][HEAD_VECTORS];   /* queries, pre-scaled to log2 units */
@@ -39,12 +38,12 @@ typedef struct {
  * (or NULL) are the next tile's rows: fetched while this tile computes, since a tile usually
  * starts a new block, at an address the hardware prefetcher cannot guess. */
 static inline __attribute__((always_inline)) void score_keys(
-    short_state *st, int num_rows, const float *keys, int num_keys, const float *next_keys,
-    const float *next_values, const float cap, const int D) {
+    short_state *st, int num_rows, const elem_t *keys, int num_keys, const elem_t *next_keys,
+    const elem_t *next_values, const float cap, const int D) {
     for (int t = 0; t < num_keys; t++) {
-        const float *k = keys + (int64_t)t * D;
+        const elem_t *k = keys + (int64_t)t * D;
         if (next_keys != NULL) {
-            for (int c = 0; c < D; c += CACHE_LINE_FLOATS) {
+            for (int c = 0; c < D; c += CACHE_LINE_ELEMS) {
                 __builtin_prefetch(next_keys + (int64_t)t * D + c);
                 __builtin_prefetch(next_values + (int64_t)t * D + c);
             }
@@ -54,10 +53,10 @@ static inline __attribute__((always_inline)) void score_keys(
             vf8 even = splat(0.0f), odd = splat(0.0f);
             int j = 0;
             for (; j + 1 < D / LANES; j += 2) {
-                even += st->q[r][j] * load(k + j * LANES);
-                odd += st->q[r][j + 1] * load(k + (j + 1) * LANES);
+                even += st->q[r][j] * load_elems(k + j * LANES);
+                odd += st->q[r][j + 1] * load_elems(k + (j + 1) * LANES);
             }
-            if (j < D / LANES) even += st->q[r][j] * load(k + j * LANES);
+            if (j < D / LANES) even += st->q[r][j] * load_elems(k + j * LANES);
             float score = hsum(even + odd);
             /* cap is in the scores' log2 units: c * tanh(s / c) scales with them. */
             if (cap > 0.0f) score = cap * tanhf(score / cap);
@@ -102,7 +101,7 @@ static inline __attribute__((always_inline)) void softmax_row(
 
 /* acc[r] += sum over t of p[r][t] * values[t], four vectors of acc held in registers at once. */
 static inline __attribute__((always_inline)) void accumulate_values(
-    short_state *st, int num_rows, const float *values, int num_keys, const int D) {
+    short_state *st, int num_rows, const elem_t *values, int num_keys, const int D) {
     for (int r = 0; r < num_rows; r++) {
         const float *p = (const float *)st->p[r];
         int j = 0;
@@ -110,19 +109,20 @@ static inline __attribute__((always_inline)) void accumulate_values(
             vf8 a0 = st->acc[r][j], a1 = st->acc[r][j + 1];
             vf8 a2 = st->acc[r][j + 2], a3 = st->acc[r][j + 3];
             for (int t = 0; t < num_keys; t++) {
-                const float *v = values + (int64_t)t * D + j * LANES;
+                const elem_t *v = values + (int64_t)t * D + j * LANES;
                 vf8 w = splat(p[t]);
-                a0 += w * load(v);
-                a1 += w * load(v + LANES);
-                a2 += w * load(v + 2 * LANES);
-                a3 += w * load(v + 3 * LANES);
+                a0 += w * load_elems(v);
+                a1 += w * load_elems(v + LANES);
+                a2 += w * load_elems(v + 2 * LANES);
+                a3 += w * load_elems(v + 3 * LANES);
             }
             st->acc[r][j] = a0, st->acc[r][j + 1] = a1;
             st->acc[r][j + 2] = a2, st->acc[r][j + 3] = a3;
         }
         for (; j < D / LANES; j++) {
             vf8 a = st->acc[r][j];
-            for (int t = 0; t < num_keys; t++) a += splat(p[t]) * load(values + (int64_t)t * D + j * LANES);
+            for (int t = 0; t < num_keys; t++)
+                a += splat(p[t]) * load_elems(values + (int64_t)t * D + j * LANES);
             st->acc[r][j] = a;
         }
     }
@@ -136,10 +136,10 @@ static inline __attribute__((always_inline)) void start_rows(
     const float q_scale = a->scale * LOG2E;
     for (int r = 0; r < item[ITEM_NUM_QUERIES] * group; r++) {
         int qi = r / group, head = kv_head * group + r % group;
-        const float *src = a->query + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->query_token_stride
-                           + (int64_t)head * a->query_head_stride;
+        const elem_t *src = a->query + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->query_token_stride
+                            + (int64_t)head * a->query_head_stride;
         for (int j = 0; j < D / LANES; j++) {
-            st->q[r][j] = load(src + j * LANES) * q_scale;
+            st->q[r][j] = load_elems(src + j * LANES) * q_scale;
             st->acc[r][j] = splat(0.0f);
         }
         if (a->sinks != NULL) { /* the sink as a key seen first: weight exp(0) = 1, value 0 */
@@ -159,10 +159,10 @@ static inline __attribute__((always_inline)) void finish_rows(
     const int group = a->num_heads / a->num_kv_heads;
     for (int r = 0; r < item[ITEM_NUM_QUERIES] * group; r++) {
         int qi = r / group, head = kv_head * group + r % group;
-        float *dst = a->output + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->output_token_stride
-                     + (int64_t)head * D;
+        elem_t *dst = a->output + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->output_token_stride
+                      + (int64_t)head * D;
         float inv = 1.0f / st->sum[r];
-        for (int j = 0; j < D / LANES; j++) store(dst + j * LANES, st->acc[r][j] * inv);
+        for (int j = 0; j < D / LANES; j++) store_elems(dst + j * LANES, st->acc[r][j] * inv);
     }
 }
 
@@ -174,7 +174,7 @@ static inline __attribute__((always_inline)) int attend_short_item(
     const int num_keys = item[ITEM_FIRST_POSITION] + item[ITEM_NUM_QUERIES];
     const int bs = a->block_size;
     const int32_t *blocks = a->block_table + (int64_t)item[ITEM_TABLE_ROW] * a->block_table_stride;
-    const float *keys, *values, *next_keys = NULL, *next_values = NULL;
+    const elem_t *keys, *values, *next_keys = NULL, *next_values = NULL;
     start_rows(&st, a, item, kv_head, D);
     const int first_key = st.first_visible[0]; /* the item's earliest row sees furthest back */
     if (!locate_keys(a, blocks, kv_head, first_key, D, &keys, &values)) return CONVEYOR_BAD_BLOCK;
