@@ -67,6 +67,36 @@ def test_rows_of_a_wider_tensor_are_read_through_their_stride(ops):
     assert torch.equal(summed, expected_summed)
 
 
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bfloat16 steps apart two same-signed bfloat16 tensors are, element-wise."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("size", [8, 64, 512, 2048])
+@pytest.mark.parametrize("num_rows", [0, 1, 64, 700])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "alone"])
+def test_bfloat16_rounds_where_the_torch_ops_round(ops, size, num_rows, with_residual):
+    """The sum is exact (one bfloat16 add); the norm, computed in float32 by both, may differ in
+    its last float32 bit and so, rarely, by a bfloat16 step before the weight's multiply, which
+    rounds again: at most two steps apart, almost always none."""
+    generator = torch.Generator().manual_seed(size + num_rows)
+    x = (torch.randn(num_rows, size, generator=generator) * 3).bfloat16()
+    residual = (
+        torch.randn(num_rows, size, generator=generator).bfloat16() if with_residual else None
+    )
+    weight = torch.randn(size, generator=generator).bfloat16()
+    normed, summed = ops.add_rms_norm(x, residual, weight, EPS)
+    expected_normed, expected_summed = torch_add_rms_norm(x, residual, weight)
+    assert normed.dtype == torch.bfloat16
+    if with_residual:
+        assert torch.equal(summed, expected_summed)
+    ulps = bf16_ulps(normed, expected_normed)
+    assert ulps.numel() == 0 or (ulps.max() <= 2 and (ulps == 0).float().mean() > 0.99), (
+        ulps.max(),
+        (ulps == 0).float().mean(),
+    )
+
+
 def test_what_the_op_does_not_take_goes_to_torch():
     x = torch.randn(4, 64)
     assert TokenOps.supports(x, torch.ones(64), None)
@@ -74,7 +104,12 @@ def test_what_the_op_does_not_take_goes_to_torch():
     assert not TokenOps.supports(x.t(), torch.ones(4), None)  # columns not dense
     assert not TokenOps.supports(x.view(4, 2, 32), torch.ones(32), None)  # per-head norms
     assert not TokenOps.supports(x, torch.ones(64), torch.randn(4, 32))
-    assert not TokenOps.supports(x.bfloat16(), torch.ones(64), None)
+    assert TokenOps.supports(x.bfloat16(), torch.ones(64, dtype=torch.bfloat16), None)
+    assert not TokenOps.supports(x.bfloat16(), torch.ones(64), None)  # mixed dtypes
+    assert not TokenOps.supports(x, torch.ones(64), torch.randn(4, 64).bfloat16())
+    assert not TokenOps.supports(x.half(), torch.ones(64, dtype=torch.half), None)
+    odd = torch.randn(4, 60).bfloat16()  # bfloat16 rows go 8 at a time
+    assert not TokenOps.supports(odd, torch.ones(60, dtype=torch.bfloat16), None)
 
 
 def test_the_layer_takes_the_compiled_op_and_gives_the_torch_result(ops, monkeypatch):
@@ -92,13 +127,17 @@ def test_the_layer_takes_the_compiled_op_and_gives_the_torch_result(ops, monkeyp
     compiled = norm(x, residual)
     alone = norm(x)
     assert len(calls) == 2
+    half = RMSNorm(96, EPS).bfloat16()
+    half.weight.data = norm.weight.data.bfloat16()
+    assert half(x.bfloat16(), residual.bfloat16())[0].dtype == torch.bfloat16
+    assert len(calls) == 3
     # With the library unavailable (no compiler, CONVEYOR_CPU_KERNEL=0) the torch ops run.
     monkeypatch.setattr("worker.layers.norm.load_token_ops", lambda: None)
     fallback = norm(x, residual)
     torch.testing.assert_close(compiled[0], fallback[0], rtol=2e-6, atol=2e-6)
     assert torch.equal(compiled[1], fallback[1])
     torch.testing.assert_close(alone, norm(x), rtol=2e-6, atol=2e-6)
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 @pytest.mark.parametrize("flags", [("-O3", "-fopenmp"), ("-O2",)], ids=["portable", "plain"])

@@ -1,5 +1,5 @@
-"""Compiled token-wise ops for float32 on CPU (``csrc/token_ops.c``): the residual add fused into
-the RMSNorm that follows it.
+"""Compiled token-wise ops for float32 and bfloat16 on CPU (``csrc/token_ops.c``): the residual
+add fused into the RMSNorm that follows it.
 
 Runs in worker processes. Built and cached like the attention kernel (``worker.native``); where
 it cannot be built, or ``CONVEYOR_CPU_KERNEL=0``, the layers keep their torch ops. In the `bench`
@@ -24,7 +24,9 @@ SOURCE_PATH = Path(__file__).parent / "csrc" / "token_ops.c"
 # The attention kernel's vector helpers, which the source includes.
 VECTOR_MATH_PATH = Path(__file__).parent.parent / "attention" / "csrc" / "vector_math.h"
 # Must match CONVEYOR_TOKEN_OPS_ABI_VERSION in the source.
-ABI_VERSION = 1
+ABI_VERSION = 2
+# What the ops take: float32, and bfloat16 rounded where the torch ops round.
+DTYPES = (torch.float32, torch.bfloat16)
 
 _i32, _i64, _f32, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _ADD_RMS_NORM_ARGTYPES = [
@@ -40,30 +42,39 @@ class TokenOps:
 
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        self._add_rms_norm = library.conveyor_add_rms_norm
-        self._add_rms_norm.argtypes = _ADD_RMS_NORM_ARGTYPES
-        self._add_rms_norm.restype = ctypes.c_int
+        self._add_rms_norm = {
+            torch.float32: library.conveyor_add_rms_norm,
+            torch.bfloat16: library.conveyor_add_rms_norm_bf16,
+        }
+        for function in self._add_rms_norm.values():
+            function.argtypes = _ADD_RMS_NORM_ARGTYPES
+            function.restype = ctypes.c_int
 
     @staticmethod
     def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        """CPU float32 rows with dense last dimensions and one weight per column."""
-        tensors = (x, weight) if residual is None else (x, weight, residual)
-        return all(t.is_cpu and t.dtype == torch.float32 for t in tensors) and (
-            TokenOps.takes_rows(x, residual) and TokenOps.takes_weight(weight, x.shape[1])
+        """CPU float32 or bfloat16 rows with dense last dimensions and one weight per column, all
+        of one dtype (bfloat16 rows a multiple of 8 wide)."""
+        return (
+            x.is_cpu
+            and x.dtype in DTYPES
+            and TokenOps.takes_rows(x, residual)
+            and TokenOps.takes_weight(weight, x.shape[-1], x.dtype)
         )
 
     @staticmethod
-    def takes_weight(weight: torch.Tensor, size: int) -> bool:
+    def takes_weight(weight: torch.Tensor, size: int, dtype: torch.dtype) -> bool:
         return (
             weight.is_cpu
-            and weight.dtype == torch.float32
+            and weight.dtype == dtype
             and weight.shape == (size,)
-            and (weight.is_contiguous())
+            and weight.is_contiguous()
+            and (dtype == torch.float32 or size % 8 == 0)
         )
 
     @staticmethod
     def takes_rows(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        """Whether ``x`` (CPU float32, which the caller has checked) and ``residual`` fit."""
+        """Whether ``x`` (on the CPU in one of ``DTYPES``, which the caller has checked) and
+        ``residual`` fit."""
         return (
             x.dim() == 2
             and x.stride(1) == 1
@@ -72,7 +83,7 @@ class TokenOps:
                 or (
                     residual.shape == x.shape
                     and residual.stride(1) == 1
-                    and residual.dtype == torch.float32
+                    and residual.dtype == x.dtype
                     and residual.is_cpu
                 )
             )
@@ -84,15 +95,16 @@ class TokenOps:
         """(norm(x + residual) * weight, x + residual); without ``residual``, (norm(x) * weight,
         None). Fresh tensors: the inputs are left as they were. ``supports`` must hold."""
         num_rows, size = x.shape
-        out = torch.empty((num_rows, size))
+        dtype = x.dtype
+        out = torch.empty((num_rows, size), dtype=dtype)
         if residual is None:
             summed = None
             residual_ptr = summed_ptr = residual_stride = 0
         else:
-            summed = torch.empty((num_rows, size))
+            summed = torch.empty((num_rows, size), dtype=dtype)
             residual_ptr, residual_stride = residual.data_ptr(), residual.stride(0)
             summed_ptr = summed.data_ptr()
-        status = self._add_rms_norm(
+        status = self._add_rms_norm[dtype](
             x.data_ptr(), x.stride(0), residual_ptr, residual_stride,
             weight.data_ptr(), num_rows, size, eps,
             out.data_ptr(), size, summed_ptr, size,

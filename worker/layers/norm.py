@@ -1,8 +1,9 @@
 """RMSNorm, with the residual add of a pre-norm transformer block fused in.
 
-Runs in worker processes. On CPU in float32 the add and the norm run as one compiled op
-(``cpu_ops.py``) where it could be built, else as the torch ops below. The arithmetic follows Hugging Face's Llama/Qwen RMSNorm step for step
-(normalise in float32, cast back, then scale) so our logits match theirs to rounding. Gemma's
+Runs in worker processes. On CPU in float32 and bfloat16 the add and the norm run as one
+compiled op (``cpu_ops.py``) where it could be built, else as the torch ops below. The arithmetic
+follows Hugging Face's Llama/Qwen RMSNorm step for step (normalise in float32, cast back, then
+scale) so our logits match theirs to rounding. Gemma's
 variant stores its scale as an offset from one and scales before casting back (``GemmaRMSNorm``).
 """
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.cpu_ops import DTYPES as COMPILED_DTYPES
 from worker.layers.cpu_ops import TokenOps, load_token_ops
 from worker.layers.linear import default_weight_loader
 
@@ -39,12 +41,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def _compiled_ops(self) -> TokenOps | None:
+    def _compiled_ops(self, dtype: torch.dtype) -> TokenOps | None:
         """The compiled ops where they are built and take this norm's weight (checked every
         call: a cheap look, and a loader may still swap the weight's data)."""
         ops = load_token_ops()
         weight = self.weight
-        if ops is None or not TokenOps.takes_weight(weight, weight.shape[0]):
+        if ops is None or not TokenOps.takes_weight(weight, weight.shape[0], dtype):
             return None
         return ops
 
@@ -52,8 +54,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
-        if x.dtype == torch.float32 and x.is_cpu:
-            ops = self._compiled_ops()
+        if x.is_cpu and x.dtype in COMPILED_DTYPES:
+            ops = self._compiled_ops(x.dtype)
             if ops is not None and TokenOps.takes_rows(x, residual):
                 # One compiled pass instead of five ops (worker/layers/cpu_ops.py).
                 normed, summed = ops.add_rms_norm(x, residual, self.weight, self.eps)

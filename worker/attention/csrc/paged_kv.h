@@ -21,33 +21,12 @@
 #define MAX_HEAD_DIM 256
 
 #ifdef CONVEYOR_BF16
-typedef uint16_t elem_t; /* the bits of a bfloat16: the top half of a float32 */
-typedef uint16_t vu16x8 __attribute__((vector_size(16)));
+typedef uint16_t elem_t; /* the bits of a bfloat16 */
 
-static inline float elem_to_float(elem_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline elem_t float_to_elem(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (elem_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (elem_t)(bits >> 16);
-}
-
-static inline vf8 load_elems(const elem_t *p) {
-    vu16x8 raw;
-    memcpy(&raw, p, sizeof raw);
-    return (vf8)(__builtin_convertvector(raw, vi8) << 16);
-}
-
-static inline void store_elems(elem_t *p, vf8 v) {
-    for (int i = 0; i < LANES; i++) p[i] = float_to_elem(v[i]);
-}
+static inline float elem_to_float(elem_t x) { return bf16_to_float(x); }
+static inline elem_t float_to_elem(float f) { return float_to_bf16(f); }
+static inline vf8 load_elems(const elem_t *p) { return load_bf16(p); }
+static inline void store_elems(elem_t *p, vf8 v) { store_bf16(p, v); }
 #else
 typedef float elem_t;
 

@@ -54,6 +54,48 @@ static inline int any_lane(vi8 mask) {
     return bits != 0;
 }
 
+/* bfloat16: the top 16 bits of a float32. Widening is exact; narrowing rounds to the nearest,
+ * ties to even, as torch rounds (NaN stays NaN). */
+typedef uint16_t vu16x8 __attribute__((vector_size(16)));
+typedef uint32_t vu8 __attribute__((vector_size(32)));
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline vf8 load_bf16(const uint16_t *p) {
+    vu16x8 raw;
+    memcpy(&raw, p, sizeof raw);
+    return (vf8)(__builtin_convertvector(raw, vi8) << 16);
+}
+
+/* The bits of v rounded to bfloat16, in the top half of each lane (the low half is zero). */
+static inline vu8 round_to_bf16_bits(vf8 v) {
+    vu8 bits = (vu8)v;
+    vu8 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    vu8 quiet_nan = (bits | 0x00400000u) & 0xffff0000u;
+    return (vu8)select(v != v, (vf8)quiet_nan, (vf8)rounded);
+}
+
+/* v rounded to bfloat16 and widened back: what a bfloat16 tensor would hold. */
+static inline vf8 round_to_bf16(vf8 v) { return (vf8)round_to_bf16_bits(v); }
+
+static inline void store_bf16(uint16_t *p, vf8 v) {
+    vu16x8 narrow = __builtin_convertvector(round_to_bf16_bits(v) >> 16, vu16x8);
+    memcpy(p, &narrow, sizeof narrow);
+}
+
 /* 2^x lane-wise for x <= 0 (larger x is clamped to 0): x = n + y with integer n and
  * |y| <= 1/2; 2^y = e^(y ln 2) by its Taylor series to degree 7 (coefficients (ln 2)^k / k!,
  * truncation error ~1e-9 relative); 2^n by adding n to the exponent bits. Below 2^-125 the result
