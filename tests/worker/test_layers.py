@@ -168,6 +168,24 @@ def test_per_head_norm_weights_match_one_rms_norm_per_part(dtype):
     torch.testing.assert_close(ours[:, 3:], hf(qk[:, 3:], k_norm.weight), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("num_rows", [1, 7, 64, PACKED_MAX_ROWS + 1, 2048])
+def test_packed_bfloat16_weights_give_the_plain_result_at_every_size(num_rows):
+    gen = torch.Generator().manual_seed(num_rows)
+    weight, bias = torch.randn(48, 40, generator=gen), torch.randn(48, generator=gen)
+    layer = RowParallelLinear(40, 48, bias=True).bfloat16()
+    _load(layer, layer.weight, weight.bfloat16()), _load(layer, layer.bias, bias.bfloat16())
+    x = torch.randn(2 * num_rows, 40, generator=gen)[::2].bfloat16()  # strided rows
+    plain = layer(x)
+    layer.process_weights_after_loading()
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    assert layer.packed_weight is not None
+    packed = layer(x)
+    assert packed.dtype == torch.bfloat16
+    # Both sum in float32 and round once; their summation orders may differ by a rounding step.
+    torch.testing.assert_close(packed, plain, atol=0.0625, rtol=2**-7)
+
+
 @pytest.mark.parametrize("num_rows", [1, 7, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 600])
 def test_packed_small_batch_weights_give_the_plain_result(num_rows):
     gen = torch.Generator().manual_seed(0)
@@ -183,8 +201,9 @@ def test_packed_small_batch_weights_give_the_plain_result(num_rows):
     torch.testing.assert_close(plain, x @ weight.T + bias, atol=1e-4, rtol=1e-5)
 
 
-def test_packed_weights_only_for_float32_cpu_and_dropped_when_the_weight_reloads():
-    assert pack_weight(torch.randn(8, 4).bfloat16()) is None
+def test_packed_weights_only_for_float32_and_bfloat16_and_dropped_when_the_weight_reloads():
+    assert pack_weight(torch.randn(8, 4).half()) is None
+    assert pack_weight(torch.randn(8, 4).double()) is None
     layer = ColumnParallelLinear(4, 8)
     _load(layer, layer.weight, torch.randn(8, 4))
     layer.process_weights_after_loading()
