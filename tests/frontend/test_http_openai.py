@@ -408,9 +408,15 @@ def test_a_disconnect_aborts_the_request_and_frees_its_blocks(attached, referenc
     finally:
         sock.close()
     closed_at = time.monotonic()
-    idle = wait_for(lambda: (m := _engine_metrics(attached))["running"] == 0 and m, 10.0)
-    assert idle and idle["kv"] == 0.0, idle
-    assert idle["aborted"] == before["aborted"] + 1
+    # The engine's gauges (running, KV) and the frontend's abort count move on their own: the
+    # abort goes to the engine as the choice's stream closes, the count a moment later, when the
+    # handler's cleanup runs (a loaded run saw the gauges at idle first). Wait for both.
+    aborted = before["aborted"] + 1
+    idle = wait_for(
+        lambda: (m := _engine_metrics(attached))["running"] == 0 and m["aborted"] == aborted and m,
+        10.0,
+    )
+    assert idle and idle["kv"] == 0.0, (idle, _engine_metrics(attached), aborted)
     # Idle because it was aborted, not because it ran to the end: that takes far longer.
     assert time.monotonic() - closed_at < 0.25 * 4000 * idle["seconds_per_token"]
 
