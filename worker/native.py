@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 # Tried in order: the first set the compiler accepts wins. -march=native vectorises for this CPU
 # (the cache key includes the CPU, so a shared cache folder never hands it to another machine).
@@ -88,6 +91,7 @@ def build(compiler: str, flags: tuple[str, ...], source: Path, inputs: Sequence[
     path = folder / f"{source.stem}-{_build_key(compiler, content, flags)}.so"
     if not path.exists():
         _compile(compiler, flags, source, folder, path)
+        logger.info("built %s (%s)", path, " ".join(flags))
     return path
 
 
