@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
+from frontend.engine_args import EngineArgs
+from tests.devices import logprob_tolerance
 from tests.worker.test_attention import Request, step_inputs, store_prefix
+from tests.worker.test_cuda import _prompts, logprob_error, teacher_forced_logprobs
 from tests.worker.test_prefill_kernel import BLOCK_SIZE, make_batch
 from worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel
 from worker.attention.torch_backend import TorchAttentionBackend
+from worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(
     load_kernel(torch.bfloat16) is None, reason="the CPU kernel cannot be built"
@@ -128,3 +133,34 @@ def test_other_dtypes_have_no_build():
     assert kernel.supports(query, cache)
     assert not kernel.supports(query.float(), cache.float())  # the float32 build's
     assert not load_kernel(torch.float32).supports(query, cache)
+
+
+def test_a_bfloat16_model_on_the_kernel_is_as_close_to_float32_as_on_torch_ops(tiny_model_dir):
+    """The whole tiny Qwen3, a prefill step and a decode step on the same tokens (teacher forced,
+    full vocabulary): the bfloat16 run through the compiled kernels within twice the torch-ops
+    bfloat16 run's distance from the float32 run (or the bfloat16 tolerance, if larger)."""
+    prompts = _prompts(4, vocab=1000, seed=3)
+    next_tokens = [17, 404, 250, 777]
+    runs = {}
+    for backend, dtype in (("torch", "float32"), ("torch", "bfloat16"), ("cpu-kernel", "bfloat16")):
+        config = EngineArgs(
+            model=str(tiny_model_dir), device="cpu", dtype=dtype, attention_backend=backend,
+            max_num_seqs=8, max_model_len=256, block_size=16, kv_cache_memory=16 << 20,
+        ).create_engine_config()  # fmt: skip
+        runner = ModelRunner(config, torch.device("cpu"))
+        runner.initialize_cache(runner.determine_num_blocks())
+        runs[backend, dtype] = teacher_forced_logprobs(runner, prompts, next_tokens)
+        if backend == "cpu-kernel":
+            assert runner.backend.cpu_kernel.dtype == torch.bfloat16  # the bfloat16 build ran
+        runner.release()
+    reference = runs["torch", "float32"]
+    torch_error = logprob_error(runs["torch", "bfloat16"], reference)
+    kernel_error = logprob_error(runs["cpu-kernel", "bfloat16"], reference)
+    print(
+        f"bfloat16 vs float32 logprob error: torch ops {torch_error:.4f}, kernel {kernel_error:.4f}"
+    )
+    assert np.isfinite(torch_error) and np.isfinite(kernel_error)
+    assert kernel_error <= max(2 * torch_error, logprob_tolerance("bfloat16")), (
+        kernel_error,
+        torch_error,
+    )
