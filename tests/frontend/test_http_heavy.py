@@ -37,7 +37,9 @@ from tests.frontend.http_helpers import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http-heavy")]
 
-STREAM_TOKENS = 300
+# Long enough that the streams usually outlast the heavy requests on a loaded 2-core machine (a
+# stream that ends inside the window waits for nothing there: see ``longest_gap_s``).
+STREAM_TOKENS = 1000
 NUM_STREAMS = 4
 HEALTH_BUDGET_S = 0.1  # for 95 % of the polls
 HEALTH_LIMIT_S = 1.0  # for every poll
@@ -218,16 +220,16 @@ def test_a_prompt_that_tokenizes_for_seconds_stalls_nothing_else(served, referen
 def test_an_accepted_request_that_tokenizes_for_seconds_leaves_other_streams_running(
     served, reference, tiny_model_dir
 ):
-    """256 prompts each just inside the context (together about a million tokens, over a
-    second of tokenizing) are served, while the four streams keep getting tokens.
+    """256 prompts each just inside the context (together about a million tokens, seconds of
+    tokenizing) are served, while the four streams keep getting tokens.
 
     What the streams wait for is compared with a control: the same prompts sent as token ids,
     which the frontend need not tokenize, so the engine's share of the request (admitting 256
-    prompts of 3,630 tokens) is the same in both. A tokenizer on the event loop would hold every
-    stream for the whole of the tokenizing on top of that; off the loop, the streams share
-    the CPU with the tokenizer threads and wait at most twice as long as with the control
-    (``MAX_STREAM_GAP_S`` at least, or 0.6 of the tokenizing time: always less than what a
-    tokenizer on the loop would hold them for).
+    prompts of 3,630 tokens) is the same in both, and the text request's extra time is the
+    frontend's tokenizing under whatever else the machine runs at that moment. A tokenizer on the
+    event loop would hold every stream for all of that extra time; off the loop, the streams
+    share the CPU with the tokenizer and wait at most half of it (or twice the control's longest
+    wait, or ``MAX_STREAM_GAP_S``, whichever is more).
     """
     prompt = "def f(x):\n    return x + 1\n" * 330
     token_ids = list(load_tokenizer(tiny_model_dir)(prompt).input_ids)
@@ -254,17 +256,16 @@ def test_an_accepted_request_that_tokenizes_for_seconds_leaves_other_streams_run
     assert len(texts["text"]) == 256
     num_prompt_tokens = answers["text"]["usage"]["prompt_tokens"]
     assert num_prompt_tokens == 256 * len(token_ids) > 900_000
-    # The text request holds seconds of tokenizing (timed here, alone), which the control
-    # does not: the waits below compare the same engine work with and without it.
+    # Timed alone, the tokenizing is heavy; in the server it also shares the CPU with the engine
+    # and the streams, so what it cost there is the text request's extra time over the control
+    # (a loaded CI run: 1.1 s alone, 2.2 s extra in the server, streams waiting 0.71 s). A
+    # tokenizer on the event loop holds every stream for about all of that extra time.
     tokenizer = load_tokenizer(tiny_model_dir)
     start = time.perf_counter()
     tokenizer([prompt] * 256)
-    tokenizing_s = time.perf_counter() - start
-    assert tokenizing_s > 0.5, "not a heavy request to tokenize"
-    # A tokenizer on the event loop would hold every stream for all of tokenizing_s; off it,
-    # the streams wait for a share of the CPU (2 cores, the rest of the suite beside them: a
-    # loaded CI run saw 0.57 s of 1.4 s), so the bound is a fraction of what on-loop would be.
-    bound = max(MAX_STREAM_GAP_S, 2 * max(gaps["control"]), 0.6 * tokenizing_s)
+    assert time.perf_counter() - start > 0.5, "not a heavy request to tokenize"
+    tokenizing_s = took["text"] - took["control"]
+    bound = max(MAX_STREAM_GAP_S, 2 * max(gaps["control"]), 0.5 * tokenizing_s)
     assert max(gaps["text"]) < bound, (
-        f"requests took {took}; longest waits {gaps}; tokenizing alone {tokenizing_s:.2f} s"
+        f"requests took {took}; longest waits {gaps}; bound {bound:.2f} s"
     )
