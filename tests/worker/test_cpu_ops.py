@@ -112,6 +112,12 @@ def test_what_the_op_does_not_take_goes_to_torch():
     assert not TokenOps.supports(odd, torch.ones(60, dtype=torch.bfloat16), None)
 
 
+def test_rows_wider_or_narrower_than_the_weight_are_refused_not_read_past(ops):
+    norm = RMSNorm(64, EPS)
+    with pytest.raises(RuntimeError):
+        norm(torch.randn(3, 32), torch.randn(3, 32))
+
+
 def test_the_layer_takes_the_compiled_op_and_gives_the_torch_result(ops, monkeypatch):
     norm = RMSNorm(96, EPS)
     norm.weight.data = torch.rand(96) + 0.5

@@ -7,10 +7,10 @@ the attention matmuls read, without a second copy. Decode rows (query length 1) 
 together in a few chunks; requests with longer queries (prompt chunks) one by one. Both use
 ``scaled_dot_product_attention``, which on CPU runs a flash-style kernel.
 
-On CPU with float32 or bfloat16, a compiled kernel (cpu_kernel.py) takes every query instead, decodes and
-prompt chunks in one call: it reads K/V through the block table where they lie, so the gathers (a
-copy of every request's whole context, each layer, each step) and the prompt chunks' masks
-disappear. Where it cannot be built this file's torch path runs.
+On CPU with float32 or bfloat16, a compiled kernel (cpu_kernel.py) takes every query instead,
+decodes and prompt chunks in one call: it reads K/V through the block table where they lie, so
+the gathers (a copy of every request's whole context, each layer, each step) and the prompt
+chunks' masks disappear. Where it cannot be built this file's torch path runs.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Runs in worker processes. On CPU in float32 and bfloat16 the add and the norm run as one
 compiled op (``cpu_ops.py``) where it could be built, else as the torch ops below. The arithmetic
 follows Hugging Face's Llama/Qwen RMSNorm step for step (normalise in float32, cast back, then
-scale) so our logits match theirs to rounding. Gemma's
-variant stores its scale as an offset from one and scales before casting back (``GemmaRMSNorm``).
+scale) so our logits match theirs to rounding. Gemma's variant stores its scale as an offset from
+one and scales before casting back (``GemmaRMSNorm``).
 """
 
 from __future__ import annotations
@@ -56,7 +56,13 @@ class RMSNorm(nn.Module):
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
         if x.is_cpu and x.dtype in COMPILED_DTYPES:
             ops = self._compiled_ops(x.dtype)
-            if ops is not None and TokenOps.takes_rows(x, residual):
+            # The C op trusts its sizes: a row of another width than the weight goes to torch,
+            # which refuses it.
+            if (
+                ops is not None
+                and x.shape[-1] == self.weight.shape[0]
+                and TokenOps.takes_rows(x, residual)
+            ):
                 # One compiled pass instead of five ops (worker/layers/cpu_ops.py).
                 normed, summed = ops.add_rms_norm(x, residual, self.weight, self.eps)
                 return normed if summed is None else (normed, summed)
