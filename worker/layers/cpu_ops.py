@@ -3,8 +3,8 @@ add fused into the RMSNorm that follows it.
 
 Runs in worker processes. Built and cached like the attention kernel (``worker.native``); where
 it cannot be built, or ``CONVEYOR_CPU_KERNEL=0``, the layers keep their torch ops. In the `bench`
-model's forward the torch add + RMSNorm was 5.8 % of the time (`equal` workload); this is 3-5x
-faster per call (docs/performance.md#prefill).
+model's forward the torch add + RMSNorm was 5.8 % of the time (`equal` workload); through the
+layer this is 1.7-1.9x faster per call at 64-2,048 rows (docs/performance.md#prefill).
 """
 
 from __future__ import annotations
