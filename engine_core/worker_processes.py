@@ -229,9 +229,13 @@ def worker_env(nodes: NodeConfig) -> dict[str, str]:
 
 def spawn_worker(launch: WorkerLaunch, env: dict[str, str]) -> subprocess.Popen[bytes]:
     """``python -m worker`` with ``launch`` on its stdin, which then stays open and silent."""
-    # The same session as the starter: the workers ignore SIGINT and stop when told (or when
-    # the starter is gone), and stay in its process group for a supervisor to scan.
-    process = spawn_module("worker", env=env, new_session=False, stdin_pipe=True)
+    # A session of its own, as every conveyor process has (the workers ignore SIGINT anyway and
+    # stop when told, or when the starter is gone). On Linux each session is a scheduling group
+    # (autogroup): sharing one with the engine core, the workers' compute threads at times kept
+    # every other process's threads off the cores for over a second (a frontend's /health, an
+    # unrelated process's timer: up to 1.8 s, 2-core host, 4 streams and a 256-prompt request);
+    # in a session of their own, never over 60 ms (docs/serving.md#cpu-scheduling).
+    process = spawn_module("worker", env=env, stdin_pipe=True)
     frame = WORKER_LAUNCH.encode(launch)
     assert process.stdin is not None
     try:

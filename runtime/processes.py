@@ -30,22 +30,22 @@ def spawn_module(
     args: Sequence[str] = (),
     *,
     env: dict[str, str] | None = None,
-    new_session: bool = True,
     stdin_pipe: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start ``python -m module args...`` with this interpreter.
 
     ``env`` is added to this process's environment (secrets go there, never on a command line
-    that every local user can read). ``new_session``: a Ctrl-C in the terminal then reaches only
-    the parent, which decides how its children stop. A shutdown signal arriving meanwhile is
-    held until the child's handle exists, and raised as this returns: a caller that keeps the
+    that every local user can read). Each child gets a session of its own: a Ctrl-C in the
+    terminal then reaches only the parent, which decides how its children stop, and on Linux each
+    is its own scheduling group (autogroup), so one process's busy threads cannot crowd another's
+    out. A shutdown signal arriving meanwhile is held until the child's handle exists, and raised as this returns: a caller that keeps the
     handle must store it inside its own ``signals_held()`` block.
     """
     command = [sys.executable, "-m", module, *args]
     stdin = subprocess.PIPE if stdin_pipe else None
     with signals_held():
         return subprocess.Popen(
-            command, env={**os.environ, **(env or {})}, start_new_session=new_session, stdin=stdin
+            command, env={**os.environ, **(env or {})}, start_new_session=True, stdin=stdin
         )
 
 

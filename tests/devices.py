@@ -46,6 +46,12 @@ def pin_test_device() -> None:
         # Triton kernels run in Triton's interpreter on the CPU (test_triton_attention.py). It
         # is read when triton is imported, which transformers does when it is installed.
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        # The two test workers share the cores, and each server a test starts adds a model
+        # worker: OpenMP threads spinning at every barrier keep the cores from the other
+        # processes' threads, whose own barriers then wait on them. Asleep at barriers instead,
+        # tests/frontend took 190 s instead of 395 s on 2 cores (docs/testing.md). Read when
+        # torch first loads libgomp, in this process and in every process started from it.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def check_cuda_run(config: pytest.Config) -> None:

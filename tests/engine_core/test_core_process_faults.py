@@ -66,6 +66,9 @@ def test_sigterm_exits_zero_tells_clients_and_leaves_no_children(
     engine = engine_processes(tiny_config(tiny_model_dir), executor_backend="mp")
     children = descendants(engine.pid)
     assert children, "the mp executor's worker process"
+    # Each in a session (on Linux, a scheduling group) of its own: sharing the engine core's, the
+    # worker's compute threads could keep other processes off the cores (docs/serving.md).
+    assert [os.getsid(pid) for pid in children] == children and os.getsid(engine.pid) == engine.pid
     client = make_client(engine.address)
     client.add_request(tiny_request("open"))
     assert client.get_outputs(10.0) is not None
