@@ -216,9 +216,26 @@ def _endpoint(socket: zmq.Socket) -> str:
     return socket.getsockopt(zmq.LAST_ENDPOINT).decode()
 
 
+# GNU OpenMP (torch's CPU build) spins this many times at a barrier before its thread sleeps,
+# where its own default is 300,000 (milliseconds of a core). Beside another busy process a
+# spinning thread holds a core that process, or its own partner, needs: on 2 cores with a
+# 2-thread matmul loop beside it, `bench offline --workload equal` served 2x the tokens (median
+# of 3: 467 against 241 tok/s) and one 200-token request took 0.6 s instead of 1.5-11.6 s; alone,
+# 1,069 against 1,087 tok/s (docs/performance.md#sharing-the-cores-with-other-busy-processes).
+OPENMP_SPIN_COUNT = 3000
+
+
+def openmp_env() -> dict[str, str]:
+    """GOMP_SPINCOUNT for a worker, unless this environment already sets how OpenMP waits."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return {}
+    return {"GOMP_SPINCOUNT": str(OPENMP_SPIN_COUNT)}
+
+
 def worker_env(nodes: NodeConfig) -> dict[str, str]:
-    """What a worker's environment adds: gloo's interface when every peer is on loopback."""
-    env = {}
+    """What a worker's environment adds: OpenMP's spin count (``openmp_env``), and gloo's
+    interface when every peer is on loopback."""
+    env = openmp_env()
     if sys.platform.startswith("linux") and not faces_network(f"tcp://{nodes.master_addr}:0"):
         # Every rank is on this machine: keep gloo's sockets on loopback rather than on the
         # interface the host name resolves to (internal sockets never face the network). Across

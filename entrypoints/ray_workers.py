@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Any
 
-from engine_core.worker_processes import WorkerProcesses, worker_env
+from engine_core.worker_processes import WorkerProcesses, openmp_env, worker_env
 from protocol import EngineConfig
 from protocol.config import NodeConfig
 from protocol.worker_messages import WORKER_LAUNCH, WorkerLaunch
@@ -119,7 +119,7 @@ class RayWorkerProcesses(WorkerProcesses):
 
     def _actor_env(self) -> dict[str, str]:
         # Across nodes gloo must leave loopback; on one node it stays there, as for processes.
-        env = {} if self._spread else worker_env(NodeConfig())
+        env = openmp_env() if self._spread else worker_env(NodeConfig())
         for name in (CURVE_KEYS_ENV, LOG_LEVEL_ENV):
             if os.environ.get(name):
                 env[name] = os.environ[name]  # a key folder's path, never a key

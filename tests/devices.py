@@ -48,9 +48,9 @@ def pin_test_device() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         # The two test workers share the cores, and each server a test starts adds a model
         # worker: OpenMP threads spinning at every barrier keep the cores from the other
-        # processes' threads, whose own barriers then wait on them. Asleep at barriers instead,
-        # tests/frontend took 190 s instead of 395 s on 2 cores (docs/testing.md). Read when
-        # torch first loads libgomp, in this process and in every process started from it.
+        # processes' threads, whose own barriers then wait on them. Asleep at barriers instead
+        # of GNU OpenMP's default spinning, tests/frontend took 190 s, not 395 s (testing.md).
+        # Read when torch first loads libgomp, here and in every process started from here.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

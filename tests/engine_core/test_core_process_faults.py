@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from engine_core.worker_processes import OPENMP_SPIN_COUNT, openmp_env
 from frontend.engine_args import EngineArgs
 from frontend.engine_client.engine_process import EngineProcess
 from frontend.engine_client.session import EngineDeadError
@@ -61,14 +62,19 @@ def tiny_request(request_id: str, max_tokens: int = 2000) -> EngineCoreRequest:
 
 @pytest.mark.slow
 def test_sigterm_exits_zero_tells_clients_and_leaves_no_children(
-    tiny_model_dir, engine_processes, make_client
+    tiny_model_dir, engine_processes, make_client, monkeypatch
 ):
+    # As on a host where nobody set how OpenMP waits (the suite sets it: tests/devices.py).
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     engine = engine_processes(tiny_config(tiny_model_dir), executor_backend="mp")
     children = descendants(engine.pid)
     assert children, "the mp executor's worker process"
     # Each in a session (on Linux, a scheduling group) of its own: sharing the engine core's, the
     # worker's compute threads could keep other processes off the cores (docs/serving.md).
     assert [os.getsid(pid) for pid in children] == children and os.getsid(engine.pid) == engine.pid
+    environ = Path(f"/proc/{children[0]}/environ").read_bytes().split(b"\0")
+    assert f"GOMP_SPINCOUNT={OPENMP_SPIN_COUNT}".encode() in environ
     client = make_client(engine.address)
     client.add_request(tiny_request("open"))
     assert client.get_outputs(10.0) is not None
@@ -77,6 +83,17 @@ def test_sigterm_exits_zero_tells_clients_and_leaves_no_children(
     with pytest.raises(EngineDeadError, match="shut down"):
         collect(client)
     assert wait_until_gone(children, 5.0) == []
+
+
+def test_how_openmp_waits_is_left_to_whoever_already_said(monkeypatch):
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    assert openmp_env() == {"GOMP_SPINCOUNT": str(OPENMP_SPIN_COUNT)}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert openmp_env() == {}
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "infinite")
+    assert openmp_env() == {}
 
 
 @pytest.mark.slow
