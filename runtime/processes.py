@@ -38,8 +38,9 @@ def spawn_module(
     that every local user can read). Each child gets a session of its own: a Ctrl-C in the
     terminal then reaches only the parent, which decides how its children stop, and on Linux each
     is its own scheduling group (autogroup), so one process's busy threads cannot crowd another's
-    out. A shutdown signal arriving meanwhile is held until the child's handle exists, and raised as this returns: a caller that keeps the
-    handle must store it inside its own ``signals_held()`` block.
+    out. A shutdown signal arriving meanwhile is held until the child's handle exists, and raised
+    as this returns: a caller that keeps the handle must store it inside its own
+    ``signals_held()`` block.
     """
     command = [sys.executable, "-m", module, *args]
     stdin = subprocess.PIPE if stdin_pipe else None
