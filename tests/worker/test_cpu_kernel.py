@@ -7,6 +7,7 @@ thread counts, bad slots and block ids, the fallback builds, the build cache, th
 
 from __future__ import annotations
 
+import platform
 import threading
 
 import numpy as np
@@ -185,12 +186,19 @@ def test_plan_tiles_every_query_into_items_longest_context_first():
     assert plan.decode_chunks == [] and plan.prefill_requests == []
 
 
-@pytest.mark.parametrize("flags", [("-O3", "-fopenmp"), ("-O2",)], ids=["portable", "plain"])
+@pytest.mark.parametrize(
+    "flags",
+    [("-O3", "-fopenmp"), ("-O2",), ("-O3", "-mavx2", "-mfma", "-fopenmp")],
+    ids=["portable", "plain", "avx2"],
+)
 def test_fallback_builds_compute_the_same_attention(tmp_path, monkeypatch, flags):
-    # What a compiler that refuses -march=native or OpenMP builds must still be right.
+    # What a compiler that refuses -march=native or OpenMP builds must still be right; and the
+    # build an AVX2 machine makes (8-float row vectors only, 16 registers), on this one.
     compiler = find_compiler()
     if compiler is None:
         pytest.skip("no C compiler on this machine")
+    if "-mavx2" in flags and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86 build")
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
     backend = TorchAttentionBackend()
     backend.cpu_kernel = cpu_kernel._load(cpu_kernel._build(compiler, flags))

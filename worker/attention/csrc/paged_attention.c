@@ -15,16 +15,27 @@
  * both softmax online (one pass over the keys, fp32 throughout), with sliding windows, attention
  * sinks and a logit soft-cap. Threads (OpenMP) take (item, kv head) pairs one at a time.
  *
- * Arithmetic is on 8-float vectors (vector_math.h), so head_dim must be a multiple of 8.
+ * Arithmetic is on 8-float vectors (vector_math.h; the query-tile path also on 16-float ones with
+ * AVX-512), so head_dim must be a multiple of 8.
  */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "paged_kv.h"
-#include "query_tiles.h"
 #include "short_queries.h"
 #include "vector_math.h"
+
+/* The query-tile path on 8-float row vectors, and on AVX-512 on 16-float ones as well. */
+#define QT_LANES 8
+#define QT_OPS_SUFFIX
+#include "query_tiles.h"
+#if defined(__AVX512F__)
+#define WIDE_ROW_LANES 16
+#define QT_LANES 16
+#define QT_OPS_SUFFIX 16
+#include "query_tiles.h"
+#endif
 
 #define CONVEYOR_ABI_VERSION 8
 /* Items with fewer rows take the short path: below a full vector the query tile's lanes idle. */
@@ -36,15 +47,21 @@ int conveyor_abi_version(void) { return CONVEYOR_ABI_VERSION; }
 int conveyor_element_bytes(void) { return (int)sizeof(elem_t); }
 
 /* Constant row-vector counts and head dims let the compiler keep the accumulators in registers
- * and unroll the inner loops fully. */
+ * and unroll the inner loops fully. An item of one 8-float vector of rows stays on that width;
+ * with AVX-512, fuller items take 16-float row vectors. */
 static int attend_tile_any_shape(const attention_args *a, const int32_t *item, int kv_head,
                                  int num_rows, const int D) {
+    if (num_rows <= LANES) return attend_query_tile_8(a, item, kv_head, 1, D);
+#ifdef WIDE_ROW_LANES
+    if (num_rows <= WIDE_ROW_LANES) return attend_query_tile_16(a, item, kv_head, 1, D);
+    return attend_query_tile_16(a, item, kv_head, TILE_MAX_ROWS / WIDE_ROW_LANES, D);
+#else
     switch ((num_rows + LANES - 1) / LANES) {
-    case 1: return attend_query_tile(a, item, kv_head, 1, D);
-    case 2: return attend_query_tile(a, item, kv_head, 2, D);
-    case 3: return attend_query_tile(a, item, kv_head, 3, D);
-    default: return attend_query_tile(a, item, kv_head, 4, D);
+    case 2: return attend_query_tile_8(a, item, kv_head, 2, D);
+    case 3: return attend_query_tile_8(a, item, kv_head, 3, D);
+    default: return attend_query_tile_8(a, item, kv_head, TILE_MAX_ROWS / LANES, D);
     }
+#endif
 }
 
 static int attend_item_any_dim(const attention_args *a, const int32_t *item, int kv_head) {

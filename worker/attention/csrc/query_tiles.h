@@ -21,49 +21,68 @@
 #include "paged_kv.h"
 #include "vector_math.h"
 
-#define TILE_ROW_VECTORS 4
-#define TILE_MAX_ROWS (TILE_ROW_VECTORS * LANES)
+#define QT_JOIN_(a, b) a##b
+#define QT_JOIN(a, b) QT_JOIN_(a, b)
+
+/* Rows of one item at most (the planner's MAX_ROWS, worker/attention/cpu_kernel.py). */
+#define TILE_MAX_ROWS 32
 /* Keys per softmax update: its rescale of the output is amortised over this many keys, and the
  * tile's K/V rows (16 KiB at head_dim 64) stay in L1 between the two products. */
 #define WIDE_TILE_KEYS 32
 /* Register blocking of the two products: accumulators held in registers. With 32 vector
- * registers (AVX-512VL, NEON) 4 keys x 4 row vectors for the scores and 24 for the values fit,
- * leaving room for the operands; with 16 (AVX2) half as many. */
-#if defined(__AVX512VL__) || defined(__aarch64__)
-#define SCORE_KEYS 4
+ * registers (AVX-512, NEON) 4 keys x up to 4 row vectors (8 floats) or 16 keys x 1 / 8 keys x 2
+ * row vectors (16 floats) for the scores and 24 for the values fit, leaving room for the
+ * operands; with 16 (AVX2) half as many. SCORE_KEYS_<lanes>(row vectors): keys scored per step. */
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define SCORE_KEYS_8(NRV) 4
 #define VALUE_ACCUMULATORS 24
 #else
-#define SCORE_KEYS 2
+#define SCORE_KEYS_8(NRV) 2
 #define VALUE_ACCUMULATORS 12
 #endif
+#define SCORE_KEYS_16(NRV) (16 / (NRV))
+#define SCORE_MAX_KEYS 16
+/* Value dims per pass over a tile's keys: more gained nothing on AVX-512. */
+#define VALUE_MAX_DIMS 8
+
+#endif /* the part shared by every width */
+
+/* Everything below is instantiated once per row-vector width: the includer defines QT_LANES (8
+ * or 16) and QT_OPS_SUFFIX (the suffix of that width's vector_math.h operations: empty for 8),
+ * and every name gets the suffix _QT_LANES. */
+#define QT_VF QT_JOIN(vf, QT_LANES)
+#define QT_VI QT_JOIN(vi, QT_LANES)
+#define QT_OP(name) QT_JOIN(name, QT_OPS_SUFFIX)
+#define QT_FN(name) QT_JOIN(name##_, QT_LANES)
+#define QT_MAX_NRV (TILE_MAX_ROWS / QT_LANES)
 
 typedef struct {
-    vf8 qt[MAX_HEAD_DIM][TILE_ROW_VECTORS]; /* queries transposed, in log2 units; pad rows 0 */
-    vf8 ot[MAX_HEAD_DIM][TILE_ROW_VECTORS]; /* unnormalised outputs, transposed */
-    vf8 s[WIDE_TILE_KEYS][TILE_ROW_VECTORS]; /* this tile's scores, then its weights */
-    vf8 max[TILE_ROW_VECTORS], sum[TILE_ROW_VECTORS];
-    vi8 first_visible[TILE_ROW_VECTORS], num_visible[TILE_ROW_VECTORS]; /* per row, as in paged_kv.h */
+    QT_VF qt[MAX_HEAD_DIM][QT_MAX_NRV]; /* queries transposed, in log2 units; pad rows 0 */
+    QT_VF ot[MAX_HEAD_DIM][QT_MAX_NRV]; /* unnormalised outputs, transposed */
+    QT_VF s[WIDE_TILE_KEYS][QT_MAX_NRV]; /* this tile's scores, then its weights */
+    QT_VF max[QT_MAX_NRV], sum[QT_MAX_NRV];
+    QT_VI first_visible[QT_MAX_NRV], num_visible[QT_MAX_NRV]; /* per row, as in paged_kv.h */
     const elem_t *keys[WIDE_TILE_KEYS], *values[WIDE_TILE_KEYS];
-} query_tile;
+} QT_FN(query_tile);
 
 /* Pack the item's rows: transposed, scaled queries; running max and sum; visible key ranges.
  * Pad rows (up to whole vectors) see every key with zero queries, and are never written out. */
-static inline __attribute__((always_inline)) void start_tile(
-    query_tile *st, const attention_args *a, const int32_t *item, int kv_head, const int NRV,
+static inline __attribute__((always_inline)) void QT_FN(start_tile)(
+    QT_FN(query_tile) *st, const attention_args *a, const int32_t *item, int kv_head, const int NRV,
     const int D) {
     const int group = a->num_heads / a->num_kv_heads;
     const int num_rows = item[ITEM_NUM_QUERIES] * group;
     const float q_scale = a->scale * LOG2E; /* scores come out in log2 units: exp2 only */
     for (int d = 0; d < D; d++)
-        for (int v = 0; v < NRV; v++) st->qt[d][v] = st->ot[d][v] = splat(0.0f);
+        for (int v = 0; v < NRV; v++) st->qt[d][v] = st->ot[d][v] = QT_OP(splat)(0.0f);
     for (int v = 0; v < NRV; v++) {
-        st->max[v] = splat(-INFINITY);
-        st->sum[v] = splat(0.0f);
-        st->first_visible[v] = splat_int(0);
-        st->num_visible[v] = splat_int(INT32_MAX);
+        st->max[v] = QT_OP(splat)(-INFINITY);
+        st->sum[v] = QT_OP(splat)(0.0f);
+        st->first_visible[v] = QT_OP(splat_int)(0);
+        st->num_visible[v] = QT_OP(splat_int)(INT32_MAX);
     }
     for (int r = 0; r < num_rows; r++) {
-        const int qi = r / group, head = kv_head * group + r % group, v = r / LANES, l = r % LANES;
+        const int qi = r / group, head = kv_head * group + r % group, v = r / QT_LANES, l = r % QT_LANES;
         const elem_t *src = a->query + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->query_token_stride
                             + (int64_t)head * a->query_head_stride;
         for (int d = 0; d < D; d++) st->qt[d][v][l] = elem_to_float(src[d]) * q_scale;
@@ -77,8 +96,8 @@ static inline __attribute__((always_inline)) void start_tile(
 }
 
 /* Pointers to the K/V rows of keys pos .. pos + n - 1; false if a block id is out of range. */
-static inline __attribute__((always_inline)) int locate_tile(
-    query_tile *st, const attention_args *a, const int32_t *blocks, int kv_head, int pos, int n,
+static inline __attribute__((always_inline)) int QT_FN(locate_tile)(
+    QT_FN(query_tile) *st, const attention_args *a, const int32_t *blocks, int kv_head, int pos, int n,
     const int D) {
     for (int t = 0; t < n;) {
         const elem_t *keys, *values;
@@ -92,81 +111,82 @@ static inline __attribute__((always_inline)) int locate_tile(
     return 1;
 }
 
-/* s[t] = qt^T . key t for the tile's n keys: SCORE_KEYS keys x NRV row vectors per step. */
-static inline __attribute__((always_inline)) void score_tile(
-    query_tile *st, int n, const int NRV, const int D) {
+/* s[t] = qt^T . key t for the tile's n keys: SCORE_KEYS_<lanes>(NRV) keys x NRV row vectors per step. */
+static inline __attribute__((always_inline)) void QT_FN(score_tile)(
+    QT_FN(query_tile) *st, int n, const int NRV, const int D) {
+    const int KEYS = QT_JOIN(SCORE_KEYS_, QT_LANES)(NRV);
     int t = 0;
-    for (; t + SCORE_KEYS <= n; t += SCORE_KEYS) {
-        vf8 acc[SCORE_KEYS][TILE_ROW_VECTORS];
-        const elem_t *k[SCORE_KEYS];
-        for (int i = 0; i < SCORE_KEYS; i++) {
+    for (; t + KEYS <= n; t += KEYS) {
+        QT_VF acc[SCORE_MAX_KEYS][QT_MAX_NRV];
+        const elem_t *k[SCORE_MAX_KEYS];
+        for (int i = 0; i < KEYS; i++) {
             k[i] = st->keys[t + i];
-            for (int v = 0; v < NRV; v++) acc[i][v] = splat(0.0f);
+            for (int v = 0; v < NRV; v++) acc[i][v] = QT_OP(splat)(0.0f);
         }
         for (int d = 0; d < D; d++) {
-            for (int i = 0; i < SCORE_KEYS; i++) {
-                const vf8 key = splat(elem_to_float(k[i][d]));
+            for (int i = 0; i < KEYS; i++) {
+                const QT_VF key = QT_OP(splat)(elem_to_float(k[i][d]));
                 for (int v = 0; v < NRV; v++) acc[i][v] += key * st->qt[d][v];
             }
         }
-        for (int i = 0; i < SCORE_KEYS; i++)
+        for (int i = 0; i < KEYS; i++)
             for (int v = 0; v < NRV; v++) st->s[t + i][v] = acc[i][v];
     }
     for (; t < n; t++) {
-        vf8 acc[TILE_ROW_VECTORS];
-        for (int v = 0; v < NRV; v++) acc[v] = splat(0.0f);
+        QT_VF acc[QT_MAX_NRV];
+        for (int v = 0; v < NRV; v++) acc[v] = QT_OP(splat)(0.0f);
         for (int d = 0; d < D; d++)
             for (int v = 0; v < NRV; v++)
-                acc[v] += splat(elem_to_float(st->keys[t][d])) * st->qt[d][v];
+                acc[v] += QT_OP(splat)(elem_to_float(st->keys[t][d])) * st->qt[d][v];
         for (int v = 0; v < NRV; v++) st->s[t][v] = acc[v];
     }
 }
 
 /* Fold the tile's scores into each row's running max and sum and leave its weights in s.
  * masked: some row cannot see some key of the tile (diagonal or window edge). */
-static inline __attribute__((always_inline)) void softmax_tile(
-    query_tile *st, int n, int pos, int masked, float cap, const int NRV, const int D) {
+static inline __attribute__((always_inline)) void QT_FN(softmax_tile)(
+    QT_FN(query_tile) *st, int n, int pos, int masked, float cap, const int NRV, const int D) {
     for (int v = 0; v < NRV; v++) {
-        vf8 tile_max = st->max[v];
+        QT_VF tile_max = st->max[v];
         for (int t = 0; t < n; t++) {
-            vf8 s = st->s[t][v];
-            if (cap > 0.0f) s = soft_cap(s, cap);
+            QT_VF s = st->s[t][v];
+            if (cap > 0.0f) s = QT_OP(soft_cap)(s, cap);
             if (masked) {
-                vi8 key = splat_int(pos + t);
-                s = select((key >= st->first_visible[v]) & (key < st->num_visible[v]), s,
-                           splat(-INFINITY));
+                QT_VI key = QT_OP(splat_int)(pos + t);
+                s = QT_OP(select)((key >= st->first_visible[v]) & (key < st->num_visible[v]), s,
+                           QT_OP(splat)(-INFINITY));
             }
             st->s[t][v] = s;
-            tile_max = vmax(tile_max, s);
+            tile_max = QT_OP(vmax)(tile_max, s);
         }
         /* A row that has seen no key yet keeps max -inf; subtracting 0 keeps its weights 0. */
-        const vf8 shift = select(tile_max == -INFINITY, splat(0.0f), tile_max);
-        const vf8 alpha = exp2_nonpositive(st->max[v] - shift);
-        vf8 sum = splat(0.0f);
+        const QT_VF shift = QT_OP(select)(tile_max == -INFINITY, QT_OP(splat)(0.0f), tile_max);
+        const QT_VF alpha = QT_OP(exp2_nonpositive)(st->max[v] - shift);
+        QT_VF sum = QT_OP(splat)(0.0f);
         for (int t = 0; t < n; t++) {
-            vf8 weight = exp2_nonpositive(st->s[t][v] - shift);
-            if (masked) weight = select(st->s[t][v] == -INFINITY, splat(0.0f), weight);
+            QT_VF weight = QT_OP(exp2_nonpositive)(st->s[t][v] - shift);
+            if (masked) weight = QT_OP(select)(st->s[t][v] == -INFINITY, QT_OP(splat)(0.0f), weight);
             st->s[t][v] = weight;
             sum += weight;
         }
         st->sum[v] = st->sum[v] * alpha + sum;
         st->max[v] = tile_max;
-        if (any_lane(alpha != 1.0f))
+        if (QT_OP(any_lane)(alpha != 1.0f))
             for (int d = 0; d < D; d++) st->ot[d][v] *= alpha;
     }
 }
 
 /* ot[d0 .. d0 + DIMS - 1] += sum over the tile's keys t of value t [d] * s[t], with those dims x
- * NRV row vectors of ot in registers for one pass over the keys. DIMS <= 8. */
-static inline __attribute__((always_inline)) void accumulate_dims(
-    query_tile *st, int n, int d0, const int DIMS, const int NRV) {
-    vf8 acc[8][TILE_ROW_VECTORS];
+ * NRV row vectors of ot in registers for one pass over the keys. DIMS <= VALUE_MAX_DIMS. */
+static inline __attribute__((always_inline)) void QT_FN(accumulate_dims)(
+    QT_FN(query_tile) *st, int n, int d0, const int DIMS, const int NRV) {
+    QT_VF acc[VALUE_MAX_DIMS][QT_MAX_NRV];
     for (int i = 0; i < DIMS; i++)
         for (int v = 0; v < NRV; v++) acc[i][v] = st->ot[d0 + i][v];
     for (int t = 0; t < n; t++) {
         const elem_t *value = st->values[t] + d0;
         for (int i = 0; i < DIMS; i++) {
-            const vf8 element = splat(elem_to_float(value[i]));
+            const QT_VF element = QT_OP(splat)(elem_to_float(value[i]));
             for (int v = 0; v < NRV; v++) acc[i][v] += element * st->s[t][v];
         }
     }
@@ -176,19 +196,20 @@ static inline __attribute__((always_inline)) void accumulate_dims(
 
 /* ot += values^T . s. VALUE_ACCUMULATORS of ot in registers per pass: each key's weights (NRV
  * loads) and value elements (one broadcast per dim) then feed dims x NRV multiply-adds. */
-static inline __attribute__((always_inline)) void accumulate_tile(
-    query_tile *st, int n, const int NRV, const int D) {
-    const int dims = VALUE_ACCUMULATORS / NRV > 8 ? 8 : VALUE_ACCUMULATORS / NRV;
+static inline __attribute__((always_inline)) void QT_FN(accumulate_tile)(
+    QT_FN(query_tile) *st, int n, const int NRV, const int D) {
+    const int dims = VALUE_ACCUMULATORS / NRV > VALUE_MAX_DIMS ? VALUE_MAX_DIMS
+                                                               : VALUE_ACCUMULATORS / NRV;
     int d = 0;
-    for (; d + dims <= D; d += dims) accumulate_dims(st, n, d, dims, NRV);
-    for (; d < D; d++) accumulate_dims(st, n, d, 1, NRV);
+    for (; d + dims <= D; d += dims) QT_FN(accumulate_dims)(st, n, d, dims, NRV);
+    if (d < D) QT_FN(accumulate_dims)(st, n, d, D - d, NRV);
 }
 
-static inline __attribute__((always_inline)) void finish_tile(
-    const query_tile *st, const attention_args *a, const int32_t *item, int kv_head, const int D) {
+static inline __attribute__((always_inline)) void QT_FN(finish_tile)(
+    const QT_FN(query_tile) *st, const attention_args *a, const int32_t *item, int kv_head, const int D) {
     const int group = a->num_heads / a->num_kv_heads;
     for (int r = 0; r < item[ITEM_NUM_QUERIES] * group; r++) {
-        const int qi = r / group, head = kv_head * group + r % group, v = r / LANES, l = r % LANES;
+        const int qi = r / group, head = kv_head * group + r % group, v = r / QT_LANES, l = r % QT_LANES;
         elem_t *dst = a->output + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->output_token_stride
                       + (int64_t)head * D;
         const float inv = 1.0f / st->sum[v][l];
@@ -197,30 +218,36 @@ static inline __attribute__((always_inline)) void finish_tile(
 }
 
 /* A query tile of NRV row vectors: every key its rows may see, WIDE_TILE_KEYS at a time. */
-static inline __attribute__((always_inline)) int attend_query_tile(
+static inline __attribute__((always_inline)) int QT_FN(attend_query_tile)(
     const attention_args *a, const int32_t *item, int kv_head, const int NRV, const int D) {
-    query_tile st;
+    QT_FN(query_tile) st;
     const int group = a->num_heads / a->num_kv_heads;
     const int last_row = item[ITEM_NUM_QUERIES] * group - 1;
     const int32_t *blocks = a->block_table + (int64_t)item[ITEM_TABLE_ROW] * a->block_table_stride;
-    start_tile(&st, a, item, kv_head, NRV, D);
+    QT_FN(start_tile)(&st, a, item, kv_head, NRV, D);
     /* The first row sees furthest back and least far forward, the last row the opposite: keys
      * in [last row's start, first row's end) are visible to every row, the rest need a mask. */
     const int first_key = st.first_visible[0][0];
-    const int end_key = st.num_visible[last_row / LANES][last_row % LANES];
-    const int unmasked_from = st.first_visible[last_row / LANES][last_row % LANES];
+    const int end_key = st.num_visible[last_row / QT_LANES][last_row % QT_LANES];
+    const int unmasked_from = st.first_visible[last_row / QT_LANES][last_row % QT_LANES];
     const int unmasked_to = st.num_visible[0][0];
     const float cap = a->softcap * LOG2E; /* c * tanh(s / c) scales with the scores' units */
     for (int pos = first_key; pos < end_key; pos += WIDE_TILE_KEYS) {
         const int n = end_key - pos < WIDE_TILE_KEYS ? end_key - pos : WIDE_TILE_KEYS;
-        if (!locate_tile(&st, a, blocks, kv_head, pos, n, D)) return CONVEYOR_BAD_BLOCK;
-        score_tile(&st, n, NRV, D);
+        if (!QT_FN(locate_tile)(&st, a, blocks, kv_head, pos, n, D)) return CONVEYOR_BAD_BLOCK;
+        QT_FN(score_tile)(&st, n, NRV, D);
         const int masked = pos < unmasked_from || pos + n > unmasked_to;
-        softmax_tile(&st, n, pos, masked, cap, NRV, D);
-        accumulate_tile(&st, n, NRV, D);
+        QT_FN(softmax_tile)(&st, n, pos, masked, cap, NRV, D);
+        QT_FN(accumulate_tile)(&st, n, NRV, D);
     }
-    finish_tile(&st, a, item, kv_head, D);
+    QT_FN(finish_tile)(&st, a, item, kv_head, D);
     return CONVEYOR_OK;
 }
 
-#endif
+#undef QT_VF
+#undef QT_VI
+#undef QT_OP
+#undef QT_FN
+#undef QT_MAX_NRV
+#undef QT_LANES
+#undef QT_OPS_SUFFIX

@@ -1,5 +1,5 @@
 /*
- * 8-float vector helpers shared by the paged-attention kernel's two item paths and by the token
+ * Vector helpers shared by the paged-attention kernel's two item paths and by the token
  * ops (worker/layers/csrc/token_ops.c); each library includes its own copy, so everything here is
  * static inline.
  *
@@ -28,15 +28,61 @@ static inline vf8 load(const float *p) {
 
 static inline void store(float *p, vf8 v) { memcpy(p, &v, sizeof v); }
 
-static inline vf8 splat(float x) { return (vf8){x, x, x, x, x, x, x, x}; }
+/* Lane-wise operations for a vector type VF of N floats and its int32 twin VI, their names ending
+ * in SUFFIX: instantiated for 8 floats (no suffix) and, where AVX-512 has them, 16 (suffix 16).
+ * Written once, as a macro, so both widths compute each lane alike.
+ *
+ * exp2_nonpositive: 2^x for x <= 0 (larger x is clamped to 0): x = n + y with integer n and
+ * |y| <= 1/2; 2^y = e^(y ln 2) by its Taylor series to degree 7 (coefficients (ln 2)^k / k!,
+ * truncation error ~1e-9 relative); 2^n by adding n to the exponent bits. Below 2^-125 the result
+ * is a tiny normal rather than 0, which is 0 to any sum it joins.
+ *
+ * soft_cap: cap * tanh(x / cap), from e = e^(-2|x|/cap) <= 1: tanh|y| = (1 - e) / (1 + e), sign
+ * restored. The absolute error stays ~1e-7 * cap (a score's own rounding) at any |x|. */
+#define VECTOR_OPS(VF, VI, N, SUFFIX)                                                            \
+    /* x - 0 is x for every float, so the subtraction folds away (0 + x would not: -0) */   \
+    static inline VF splat##SUFFIX(float x) { return x - (VF){0}; }                             \
+    static inline VI splat_int##SUFFIX(int32_t x) { return (VI){0} + x; }                       \
+    static inline VF select##SUFFIX(VI mask, VF yes, VF no) {                                   \
+        return (VF)((mask & (VI)yes) | (~mask & (VI)no));                                       \
+    }                                                                                           \
+    static inline VF vmax##SUFFIX(VF a, VF b) { return select##SUFFIX(a > b, a, b); }           \
+    static inline int any_lane##SUFFIX(VI mask) {                                               \
+        int32_t bits = 0;                                                                       \
+        for (int i = 0; i < N; i++) bits |= mask[i];                                            \
+        return bits != 0;                                                                       \
+    }                                                                                           \
+    static inline VF exp2_nonpositive##SUFFIX(VF x) {                                           \
+        x = select##SUFFIX(x > 0.0f, splat##SUFFIX(0.0f), x);                                   \
+        x = select##SUFFIX(x < -125.0f, splat##SUFFIX(-125.0f), x);                             \
+        VI n = __builtin_convertvector(x - 0.5f, VI); /* truncates toward 0: rounds x */        \
+        VF y = x - __builtin_convertvector(n, VF);                                              \
+        VF p = splat##SUFFIX(1.5252733804059840e-05f);                                          \
+        p = p * y + 1.5403530393381609e-04f;                                                    \
+        p = p * y + 1.3333558146428443e-03f;                                                    \
+        p = p * y + 9.6181291076284772e-03f;                                                    \
+        p = p * y + 5.5504108664821580e-02f;                                                    \
+        p = p * y + 2.4022650695910071e-01f;                                                    \
+        p = p * y + 6.9314718055994531e-01f;                                                    \
+        p = p * y + 1.0f;                                                                       \
+        return (VF)((VI)p + (n << 23));                                                         \
+    }                                                                                           \
+    static inline VF soft_cap##SUFFIX(VF x, float cap) {                                       \
+        VF magnitude = select##SUFFIX(x < 0.0f, -x, x);                                         \
+        VF e = exp2_nonpositive##SUFFIX(magnitude * (-2.0f * LOG2E / cap));                     \
+        VF capped = cap * (1.0f - e) / (1.0f + e);                                              \
+        return select##SUFFIX(x < 0.0f, -capped, capped);                                       \
+    }
 
-static inline vi8 splat_int(int32_t x) { return (vi8){x, x, x, x, x, x, x, x}; }
+VECTOR_OPS(vf8, vi8, 8, )
 
-static inline vf8 select(vi8 mask, vf8 yes, vf8 no) {
-    return (vf8)((mask & (vi8)yes) | (~mask & (vi8)no));
-}
-
-static inline vf8 vmax(vf8 a, vf8 b) { return select(a > b, a, b); }
+/* 16-float vectors where AVX-512 has them: the query-tile path's wide rows (query_tiles.h), half
+ * the instructions per multiply-add of 8-float vectors. */
+#if defined(__AVX512F__)
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+VECTOR_OPS(vf16, vi16, 16, 16)
+#endif
 
 static inline float hmax(vf8 v) {
     float m = v[0];
@@ -46,12 +92,6 @@ static inline float hmax(vf8 v) {
 
 static inline float hsum(vf8 v) {
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
-}
-
-static inline int any_lane(vi8 mask) {
-    int32_t bits = 0;
-    for (int i = 0; i < LANES; i++) bits |= mask[i];
-    return bits != 0;
 }
 
 /* bfloat16: the top 16 bits of a float32. Widening is exact; narrowing rounds to the nearest,
@@ -94,35 +134,6 @@ static inline vf8 round_to_bf16(vf8 v) { return (vf8)round_to_bf16_bits(v); }
 static inline void store_bf16(uint16_t *p, vf8 v) {
     vu16x8 narrow = __builtin_convertvector(round_to_bf16_bits(v) >> 16, vu16x8);
     memcpy(p, &narrow, sizeof narrow);
-}
-
-/* 2^x lane-wise for x <= 0 (larger x is clamped to 0): x = n + y with integer n and
- * |y| <= 1/2; 2^y = e^(y ln 2) by its Taylor series to degree 7 (coefficients (ln 2)^k / k!,
- * truncation error ~1e-9 relative); 2^n by adding n to the exponent bits. Below 2^-125 the result
- * is a tiny normal rather than 0, which is 0 to any sum it joins. */
-static inline vf8 exp2_nonpositive(vf8 x) {
-    x = select(x > 0.0f, splat(0.0f), x);
-    x = select(x < -125.0f, splat(-125.0f), x);
-    vi8 n = __builtin_convertvector(x - 0.5f, vi8); /* truncates toward 0: rounds x */
-    vf8 y = x - __builtin_convertvector(n, vf8);
-    vf8 p = splat(1.5252733804059840e-05f);
-    p = p * y + 1.5403530393381609e-04f;
-    p = p * y + 1.3333558146428443e-03f;
-    p = p * y + 9.6181291076284772e-03f;
-    p = p * y + 5.5504108664821580e-02f;
-    p = p * y + 2.4022650695910071e-01f;
-    p = p * y + 6.9314718055994531e-01f;
-    p = p * y + 1.0f;
-    return (vf8)((vi8)p + (n << 23));
-}
-
-/* cap * tanh(x / cap) lane-wise, from e = e^(-2|x|/cap) <= 1: tanh|y| = (1 - e) / (1 + e), sign
- * restored. The absolute error stays ~1e-7 * cap (a score's own rounding) at any |x|. */
-static inline vf8 soft_cap(vf8 x, float cap) {
-    vf8 magnitude = select(x < 0.0f, -x, x);
-    vf8 e = exp2_nonpositive(magnitude * (-2.0f * LOG2E / cap));
-    vf8 capped = cap * (1.0f - e) / (1.0f + e);
-    return select(x < 0.0f, -capped, capped);
 }
 
 #endif
