@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from worker.attention.backend import AttentionBackend
 from worker.attention.metadata_builder import build_attention_metadata
 from worker.layers import RotaryEmbedding, SiluAndMul, rms_normalize, rotate_
-from worker.layers.gemm import PACKED_MAX_ROWS, pack_weight
+from worker.layers.gemm import pack_weight, packed_row_limit
 from worker.layers.norm import RMSNorm
 from worker.loader import load_model, read_hf_config
 from worker.worker import keep_freed_memory_in_heap
@@ -118,7 +118,9 @@ def matmul_variants(x: torch.Tensor, weight: torch.Tensor) -> dict[str, Callable
 
 
 def bench_matmuls(config, rows: list[int], budget_s: float) -> None:
-    print(f"\n== matmul (packed oneDNN is used for <= {PACKED_MAX_ROWS} rows) ==")
+    limit = packed_row_limit()
+    used = "for every batch" if limit is None else f"for <= {limit} rows"
+    print(f"\n== matmul (packed oneDNN is used {used} on this CPU) ==")
     for num_rows in rows:
         for name, (k, n) in linear_shapes(config).items():
             x, weight = torch.randn(num_rows, k), torch.randn(n, k) / k**0.5

@@ -21,7 +21,7 @@ from worker.layers import (
     rms_normalize,
     rotate_,
 )
-from worker.layers.gemm import PACKED_MAX_ROWS, pack_weight
+from worker.layers.gemm import PACKED_MAX_ROWS, pack_weight, packed_row_limit
 
 HEAD_DIM = 32
 MAX_POSITIONS = 2048
@@ -199,6 +199,16 @@ def test_packed_small_batch_weights_give_the_plain_result(num_rows):
         assert layer.packed_weight is not None
     torch.testing.assert_close(layer(x), plain, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(plain, x @ weight.T + bias, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "capability,limit", [("AVX512", None), ("AVX2", PACKED_MAX_ROWS), ("DEFAULT", PACKED_MAX_ROWS)]
+)
+def test_every_batch_takes_the_packed_weight_only_where_torch_runs_avx512(
+    monkeypatch, capability, limit
+):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert packed_row_limit() == limit
 
 
 def test_packed_weights_only_for_float32_and_bfloat16_and_dropped_when_the_weight_reloads():

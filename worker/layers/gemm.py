@@ -1,9 +1,10 @@
 """y = x W^T + b, with the fastest CPU kernel for the number of rows.
 
-Runs in worker processes. On CPU, MKL's sgemm (what ``F.linear`` calls) is near the machine's
-peak for prefill-sized inputs (thousands of rows) but not at decode sizes (one row per running
-request), where oneDNN with the weight reordered once into its blocked layout is faster
-(conveyor bench layers measures both per shape). So a layer keeps its plain weight, which the
+Runs in worker processes. On an AVX2 CPU, MKL's sgemm (what ``F.linear`` calls) is near the
+machine's peak for prefill-sized inputs (thousands of rows) but not at decode sizes (one row per
+running request), where oneDNN with the weight reordered once into its blocked layout is faster;
+where torch runs AVX-512 code, oneDNN's packed path is the faster one at every size (conveyor
+bench layers measures both per shape). So a layer keeps its plain weight, which the
 loader, tensor-parallel slicing and a tied embedding all read, and may hold a packed copy of it
 next to it for small batches. The copy doubles the layer's weight memory; it is made for float32
 and bfloat16 CPU weights, where the measured gain is. bfloat16 matmuls go through oneDNN at every
@@ -26,6 +27,19 @@ logger = logging.getLogger(__name__)
 # +13%) and loses 3-12% at 2048. With 1 thread (tensor parallel over those cores) it is even at 64
 # rows: the gain is mostly oneDNN splitting a short matrix better across threads.
 PACKED_MAX_ROWS = 256
+
+
+def packed_row_limit() -> int | None:
+    """The most rows a float32 batch sends through the packed weight; None: every batch.
+
+    Where torch runs AVX-512 code, oneDNN's AVX-512 kernels beat MKL's sgemm at every size
+    measured (2-core Zen 4, the `bench` model's shapes: 1.11-1.13x at 512 and 2,048 rows, up to
+    1.6x at 64), so every batch takes the packed weight there; elsewhere PACKED_MAX_ROWS holds.
+    """
+    return None if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else PACKED_MAX_ROWS
+
+
+_ROW_LIMIT = packed_row_limit()
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -55,7 +69,7 @@ def linear(
 ) -> torch.Tensor:
     """x [..., in] -> [..., out]; ``packed`` is ``pack_weight(weight)`` or None."""
     if packed is not None and (
-        x.dtype == torch.bfloat16 or x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
+        _ROW_LIMIT is None or x.dtype == torch.bfloat16 or x.numel() <= _ROW_LIMIT * x.shape[-1]
     ):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
