@@ -13,6 +13,8 @@ twice, on its pure-torch path and with the compiled kernel (cpu_kernel.py), side
 
 --chunk-lens times one prompt chunk of each length after each cached context, with the chunk's
 attention GFLOP/s (causal: every query row against the keys it sees, two matmuls) per path.
+--compare-kernel DIR times two versions of the compiled kernel instead (DIR: another commit's
+worker/attention/csrc, from ``git worktree add``), interleaved on the same inputs.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 
 from benchmarks.machine import machine_info
-from worker.attention.cpu_kernel import load_kernel
+from worker.attention.cpu_kernel import load_kernel, load_kernel_from
 from worker.attention.metadata_builder import build_attention_metadata
 from worker.attention.selector import select_backend
 from worker.attention.torch_backend import TorchAttentionBackend
@@ -156,6 +158,15 @@ def make_backends(args, device: torch.device, dtype: torch.dtype) -> dict[str, o
     backend = select_backend(device, args.block_size, args.backend, dtype=dtype)
     if not isinstance(backend, TorchAttentionBackend) or device.type != "cpu":
         return {backend.name: backend}
+    if args.compare_kernel:
+        # Two versions of the kernel, interleaved: the sources in that folder, then this tree's.
+        other, errors = load_kernel_from(args.compare_kernel, dtype)
+        if other is None or load_kernel(dtype) is None:
+            raise SystemExit("a kernel did not build:\n" + "\n".join(errors))
+        backends = {"other kernel": TorchAttentionBackend()}
+        backends["other kernel"].cpu_kernel = other
+        backends["kernel"] = TorchAttentionBackend()
+        return backends
     backends = {"torch ops": TorchAttentionBackend(use_cpu_kernel=False)}
     if load_kernel() is not None and dtype == torch.float32:
         backends["kernel"] = TorchAttentionBackend()
@@ -191,6 +202,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--contexts", default="0", help="with --chunk-lens: cached tokens before the chunk"
+    )
+    parser.add_argument(
+        "--compare-kernel",
+        default=None,
+        metavar="DIR",
+        help="CPU: time the kernel built from the sources in DIR (another commit's "
+        "worker/attention/csrc) against this tree's instead of the torch ops; the speed-up "
+        "column is then theirs over ours",
     )
     return parser.parse_args(argv)
 

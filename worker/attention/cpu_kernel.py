@@ -180,6 +180,25 @@ def load_kernel(dtype: torch.dtype = torch.float32) -> PagedAttentionKernel | No
     return kernel
 
 
+def load_kernel_from(
+    folder: Path, dtype: torch.dtype = torch.float32
+) -> tuple[PagedAttentionKernel | None, list[str]]:
+    """The kernel built from another copy of the sources (``folder`` holds its paged_attention.c
+    and headers, e.g. an older commit's), for benchmarks that time two versions side by side;
+    None and why each build failed where it does not build or load."""
+    compiler = find_compiler()
+    if compiler is None:
+        return None, ["no C compiler (set CC)"]
+    source = Path(folder) / SOURCE_PATH.name
+    return native.build_and_load(
+        source,
+        sorted(source.parent.glob("*.[ch]")),
+        functools.partial(_from_library, dtype=dtype),
+        compiler,
+        BUILDS[dtype],
+    )
+
+
 def _inputs() -> list[Path]:
     return sorted(SOURCE_PATH.parent.glob("*.[ch]"))
 

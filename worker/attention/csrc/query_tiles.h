@@ -1,7 +1,9 @@
 /*
  * The paged-attention kernel's path for query tiles: up to TILE_MAX_ROWS query rows (a run of
  * consecutive tokens of one request, times the heads of one GQA group) against every key they
- * may see, read tile by tile straight from the paged cache. Included only by paged_attention.c.
+ * may see, read tile by tile straight from the paged cache. Included only by paged_attention.c,
+ * once per row-vector width (8 floats, and 16 where AVX-512 has them): see the part below the
+ * shared definitions.
  *
  * The rows are the vector lanes: queries are packed transposed once per item (qt[d] holds row
  * vectors), so a score tile is a small matrix product in which one key element, broadcast,
@@ -82,7 +84,8 @@ static inline __attribute__((always_inline)) void QT_FN(start_tile)(
         st->num_visible[v] = QT_OP(splat_int)(INT32_MAX);
     }
     for (int r = 0; r < num_rows; r++) {
-        const int qi = r / group, head = kv_head * group + r % group, v = r / QT_LANES, l = r % QT_LANES;
+        const int qi = r / group, head = kv_head * group + r % group;
+        const int v = r / QT_LANES, l = r % QT_LANES;
         const elem_t *src = a->query + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->query_token_stride
                             + (int64_t)head * a->query_head_stride;
         for (int d = 0; d < D; d++) st->qt[d][v][l] = elem_to_float(src[d]) * q_scale;
@@ -97,8 +100,8 @@ static inline __attribute__((always_inline)) void QT_FN(start_tile)(
 
 /* Pointers to the K/V rows of keys pos .. pos + n - 1; false if a block id is out of range. */
 static inline __attribute__((always_inline)) int QT_FN(locate_tile)(
-    QT_FN(query_tile) *st, const attention_args *a, const int32_t *blocks, int kv_head, int pos, int n,
-    const int D) {
+    QT_FN(query_tile) *st, const attention_args *a, const int32_t *blocks, int kv_head, int pos,
+    int n, const int D) {
     for (int t = 0; t < n;) {
         const elem_t *keys, *values;
         if (!locate_keys(a, blocks, kv_head, pos + t, D, &keys, &values)) return 0;
@@ -111,7 +114,8 @@ static inline __attribute__((always_inline)) int QT_FN(locate_tile)(
     return 1;
 }
 
-/* s[t] = qt^T . key t for the tile's n keys: SCORE_KEYS_<lanes>(NRV) keys x NRV row vectors per step. */
+/* s[t] = qt^T . key t for the tile's n keys: SCORE_KEYS_<lanes>(NRV) keys x NRV row vectors per
+ * step. */
 static inline __attribute__((always_inline)) void QT_FN(score_tile)(
     QT_FN(query_tile) *st, int n, const int NRV, const int D) {
     const int KEYS = QT_JOIN(SCORE_KEYS_, QT_LANES)(NRV);
@@ -165,7 +169,8 @@ static inline __attribute__((always_inline)) void QT_FN(softmax_tile)(
         QT_VF sum = QT_OP(splat)(0.0f);
         for (int t = 0; t < n; t++) {
             QT_VF weight = QT_OP(exp2_nonpositive)(st->s[t][v] - shift);
-            if (masked) weight = QT_OP(select)(st->s[t][v] == -INFINITY, QT_OP(splat)(0.0f), weight);
+            if (masked)
+                weight = QT_OP(select)(st->s[t][v] == -INFINITY, QT_OP(splat)(0.0f), weight);
             st->s[t][v] = weight;
             sum += weight;
         }
@@ -206,10 +211,12 @@ static inline __attribute__((always_inline)) void QT_FN(accumulate_tile)(
 }
 
 static inline __attribute__((always_inline)) void QT_FN(finish_tile)(
-    const QT_FN(query_tile) *st, const attention_args *a, const int32_t *item, int kv_head, const int D) {
+    const QT_FN(query_tile) *st, const attention_args *a, const int32_t *item, int kv_head,
+    const int D) {
     const int group = a->num_heads / a->num_kv_heads;
     for (int r = 0; r < item[ITEM_NUM_QUERIES] * group; r++) {
-        const int qi = r / group, head = kv_head * group + r % group, v = r / QT_LANES, l = r % QT_LANES;
+        const int qi = r / group, head = kv_head * group + r % group;
+        const int v = r / QT_LANES, l = r % QT_LANES;
         elem_t *dst = a->output + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->output_token_stride
                       + (int64_t)head * D;
         const float inv = 1.0f / st->sum[v][l];
@@ -235,6 +242,12 @@ static inline __attribute__((always_inline)) int QT_FN(attend_query_tile)(
     for (int pos = first_key; pos < end_key; pos += WIDE_TILE_KEYS) {
         const int n = end_key - pos < WIDE_TILE_KEYS ? end_key - pos : WIDE_TILE_KEYS;
         if (!QT_FN(locate_tile)(&st, a, blocks, kv_head, pos, n, D)) return CONVEYOR_BAD_BLOCK;
+        /* One row vector (a decode of a GQA group of 8 or 16) does too little work per key to
+         * hide the memory; fuller items do enough, and gained nothing from prefetching. */
+        const int ahead = pos + LOOKAHEAD_TILES * WIDE_TILE_KEYS;
+        if (NRV == 1 && ahead < end_key)
+            prefetch_keys(a, blocks, kv_head, ahead,
+                          end_key - ahead < WIDE_TILE_KEYS ? end_key - ahead : WIDE_TILE_KEYS, D);
         QT_FN(score_tile)(&st, n, NRV, D);
         const int masked = pos < unmasked_from || pos + n > unmasked_to;
         QT_FN(softmax_tile)(&st, n, pos, masked, cap, NRV, D);

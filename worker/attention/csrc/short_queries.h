@@ -34,18 +34,19 @@ typedef struct {
     int first_visible[SHORT_MAX_ROWS]; /* and start here: 0, or the start of its sliding window */
 } short_state;
 
-/* Scores of num_keys consecutive keys against every row, into st->p. next_keys / next_values
- * (or NULL) are the next tile's rows: fetched while this tile computes, since a tile usually
- * starts a new block, at an address the hardware prefetcher cannot guess. */
+/* Scores of num_keys consecutive keys against every row, into st->p. ahead_keys / ahead_values
+ * (or NULL) are the first num_ahead rows of a tile LOOKAHEAD_TILES on: fetched into L2 while
+ * this tile computes, since tiles usually start new blocks, at addresses the hardware prefetcher
+ * cannot guess. */
 static inline __attribute__((always_inline)) void score_keys(
-    short_state *st, int num_rows, const elem_t *keys, int num_keys, const elem_t *next_keys,
-    const elem_t *next_values, const float cap, const int D) {
+    short_state *st, int num_rows, const elem_t *keys, int num_keys, const elem_t *ahead_keys,
+    const elem_t *ahead_values, int num_ahead, const float cap, const int D) {
     for (int t = 0; t < num_keys; t++) {
         const elem_t *k = keys + (int64_t)t * D;
-        if (next_keys != NULL) {
+        if (ahead_keys != NULL && t < num_ahead) {
             for (int c = 0; c < D; c += CACHE_LINE_ELEMS) {
-                __builtin_prefetch(next_keys + (int64_t)t * D + c);
-                __builtin_prefetch(next_values + (int64_t)t * D + c);
+                __builtin_prefetch(ahead_keys + (int64_t)t * D + c, 0, 1);
+                __builtin_prefetch(ahead_values + (int64_t)t * D + c, 0, 1);
             }
         }
         for (int r = 0; r < num_rows; r++) {
@@ -178,6 +179,7 @@ static inline __attribute__((always_inline)) int attend_short_item(
     start_rows(&st, a, item, kv_head, D);
     const int first_key = st.first_visible[0]; /* the item's earliest row sees furthest back */
     if (!locate_keys(a, blocks, kv_head, first_key, D, &keys, &values)) return CONVEYOR_BAD_BLOCK;
+    const int tile_step = bs < TILE_KEYS ? bs : TILE_KEYS; /* a whole tile's length */
     for (int pos = first_key; pos < num_keys;) {
         int num = bs - pos % bs;
         num = num < TILE_KEYS ? num : TILE_KEYS;
@@ -185,7 +187,16 @@ static inline __attribute__((always_inline)) int attend_short_item(
         if (pos + num < num_keys
             && !locate_keys(a, blocks, kv_head, pos + num, D, &next_keys, &next_values))
             return CONVEYOR_BAD_BLOCK;
-        score_keys(&st, num_rows, keys, num, next_keys, next_values, a->softcap * LOG2E, D);
+        /* Rows from `ahead` on, as many as this tile has, up to the end of their block. */
+        const elem_t *ahead_keys = NULL, *ahead_values = NULL;
+        const int ahead = pos + LOOKAHEAD_TILES * tile_step;
+        if (ahead < num_keys
+            && !locate_keys(a, blocks, kv_head, ahead, D, &ahead_keys, &ahead_values))
+            return CONVEYOR_BAD_BLOCK;
+        int num_ahead = bs - ahead % bs;
+        num_ahead = num_ahead < num ? num_ahead : num;
+        score_keys(&st, num_rows, keys, num, ahead_keys, ahead_values, num_ahead,
+                   a->softcap * LOG2E, D);
         for (int r = 0; r < num_rows; r++) softmax_row(&st, r, num, pos, D);
         accumulate_values(&st, num_rows, values, num, D);
         pos += num;

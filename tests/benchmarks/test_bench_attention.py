@@ -1,0 +1,35 @@
+"""conveyor bench attention: its side-by-side timing of two versions of the compiled kernel."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks import attention as bench
+from worker.attention import cpu_kernel
+from worker.native import find_compiler
+
+pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C compiler on this machine")
+
+
+def test_compare_kernel_times_another_copy_of_the_sources_beside_this_one(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path / "cache"))
+    other = tmp_path / "other"
+    shutil.copytree(Path(cpu_kernel.SOURCE_PATH).parent, other)
+    argv = ["--compare-kernel", str(other), "--chunk-lens", "17", "--contexts", "40"]
+    assert bench.main([*argv, "--rounds", "1", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "config: other kernel, kernel," in out
+    row = next(line for line in out.splitlines() if line.startswith("chunk 17, ctx 40"))
+    # tokens, two kernels' us, matmuls us, attn/mm, two kernels' GF/s, speed-up
+    assert len(row.split()[4:]) == 8
+
+
+def test_compare_kernel_refuses_a_folder_without_the_sources(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(SystemExit, match="did not build"):
+        bench.main(["--compare-kernel", str(tmp_path), "--chunk-lens", "17"])
