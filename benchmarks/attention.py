@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         f"median of {args.rounds} x {args.repeats} calls"
     )
     names = list(backends)
-    header = f"{'scenario':<28}{'tokens':>7}" + "".join(f"{n + ' us':>13}" for n in names)
-    flops_header = "".join(f"{n + ' GF/s':>15}" for n in names) if len(names) > 1 else ""
+    header = f"{'scenario':<28}{'tokens':>7}" + "".join(f"{' ' + n + ' us':>13}" for n in names)
+    flops_header = "".join(f"{' ' + n + ' GF/s':>15}" for n in names) if len(names) > 1 else ""
     print(header + f"{'matmuls us':>12}{'attn/mm':>9}" + flops_header + f"{'speedup':>9}")
     query_lens, chunk_lens, contexts = (
         [int(q) for q in text.split(",") if q]
