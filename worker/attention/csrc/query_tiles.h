@@ -31,18 +31,20 @@
 /* Keys per softmax update: its rescale of the output is amortised over this many keys, and the
  * tile's K/V rows (16 KiB at head_dim 64) stay in L1 between the two products. */
 #define WIDE_TILE_KEYS 32
-/* Register blocking of the two products: accumulators held in registers. With 32 vector
- * registers (AVX-512, NEON) 4 keys x up to 4 row vectors (8 floats) or 16 keys x 1 / 8 keys x 2
- * row vectors (16 floats) for the scores and 24 for the values fit, leaving room for the
- * operands; with 16 (AVX2) half as many. SCORE_KEYS_<lanes>(row vectors): keys scored per step. */
-#if defined(__AVX512F__) || defined(__aarch64__)
+/* Register blocking of the two products: accumulators held in registers. On 8 floats, with 32
+ * vector registers (AVX-512VL, NEON) 4 keys x up to 4 row vectors for the scores and 24 for the
+ * values fit, leaving room for the operands, with 16 (AVX2) half as many; on 16 floats (AVX-512,
+ * 32 registers) 16 keys x 1 or 8 keys x 2 row vectors, and 24. SCORE_KEYS_<lanes>(row vectors):
+ * keys scored per step; VALUE_ACCUMULATORS_<lanes>: output vectors held per pass. */
+#if defined(__AVX512VL__) || defined(__aarch64__)
 #define SCORE_KEYS_8(NRV) 4
-#define VALUE_ACCUMULATORS 24
+#define VALUE_ACCUMULATORS_8 24
 #else
 #define SCORE_KEYS_8(NRV) 2
-#define VALUE_ACCUMULATORS 12
+#define VALUE_ACCUMULATORS_8 12
 #endif
 #define SCORE_KEYS_16(NRV) (16 / (NRV))
+#define VALUE_ACCUMULATORS_16 24
 #define SCORE_MAX_KEYS 16
 /* Value dims per pass over a tile's keys: more gained nothing on AVX-512. */
 #define VALUE_MAX_DIMS 8
@@ -199,12 +201,13 @@ static inline __attribute__((always_inline)) void QT_FN(accumulate_dims)(
         for (int v = 0; v < NRV; v++) st->ot[d0 + i][v] = acc[i][v];
 }
 
-/* ot += values^T . s. VALUE_ACCUMULATORS of ot in registers per pass: each key's weights (NRV
- * loads) and value elements (one broadcast per dim) then feed dims x NRV multiply-adds. */
+/* ot += values^T . s. VALUE_ACCUMULATORS_<lanes> of ot in registers per pass: each key's
+ * weights (NRV loads) and value elements (one broadcast per dim) then feed dims x NRV
+ * multiply-adds. */
 static inline __attribute__((always_inline)) void QT_FN(accumulate_tile)(
     QT_FN(query_tile) *st, int n, const int NRV, const int D) {
-    const int dims = VALUE_ACCUMULATORS / NRV > VALUE_MAX_DIMS ? VALUE_MAX_DIMS
-                                                               : VALUE_ACCUMULATORS / NRV;
+    const int accumulators = QT_JOIN(VALUE_ACCUMULATORS_, QT_LANES);
+    const int dims = accumulators / NRV > VALUE_MAX_DIMS ? VALUE_MAX_DIMS : accumulators / NRV;
     int d = 0;
     for (; d + dims <= D; d += dims) QT_FN(accumulate_dims)(st, n, d, dims, NRV);
     if (d < D) QT_FN(accumulate_dims)(st, n, d, D - d, NRV);
