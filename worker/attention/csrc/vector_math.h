@@ -32,10 +32,14 @@ static inline void store(float *p, vf8 v) { memcpy(p, &v, sizeof v); }
  * in SUFFIX: instantiated for 8 floats (no suffix) and, where AVX-512 has them, 16 (suffix 16).
  * Written once, as a macro, so both widths compute each lane alike.
  *
- * exp2_nonpositive: 2^x for x <= 0 (larger x is clamped to 0): x = n + y with integer n and
- * |y| <= 1/2; 2^y = e^(y ln 2) by its Taylor series to degree 7 (coefficients (ln 2)^k / k!,
- * truncation error ~1e-9 relative); 2^n by adding n to the exponent bits. Below 2^-125 the result
- * is a tiny normal rather than 0, which is 0 to any sum it joins.
+ * exp2_nonpositive: 2^x for x <= 0, which every caller guarantees (a score minus a running max
+ * at least as large, or a magnitude times a negative factor); for x > 0 the result is garbage,
+ * and callers that compute it on lanes they do not use (the short path's lanes past a row's last
+ * key) discard it. Clamping x at 0 too cost 2-5 % of a long prompt chunk's attention and never
+ * changed a result. x = n + y with integer n and |y| <= 1/2; 2^y = e^(y ln 2) by its Taylor
+ * series to degree 7 (coefficients (ln 2)^k / k!, truncation error ~1e-9 relative); 2^n by adding
+ * n to the exponent bits. Below 2^-125 the result is a tiny normal rather than 0, which is 0 to
+ * any sum it joins.
  *
  * soft_cap: cap * tanh(x / cap), from e = e^(-2|x|/cap) <= 1: tanh|y| = (1 - e) / (1 + e), sign
  * restored. The absolute error stays ~1e-7 * cap (a score's own rounding) at any |x|. */
@@ -53,7 +57,6 @@ static inline void store(float *p, vf8 v) { memcpy(p, &v, sizeof v); }
         return bits != 0;                                                                       \
     }                                                                                           \
     static inline VF exp2_nonpositive##SUFFIX(VF x) {                                           \
-        x = select##SUFFIX(x > 0.0f, splat##SUFFIX(0.0f), x);                                   \
         x = select##SUFFIX(x < -125.0f, splat##SUFFIX(-125.0f), x);                             \
         VI n = __builtin_convertvector(x - 0.5f, VI); /* truncates toward 0: rounds x */        \
         VF y = x - __builtin_convertvector(n, VF);                                              \
