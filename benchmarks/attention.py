@@ -156,7 +156,13 @@ def bench_scenario(
 def make_backends(args, device: torch.device, dtype: torch.dtype) -> dict[str, object]:
     """Named backends to time: on CPU the torch backend without and with the compiled kernel."""
     backend = select_backend(device, args.block_size, args.backend, dtype=dtype)
-    if not isinstance(backend, TorchAttentionBackend) or device.type != "cpu":
+    on_cpu_kernel = isinstance(backend, TorchAttentionBackend) and device.type == "cpu"
+    if args.compare_kernel and not on_cpu_kernel:
+        raise SystemExit(
+            f"--compare-kernel times the compiled CPU kernel; {device.type} with the "
+            f"{backend.name} backend does not run it"
+        )
+    if not on_cpu_kernel:
         return {backend.name: backend}
     if args.compare_kernel:
         # Two versions of the kernel, interleaved: the sources in that folder, then this tree's.

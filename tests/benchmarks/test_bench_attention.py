@@ -33,3 +33,10 @@ def test_compare_kernel_refuses_a_folder_without_the_sources(tmp_path, monkeypat
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path / "cache"))
     with pytest.raises(SystemExit, match="did not build"):
         bench.main(["--compare-kernel", str(tmp_path), "--chunk-lens", "17"])
+
+
+def test_compare_kernel_refuses_a_backend_that_does_not_run_the_cpu_kernel():
+    # Only the torch backend on the CPU runs the compiled kernel; elsewhere the flag would time
+    # nothing it names.
+    with pytest.raises(SystemExit, match="--compare-kernel times the compiled CPU kernel"):
+        bench.main(["--compare-kernel", "/nowhere", "--backend", "triton", "--chunk-lens", "17"])
