@@ -15,6 +15,10 @@ twice, on its pure-torch path and with the compiled kernel (cpu_kernel.py), side
 attention GFLOP/s (causal: every query row against the keys it sees, two matmuls) per path.
 --compare-kernel DIR times two versions of the compiled kernel instead (DIR: another commit's
 worker/attention/csrc, from ``git worktree add``), interleaved on the same inputs.
+--cold reads a buffer several times the last-level cache before every timed call, so the KV
+cache, queries and weights come from memory, as in a served step, where the other layers' caches
+and weights pass through between one layer's calls (warm, the 25 MB of `64 decodes, ctx 128-256`
+stay in a 32 MB L3 and the decode path reads about twice as fast as it does end to end).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -84,11 +89,19 @@ def block_table_for(scenario: Scenario, block_size: int, rng: np.random.Generato
     return table
 
 
-def time_us(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+def time_us(
+    fn: Callable[[], object],
+    repeats: int,
+    device: torch.device,
+    before: Callable[[], object] | None = None,
+) -> float:
+    """Median microseconds per call of ``fn``; ``before`` (untimed) runs ahead of each call."""
     for _ in range(3):
         fn()
     samples = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -115,6 +128,25 @@ def layer_matmuls(args: argparse.Namespace, num_tokens: int, dtype: torch.dtype,
             torch.nn.functional.linear(x, w)
 
     return run
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache Linux reports for cpu0 (0 where it reports none)."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=0)
+
+
+def cache_flusher() -> Callable[[], object]:
+    """Evicts the CPU's caches by reading a buffer four times the last-level cache (128 MiB
+    where the size is unknown); reads, so no dirty lines are written back during the timed call."""
+    buffer = torch.ones(max(4 * last_level_cache_bytes(), 128 << 20) // 4, dtype=torch.float32)
+    return lambda: buffer.sum()
 
 
 def bench_scenario(
@@ -146,10 +178,11 @@ def bench_scenario(
     matmuls = layer_matmuls(args, num_tokens, dtype, device)
     attention_us: list[list[float]] = [[] for _ in backends]
     matmul_us = []
+    before = cache_flusher() if args.cold else None
     for _ in range(args.rounds):
         for samples, backend in zip(attention_us, backends):
-            samples.append(time_us(attend(backend), args.repeats, device))
-        matmul_us.append(time_us(matmuls, args.repeats, device))
+            samples.append(time_us(attend(backend), args.repeats, device, before))
+        matmul_us.append(time_us(matmuls, args.repeats, device, before))
     return [statistics.median(s) for s in attention_us], statistics.median(matmul_us)
 
 
@@ -157,6 +190,8 @@ def make_backends(args, device: torch.device, dtype: torch.dtype) -> dict[str, o
     """Named backends to time: on CPU the torch backend without and with the compiled kernel."""
     backend = select_backend(device, args.block_size, args.backend, dtype=dtype)
     on_cpu_kernel = isinstance(backend, TorchAttentionBackend) and device.type == "cpu"
+    if args.cold and device.type != "cpu":
+        raise SystemExit(f"--cold evicts the CPU's caches; it means nothing on {device.type}")
     if args.compare_kernel and not on_cpu_kernel:
         raise SystemExit(
             f"--compare-kernel times the compiled CPU kernel; {device.type} with the "
@@ -216,6 +251,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CPU: time the kernel built from the sources in DIR (another commit's "
         "worker/attention/csrc) against this tree's instead of the torch ops; the speed-up "
         "column is then theirs over ours",
+    )
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="CPU: evict the caches before every timed call (inputs come from memory, as in a "
+        "served step)",
     )
     return parser.parse_args(argv)
 

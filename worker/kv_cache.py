@@ -8,16 +8,20 @@ the model runner's profiling pass (a forward of the largest batch, so activation
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from protocol.config import ConfigError
 from worker.attention.backend import AttentionBackend
+from worker.host_memory import zeros_on_huge_pages
 
 # Below this a server cannot hold even one short request plus the block it grows into; failing at
 # start-up with the numbers beats a scheduler that can never admit anything.
 MIN_NUM_BLOCKS = 2
+# CONVEYOR_KV_HUGE_PAGES=0 keeps the CPU cache on ordinary pages (worker.host_memory).
+HUGE_PAGES = os.environ.get("CONVEYOR_KV_HUGE_PAGES", "1") != "0"
 
 
 def kv_bytes_per_block(
@@ -135,6 +139,8 @@ def allocate_kv_caches(
             f"attention backend {backend.name!r} does not support block_size {block_size}"
         )
     shape = backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    if device.type == "cpu" and HUGE_PAGES:
+        return [zeros_on_huge_pages(shape, dtype) for _ in range(num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 

@@ -40,3 +40,25 @@ def test_compare_kernel_refuses_a_backend_that_does_not_run_the_cpu_kernel():
     # nothing it names.
     with pytest.raises(SystemExit, match="--compare-kernel times the compiled CPU kernel"):
         bench.main(["--compare-kernel", "/nowhere", "--backend", "triton", "--chunk-lens", "17"])
+
+
+def test_cold_evicts_the_caches_before_every_timed_call(monkeypatch, capsys):
+    flushes = []
+    real = bench.cache_flusher
+
+    def counting_flusher():
+        flush = real()
+        return lambda: flushes.append(1) or flush()
+
+    monkeypatch.setattr(bench, "cache_flusher", counting_flusher)
+    argv = ["--cold", "--chunk-lens", "17", "--contexts", "40", "--rounds", "2", "--repeats", "3"]
+    assert bench.main(argv) == 0
+    assert next(line for line in capsys.readouterr().out.splitlines() if line.startswith("chunk 17"))
+    # 2 rounds x (two attention paths + the matmuls) x 3 timed calls, never the warm-up calls
+    assert len(flushes) == 2 * 3 * 3
+    assert bench.last_level_cache_bytes() >= 0
+
+
+def test_cold_is_refused_off_the_cpu():
+    with pytest.raises(SystemExit, match="--cold evicts the CPU's caches"):
+        bench.main(["--cold", "--device", "cuda", "--chunk-lens", "17"])

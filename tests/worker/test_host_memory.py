@@ -1,0 +1,77 @@
+"""The CPU KV cache on transparent huge pages (worker/host_memory.py)."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker import kv_cache
+from worker.attention.torch_backend import TorchAttentionBackend
+from worker.host_memory import HUGE_PAGE_BYTES, zeros_on_huge_pages
+
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_available() -> bool:
+    """Whether this kernel gives huge pages to a region that asks (``always`` or ``madvise``)."""
+    try:
+        text = THP_MODE.read_text()
+    except OSError:
+        return False
+    return "[never]" not in text
+
+
+def _anon_huge_kib() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_gives_a_zeroed_writable_tensor_of_the_shape_and_dtype():
+    for dtype in (torch.float32, torch.bfloat16):
+        x = zeros_on_huge_pages((2, 3, 70, 16, 8), dtype)
+        assert x.shape == (2, 3, 70, 16, 8) and x.dtype == dtype and x.is_contiguous()
+        assert torch.count_nonzero(x) == 0
+        x[1, 2, 69, 15, 7] = 3.0
+        assert x.sum().item() == 3.0
+    assert zeros_on_huge_pages((0, 4), torch.float32).shape == (0, 4)
+
+
+@pytest.mark.skipif(not _thp_available(), reason="this kernel has transparent huge pages off")
+def test_the_memory_is_backed_by_huge_pages_and_released_with_the_tensor():
+    before = _anon_huge_kib()
+    x = zeros_on_huge_pages((16 * HUGE_PAGE_BYTES // 4,), torch.float32)
+    assert x.data_ptr() % HUGE_PAGE_BYTES == 0
+    # Every page was touched at allocation, so the kernel had to place huge pages then (it may
+    # fall back to small ones when memory is too fragmented: most of them is the claim).
+    assert _anon_huge_kib() - before >= 12 * HUGE_PAGE_BYTES // 1024
+    view = x[HUGE_PAGE_BYTES // 4 :]
+    del x
+    gc.collect()
+    assert _anon_huge_kib() - before >= 11 * HUGE_PAGE_BYTES // 1024  # a view keeps the mapping
+    del view
+    gc.collect()
+    assert _anon_huge_kib() - before < 4 * HUGE_PAGE_BYTES // 1024
+
+
+def test_cpu_kv_caches_take_huge_pages_unless_turned_off(monkeypatch):
+    backend = TorchAttentionBackend()
+    calls = []
+    real = kv_cache.zeros_on_huge_pages
+    monkeypatch.setattr(
+        kv_cache,
+        "zeros_on_huge_pages",
+        lambda shape, dtype: calls.append(shape) or real(shape, dtype),
+    )
+    caches = kv_cache.allocate_kv_caches(
+        2, 5, 16, 2, 8, torch.float32, torch.device("cpu"), backend
+    )
+    assert calls == [backend.kv_cache_shape(5, 16, 2, 8)] * 2
+    assert all(torch.count_nonzero(c) == 0 for c in caches)
+    monkeypatch.setattr(kv_cache, "HUGE_PAGES", False)
+    kv_cache.allocate_kv_caches(1, 5, 16, 2, 8, torch.float32, torch.device("cpu"), backend)
+    assert len(calls) == 2
