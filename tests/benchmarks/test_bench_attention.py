@@ -53,7 +53,9 @@ def test_cold_evicts_the_caches_before_every_timed_call(monkeypatch, capsys):
     monkeypatch.setattr(bench, "cache_flusher", counting_flusher)
     argv = ["--cold", "--chunk-lens", "17", "--contexts", "40", "--rounds", "2", "--repeats", "3"]
     assert bench.main(argv) == 0
-    assert next(line for line in capsys.readouterr().out.splitlines() if line.startswith("chunk 17"))
+    assert next(
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("chunk 17")
+    )
     # 2 rounds x (two attention paths + the matmuls) x 3 timed calls, never the warm-up calls
     assert len(flushes) == 2 * 3 * 3
     assert bench.last_level_cache_bytes() >= 0
