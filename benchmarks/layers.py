@@ -8,7 +8,8 @@ Sections:
           x @ W^T pre-transposed, oneDNN with the weight packed once (what the layers use for
           small batches), MKL packed for one exact batch size.
   ops     the small ops, the straightforward version (as Hugging Face writes them) against ours:
-          residual add + RMSNorm (also our torch ops, which the compiled CPU op replaces), q/k head norms + RoPE, SiLU * up; with --compile also ours
+          residual add + RMSNorm, q/k head norms + RoPE, SiLU * up (each also as our torch ops,
+          which the compiled CPU ops replace); with --compile also ours
           through torch.compile (static shapes, one compile per row count: minutes); with
           --device cuda the ops run on the GPU in bfloat16 (the other sections are CPU only).
   model   one forward with a stub attention that only copies q (so the time is everything but
@@ -33,7 +34,13 @@ import torch.nn.functional as F
 
 from worker.attention.backend import AttentionBackend
 from worker.attention.metadata_builder import build_attention_metadata
-from worker.layers import RotaryEmbedding, SiluAndMul, rms_normalize, rotate_
+from worker.layers import (
+    RotaryEmbedding,
+    SiluAndMul,
+    normalize_and_rotate,
+    rms_normalize,
+    rotate_,
+)
 from worker.layers.gemm import pack_weight, packed_row_limit
 from worker.layers.norm import RMSNorm
 from worker.loader import load_model, read_hf_config
@@ -153,6 +160,15 @@ def reference_qk_norm_rope(qkv, q_size, kv_size, head_dim, q_weight, k_weight, r
 
 
 def ours_qk_norm_rope(qkv, q_size, kv_size, head_dim, qk_weight, angles):
+    """What the decoder layer runs: one compiled pass in place where it can (CPU float32)."""
+    qk = qkv[:, : q_size + kv_size].view(qkv.shape[0], -1, head_dim)
+    qk = normalize_and_rotate(qk, qk_weight, EPS, angles)
+    num_heads = q_size // head_dim
+    return qk[:, :num_heads], qk[:, num_heads:], qkv[:, q_size + kv_size :]
+
+
+def torch_qk_norm_rope(qkv, q_size, kv_size, head_dim, qk_weight, angles):
+    """The layer's torch ops, which the compiled pass replaces on CPU float32."""
     qk = qkv[:, : q_size + kv_size].view(qkv.shape[0], -1, head_dim)
     qk = rotate_(rms_normalize(qk, qk_weight, EPS), angles)
     num_heads = q_size // head_dim
@@ -206,10 +222,13 @@ class OpCases:
         gate_up = torch.randn(num_rows, 2 * self.inter, **like)
         sizes = (self.q_size, self.kv_size, self.head_dim)
 
-        def ours_rope():
-            # The angles are looked up once per step, not per layer: 1/num_layers of it here.
-            angles = self.rope.angles(positions, qkv.dtype)
-            return ours_qk_norm_rope(qkv, *sizes, self.qk_weight, angles)
+        def rope_with(function):
+            def run():
+                # The angles are looked up once per step, not per layer: 1/num_layers of it here.
+                angles = self.rope.angles(positions, qkv.dtype)
+                return function(qkv, *sizes, self.qk_weight, angles)
+
+            return run
 
         weights = (self.q_weight, self.k_weight, self.rope, positions)
         cases = {
@@ -221,10 +240,15 @@ class OpCases:
             },
             "qk norm+rope": {
                 "reference": lambda: reference_qk_norm_rope(qkv, *sizes, *weights),
-                "ours": ours_rope,
+                # In place on qkv, as in the layer: timing only, the values drift.
+                "torch ops": rope_with(torch_qk_norm_rope),
+                "ours": rope_with(ours_qk_norm_rope),
             },
             "silu*up": {
                 "reference": lambda: F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :],
+                "torch ops": lambda: F.silu(gate_up[:, : self.inter]).mul_(
+                    gate_up[:, self.inter :]
+                ),
                 "ours": lambda: self.act(gate_up),
             },
         }

@@ -160,3 +160,126 @@ def test_fallback_builds_compute_the_same(tmp_path, monkeypatch, flags):
     expected_normed, expected_summed = torch_add_rms_norm(x, residual, weight)
     torch.testing.assert_close(normed, expected_normed, rtol=2e-6, atol=2e-6)
     assert torch.equal(summed, expected_summed)
+    # The other two ops in the same builds.
+    qkv = torch.randn(37, 16 * 64)
+    expected = hf_qk_norm_rope(qkv[:, : 12 * 64].view(37, 12, 64), *norm_and_angles(37, 12, 64, 32))
+    got = ops.qk_norm_rope_(qkv[:, : 12 * 64].view(37, 12, 64), *norm_and_angles(37, 12, 64, 32))
+    assert torch.equal(got, expected)
+    gated = torch.randn(70, 2 * 100) * 4
+    expected = torch.nn.functional.silu(gated[:, :100]) * gated[:, 100:]
+    torch.testing.assert_close(ops.silu_and_mul(gated), expected, rtol=1e-6, atol=1e-6)
+
+
+def norm_and_angles(num_tokens, num_heads, head_dim, half, seed=0):
+    """A per-head norm weight, eps, and cos / sin [T, 1, half] as RotaryAngles holds them (views
+    of one [T, 2 * half] lookup)."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.rand(num_heads, head_dim, generator=generator) + 0.5
+    positions = torch.randint(0, 4096, (num_tokens,), generator=generator).float()
+    inv_freq = 1.0 / (10000 ** (torch.arange(half).float() / half))
+    freqs = positions[:, None] * inv_freq[None, :]
+    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    cos, sin = table.chunk(2, dim=-1)
+    return weight, EPS, cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+def hf_qk_norm_rope(x, weight, eps, cos, sin):
+    """Hugging Face's float32 ops: RMSNorm (normalise, then scale), then q * cos +
+    rotate_half(q) * sin over the first 2 * half dims of each head."""
+    if weight is not None:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    half = cos.shape[-1]
+    rotated = x.clone()
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    cos2, sin2 = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    rotated[..., : 2 * half] = x[..., : 2 * half] * cos2 + torch.cat([-x2, x1], -1) * sin2
+    return rotated
+
+
+@pytest.mark.parametrize(
+    "head_dim,half", [(64, 32), (128, 64), (256, 128), (64, 16), (80, 40), (24, 12)]
+)
+@pytest.mark.parametrize("num_tokens", [1, 5, 64, 600])
+@pytest.mark.parametrize("with_norm", [True, False], ids=["norm", "rope-only"])
+def test_qk_norm_rope_equals_hugging_faces_ops_in_place_in_the_fused_projection(
+    ops, head_dim, half, num_tokens, with_norm
+):
+    num_heads, num_kv_heads = 8, 2
+    generator = torch.Generator().manual_seed(head_dim * 7 + num_tokens)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
+    qkv *= 3
+    qk_width = (num_heads + num_kv_heads) * head_dim
+    weight, eps, cos, sin = norm_and_angles(num_tokens, num_heads + num_kv_heads, head_dim, half)
+    weight = weight if with_norm else None
+    before = qkv.clone()
+    qk = qkv[:, :qk_width].view(num_tokens, -1, head_dim)  # strided: rows of the qkv output
+    assert TokenOps.takes_heads(qk, weight, cos, sin)
+    expected = hf_qk_norm_rope(qk.clone(), weight, eps, cos, sin)
+    result = ops.qk_norm_rope_(qk, weight, eps, cos, sin)
+    assert result.data_ptr() == qkv.data_ptr()  # in place
+    assert torch.equal(qkv[:, qk_width:], before[:, qk_width:])  # the values are left alone
+    if head_dim % 32 == 0 or not with_norm:
+        # The sum of squares in torch's order, every product rounded as torch rounds it: the
+        # same bits as Hugging Face's ops.
+        assert torch.equal(qk, expected)
+    else:  # other head dims: the tail of the sum of squares goes in another order
+        torch.testing.assert_close(qk, expected, rtol=1e-6, atol=2e-6)
+
+
+def test_qk_norm_rope_takes_only_what_it_can_read():
+    x = torch.randn(4, 3, 64)
+    weight, _, cos, sin = norm_and_angles(4, 3, 64, 32)
+    assert TokenOps.takes_heads(x, weight, cos, sin) and TokenOps.takes_heads(x, None, cos, sin)
+    assert not TokenOps.takes_heads(x.double(), weight, cos, sin)
+    assert not TokenOps.takes_heads(x.bfloat16(), weight, cos, sin)  # float32 only
+    assert not TokenOps.takes_heads(x.transpose(0, 1), weight, cos[:3], sin[:3])  # heads apart
+    assert not TokenOps.takes_heads(x[..., ::2], weight[:, :32], cos, sin)  # dims apart
+    assert not TokenOps.takes_heads(x, weight[:2], cos, sin)  # a weight per head
+    assert not TokenOps.takes_heads(x, weight.t().contiguous().t(), cos, sin)  # dense weight
+    assert not TokenOps.takes_heads(x, weight, cos[:3], sin[:3])  # an angle per token
+    assert not TokenOps.takes_heads(x, weight, cos.bfloat16(), sin.bfloat16())
+    wide = torch.randn(4, 1, 40)
+    assert not TokenOps.takes_heads(x, weight, wide, wide)  # more rotated dims than a head
+    assert not TokenOps.takes_heads(x, weight, cos, sin.contiguous())  # one stride for both
+    assert not TokenOps.takes_heads(x[:0], weight, cos[:0], sin[:0])
+
+
+@pytest.mark.parametrize("size", [1, 13, 64, 1536, 1000])
+@pytest.mark.parametrize("num_rows", [0, 1, 7, 64, 300])
+def test_silu_and_mul_is_within_a_few_roundings_of_torchs(ops, size, num_rows):
+    generator = torch.Generator().manual_seed(size + 31 * num_rows)
+    x = torch.randn(num_rows, 2 * size, generator=generator) * 6
+    before = x.clone()
+    out = ops.silu_and_mul(x)
+    expected = torch.nn.functional.silu(x[:, :size]) * x[:, size:]
+    assert out.shape == (num_rows, size) and out.is_contiguous()
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(x, before)
+
+
+def test_silu_and_mul_over_the_whole_float_range():
+    ops = load_token_ops()
+    if ops is None:
+        pytest.skip("no compiled token ops here")
+    g = torch.cat([torch.linspace(-120, 100, 20_001), torch.tensor([0.0, -0.0, 1e-30, -1e-30])])
+    out = ops.silu_and_mul(torch.cat([g, torch.ones_like(g)]).view(1, -1))[0]
+    expected = torch.nn.functional.silu(g)
+    assert torch.isfinite(out).all()
+    # Below g = -87 the op gives 0 where torch gives g * e^g, under 1.5e-36.
+    torch.testing.assert_close(out, expected, rtol=5e-7, atol=1.5e-36)
+    assert torch.equal(out[g < -87], torch.zeros_like(out[g < -87]))
+    rows = torch.randn(5, 2 * 64)
+    strided = torch.cat([rows, torch.randn(5, 30)], 1)[:, : 2 * 64]  # rows of a wider tensor
+    torch.testing.assert_close(ops.silu_and_mul(strided), ops.silu_and_mul(rows), rtol=0, atol=0)
+
+
+def test_the_layers_take_the_compiled_ops_and_fall_back_to_torch(ops, monkeypatch):
+    from worker.layers.activation import SiluAndMul
+
+    x = torch.randn(9, 2 * 48)
+    compiled = SiluAndMul()(x)
+    monkeypatch.setattr("worker.layers.activation.load_token_ops", lambda: None)
+    fallback = SiluAndMul()(x)
+    torch.testing.assert_close(compiled, fallback, rtol=1e-6, atol=1e-6)
+    assert not TokenOps.takes_gated(x.bfloat16()) and not TokenOps.takes_gated(x[:, :95])
+    assert not TokenOps.takes_gated(x.t())

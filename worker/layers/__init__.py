@@ -15,7 +15,13 @@ from worker.layers.linear import (
     default_weight_loader,
 )
 from worker.layers.norm import GemmaRMSNorm, RMSNorm, gemma_rms_normalize, rms_normalize
-from worker.layers.rotary import RotaryAngles, RotaryEmbedding, rope_parameters_of, rotate_
+from worker.layers.rotary import (
+    RotaryAngles,
+    RotaryEmbedding,
+    normalize_and_rotate,
+    rope_parameters_of,
+    rotate_,
+)
 
 __all__ = [
     "Attention",
@@ -34,6 +40,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "default_weight_loader",
     "gemma_rms_normalize",
+    "normalize_and_rotate",
     "rms_normalize",
     "rope_parameters_of",
     "rotate_",

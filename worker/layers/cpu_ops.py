@@ -4,7 +4,9 @@ add fused into the RMSNorm that follows it.
 Runs in worker processes. Built and cached like the attention kernel (``worker.native``); where
 it cannot be built, or ``CONVEYOR_CPU_KERNEL=0``, the layers keep their torch ops. In the `bench`
 model's forward the torch add + RMSNorm was 5.8 % of the time (`equal` workload); through the
-layer this is 1.7-1.9x faster per call at 64-2,048 rows (docs/performance.md#prefill).
+layer this is 1.7-1.9x faster per call at 64-2,048 rows (docs/performance.md#prefill). The q/k
+norm with the rotation replaces a dozen torch ops per layer, silu * up two (docs/performance.md,
+"Fewer small ops per layer").
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ SOURCE_PATH = Path(__file__).parent / "csrc" / "token_ops.c"
 # The attention kernel's vector helpers, which the source includes.
 VECTOR_MATH_PATH = Path(__file__).parent.parent / "attention" / "csrc" / "vector_math.h"
 # Must match CONVEYOR_TOKEN_OPS_ABI_VERSION in the source.
-ABI_VERSION = 2
+ABI_VERSION = 3
 # What the ops take: float32, and bfloat16 rounded where the torch ops round.
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -35,6 +37,13 @@ _ADD_RMS_NORM_ARGTYPES = [
     _ptr, _i64, _ptr, _i64,  # out and its row stride, summed (or NULL) and its row stride
     _i32,  # threads
 ]  # fmt: skip
+_QK_NORM_ROPE_ARGTYPES = [
+    _ptr, _i64, _i64, _i32, _i32,  # x, its token stride, tokens, heads, head_dim
+    _ptr, _f32,  # weight [heads, head_dim] (or NULL), eps
+    _ptr, _ptr, _i64, _i32,  # cos, sin, their token stride, rotated pairs per head
+    _i32,  # threads
+]  # fmt: skip
+_SILU_AND_MUL_ARGTYPES = [_ptr, _i64, _i64, _i32, _ptr, _i64, _i32]
 
 
 class TokenOps:
@@ -49,6 +58,12 @@ class TokenOps:
         for function in self._add_rms_norm.values():
             function.argtypes = _ADD_RMS_NORM_ARGTYPES
             function.restype = ctypes.c_int
+        self._qk_norm_rope = library.conveyor_qk_norm_rope
+        self._qk_norm_rope.argtypes = _QK_NORM_ROPE_ARGTYPES
+        self._qk_norm_rope.restype = ctypes.c_int
+        self._silu_and_mul = library.conveyor_silu_and_mul
+        self._silu_and_mul.argtypes = _SILU_AND_MUL_ARGTYPES
+        self._silu_and_mul.restype = ctypes.c_int
 
     @staticmethod
     def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
@@ -113,6 +128,86 @@ class TokenOps:
         if status != 0:
             raise RuntimeError(f"add_rms_norm failed with status {status}")
         return out, summed
+
+    @staticmethod
+    def takes_heads(
+        x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> bool:
+        """Whether ``qk_norm_rope_`` takes these: CPU float32 heads [T, heads, head_dim], each
+        head dense and the heads side by side; ``weight`` (or None) float32 [heads, head_dim]
+        dense; cos and sin float32 [T, 1, half] (RotaryAngles) with dense rows, one stride."""
+        if not (x.is_cpu and x.dtype == torch.float32 and x.dim() == 3 and x.shape[0] > 0):
+            return False
+        num_tokens, num_heads, head_dim = x.shape
+        if x.stride(2) != 1 or (num_heads > 1 and x.stride(1) != head_dim):
+            return False
+        if weight is not None and not (
+            weight.is_cpu
+            and weight.dtype == torch.float32
+            and weight.shape == (num_heads, head_dim)
+            and weight.is_contiguous()
+        ):
+            return False
+        return (
+            all(
+                a.is_cpu
+                and a.dtype == torch.float32
+                and a.dim() == 3
+                and a.shape[0] == num_tokens
+                and a.shape[1] == 1
+                and 2 * a.shape[2] <= head_dim
+                and a.stride(2) == 1
+                for a in (cos, sin)
+            )
+            and cos.shape == sin.shape
+            and cos.stride(0) == sin.stride(0)
+        )
+
+    def qk_norm_rope_(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """In place on ``x`` [T, heads, head_dim]: each head's RMSNorm times ``weight`` (skipped
+        when None), then its neox rotation by cos, sin [T, 1, half]. ``takes_heads`` must hold."""
+        num_tokens, num_heads, head_dim = x.shape
+        status = self._qk_norm_rope(
+            x.data_ptr(), x.stride(0), num_tokens, num_heads, head_dim,
+            None if weight is None else weight.data_ptr(), eps,
+            cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.shape[2],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"qk_norm_rope failed with status {status}")
+        return x
+
+    @staticmethod
+    def takes_gated(x: torch.Tensor) -> bool:
+        """Whether ``silu_and_mul`` takes ``x``: CPU float32 [T, 2 * size] with dense rows."""
+        return (
+            x.is_cpu
+            and x.dtype == torch.float32
+            and x.dim() == 2
+            and x.shape[1] % 2 == 0
+            and x.shape[1] > 0
+            and x.stride(1) == 1
+        )
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x = [gate | up] [T, 2 * size] -> silu(gate) * up, fresh [T, size]. ``takes_gated``
+        must hold."""
+        num_rows, size = x.shape[0], x.shape[1] // 2
+        out = torch.empty((num_rows, size), dtype=x.dtype)
+        status = self._silu_and_mul(
+            x.data_ptr(), x.stride(0), num_rows, size, out.data_ptr(), size,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"silu_and_mul failed with status {status}")
+        return out
 
 
 @functools.cache

@@ -24,6 +24,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from worker.layers.cpu_ops import TokenOps, load_token_ops
+from worker.layers.norm import rms_normalize
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
@@ -261,3 +264,20 @@ def rotate_(x: torch.Tensor, angles: RotaryAngles) -> torch.Tensor:
     x1.mul_(cos).addcmul_(x2, sin, value=-1)
     x2.mul_(cos).add_(x1_sin)
     return x
+
+
+def normalize_and_rotate(
+    qk: torch.Tensor, weight: torch.Tensor | None, eps: float, angles: RotaryAngles
+) -> torch.Tensor:
+    """Queries and keys [T, heads, head_dim] -> each head RMS-normalised times ``weight`` [heads,
+    head_dim] (skipped when None), then rotated; the result may be ``qk`` itself, changed in place.
+
+    On CPU in float32 both run as one compiled pass in place (worker/layers/cpu_ops.py: a dozen
+    torch ops per layer before); elsewhere the norm gives a fresh tensor that rotates in place.
+    """
+    ops = load_token_ops() if qk.is_cpu else None
+    if ops is not None and TokenOps.takes_heads(qk, weight, *angles):
+        return ops.qk_norm_rope_(qk, weight, eps, *angles)
+    if weight is not None:
+        qk = rms_normalize(qk, weight, eps)
+    return rotate_(qk, angles)

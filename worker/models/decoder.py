@@ -36,8 +36,7 @@ from worker.layers import (
     RowParallelLinear,
     SiluAndMul,
     VocabParallelEmbedding,
-    rms_normalize,
-    rotate_,
+    normalize_and_rotate,
 )
 from worker.models.checkpoint import checkpoint_names, load_checkpoint
 
@@ -161,13 +160,14 @@ class DecoderAttention(nn.Module):
         # Queries and keys sit side by side in the projection's output: one [T, H + KV, D] view
         # lets them be normalised and rotated by one op each instead of two.
         qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
+        weight = None
         if self.qk_norm:
             weight = self.qk_norm_weight
             if weight is None:  # weights loaded without process_weights_after_loading
                 weight = self._stacked_qk_norm_weight()
-            qk = rms_normalize(qk, weight, self.q_norm.eps)
-        # In place: qk is either the fresh norm output or a slice of qkv, this layer's own buffer.
-        rotate_(qk, angles)
+        # In place where it can: qk is a slice of qkv, this layer's own buffer.
+        eps = self.q_norm.eps if self.qk_norm else 0.0
+        qk = normalize_and_rotate(qk, weight, eps, angles)
         num_heads = self.qkv_proj.num_heads
         v = qkv[:, q_size + kv_size :]
         return self.attn(qk[:, :num_heads], qk[:, num_heads:], v, metadata)
