@@ -13,7 +13,8 @@
  * value row loaded from memory serves the whole item. Items of few rows (decodes) take the short
  * path (short_queries.h), items that fill a vector of rows the query-tile path (query_tiles.h);
  * both softmax online (one pass over the keys, fp32 throughout), with sliding windows, attention
- * sinks and a logit soft-cap. Threads (OpenMP) take (item, kv head) pairs one at a time.
+ * sinks and a logit soft-cap. Threads (OpenMP) take (item, kv head) pairs one at a time,
+ * prefetching the start of the next while they compute one.
  *
  * Arithmetic is on 8-float vectors (vector_math.h; the query-tile path also on 16-float ones with
  * AVX-512), so head_dim must be a multiple of 8.
@@ -102,6 +103,20 @@ static int attend_item_any_dim(const attention_args *a, const int32_t *item, int
     return attend_tile_any_shape(a, item, kv_head, num_rows);
 }
 
+/* The first keys of a pair that this thread will take next, asked for while it still works on
+ * the one before: an item's own prefetches run LOOKAHEAD_TILES ahead of its current tile, so
+ * its first tiles would otherwise wait on memory with nothing in flight. Only items of at most
+ * one 8-float vector of rows (decodes), which do too little work per key to hide that wait. */
+static void prefetch_item_start(const attention_args *a, const int32_t *item, int kv_head) {
+    if (item[ITEM_NUM_QUERIES] * (a->num_heads / a->num_kv_heads) > LANES) return;
+    const int first = row_first_visible(a, row_num_visible(item, 0));
+    const int end = item[ITEM_FIRST_POSITION] + item[ITEM_NUM_QUERIES];
+    const int tile = a->block_size < TILE_KEYS ? a->block_size : TILE_KEYS;
+    const int n = end - first < LOOKAHEAD_TILES * tile ? end - first : LOOKAHEAD_TILES * tile;
+    const int32_t *blocks = a->block_table + (int64_t)item[ITEM_TABLE_ROW] * a->block_table_stride;
+    prefetch_keys(a, blocks, kv_head, first, n, a->head_dim);
+}
+
 /* Attend every (item, kv head) pair; items are int32 [num_items][ITEM_FIELDS]. Writes the
  * query heads' outputs to output[token][head][dim]. Returns CONVEYOR_OK or a negative error. */
 int conveyor_paged_attention(
@@ -124,13 +139,27 @@ int conveyor_paged_attention(
                         output_token_stride};
     int status = CONVEYOR_OK;
     const int64_t num_pairs = (int64_t)num_items * num_kv_heads;
-    /* Dynamic: pairs differ in context length; the planner puts the longest first. */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t pair = 0; pair < num_pairs; pair++) {
-        int item = (int)(pair / num_kv_heads), kv_head = (int)(pair % num_kv_heads);
-        if (attend_item_any_dim(&a, items + (int64_t)item * ITEM_FIELDS, kv_head) != CONVEYOR_OK) {
+    /* Pairs go to threads one at a time, as they free up (pairs differ in context length; the
+     * planner puts the longest first), each thread claiming its next pair when it starts one,
+     * so that pair's first keys can be on their way while this one computes. */
+    int64_t unclaimed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int64_t pair, following;
+#pragma omp atomic capture
+        pair = unclaimed++;
+        while (pair < num_pairs) {
+#pragma omp atomic capture
+            following = unclaimed++;
+            if (following < num_pairs)
+                prefetch_item_start(&a, items + following / num_kv_heads * ITEM_FIELDS,
+                                    (int)(following % num_kv_heads));
+            const int32_t *item = items + pair / num_kv_heads * ITEM_FIELDS;
+            if (attend_item_any_dim(&a, item, (int)(pair % num_kv_heads)) != CONVEYOR_OK) {
 #pragma omp atomic write
-            status = CONVEYOR_BAD_BLOCK;
+                status = CONVEYOR_BAD_BLOCK;
+            }
+            pair = following;
         }
     }
     return status;
