@@ -31,6 +31,7 @@ from engine_core.stats_logger import StatsLogger
 from protocol import Abort, EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from protocol.messages import AddRequests, AllFreeReport, CheckAllFree
 from runtime.exit_codes import ExitCode
+from runtime.gc_heap import freeze_startup_heap
 from runtime.parent import tie_to_parent
 from runtime.signals import ShutdownRequested, ignore_shutdown_signals, install_shutdown_signals
 from runtime.zmq_security import (
@@ -310,6 +311,7 @@ def main(
         executor = make_executor(config)
         core = EngineCore(config, executor)
         process = EngineCoreProcess(core, address, heartbeat_timeout_s)
+        freeze_startup_heap()
         logger.info(
             "engine core ready on %s (%d KV blocks, executor %s)",
             process.address,

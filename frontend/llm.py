@@ -24,6 +24,7 @@ from frontend.output_processor import OutputProcessor, ProcessedOutputs
 from frontend.outputs import RequestOutput
 from frontend.tokenizer import load_tokenizer
 from protocol import FAILED_FINISH_REASONS, SamplingParams, SchedulerStats
+from runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 
 PromptType = Union[str, list[int]]
 
@@ -72,6 +73,9 @@ class LLM:
         self.config = self._engine.config
         self.input_processor = InputProcessor(self.config, self.tokenizer, strict_context=False)
         self._next_id = itertools.count()
+        # This process's heap (the model too, with engine="inprocess") out of full collections;
+        # shutdown gives it back, since a notebook's process goes on without this engine.
+        freeze_startup_heap()
 
     @property
     def stats(self) -> SchedulerStats | None:
@@ -109,6 +113,7 @@ class LLM:
 
     def shutdown(self) -> None:
         self._engine.shutdown()
+        unfreeze_heap()
 
     def __enter__(self) -> LLM:
         return self

@@ -12,5 +12,6 @@ pyzmq, which every conveyor process loads anyway.
   ``dirs``       private (0700) runtime folders for ipc:// sockets and rendezvous files
   ``logs``       one log-line format that names the process
   ``exit_codes`` what a conveyor process's exit status means
+  ``gc_heap``    the start-up heap frozen out of full garbage collections
   ``zmq_security`` CURVE keys on TCP sockets between processes; no unauthenticated network address
 """

@@ -37,6 +37,7 @@ from protocol.worker_messages import (
     WorkerReply,
 )
 from runtime.exit_codes import ExitCode
+from runtime.gc_heap import freeze_startup_heap
 from runtime.logs import configure_logging
 from runtime.parent import exit_when_pipe_closes
 from runtime.zmq_security import connect, keys_from_env
@@ -78,6 +79,8 @@ def handle_command(
         return NumBlocks(rank, worker.determine_num_blocks(), worker.kv_sliding_window())
     if isinstance(command, InitializeCache):
         worker.initialize_cache(command.num_blocks)
+        # The last start-up command: the model, its cache and warm-up are in place.
+        freeze_startup_heap()
         return CacheReady(rank)
     raise TypeError(f"unexpected command {type(command).__name__}")
 

@@ -55,6 +55,7 @@ from frontend.server.tokenize import (
     tokenize,
 )
 from frontend.tokenizer import load_tokenizer
+from runtime.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +236,7 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
         )
         if metrics is not None:
             publisher = asyncio.create_task(_publish_metrics(state, metrics))
+        freeze_startup_heap()
         logger.info(
             "attached to %s at %s, serving %s",
             "the engine" if client.num_engines == 1 else f"{client.num_engines} engines",
