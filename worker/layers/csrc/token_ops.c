@@ -209,28 +209,28 @@ int conveyor_qk_norm_rope(float *x, int64_t token_stride, int64_t num_tokens, in
  * (The attention kernel's exp2 of x * log2(e) loses |x| * 6e-8 of relative precision to the
  * rounding of that product: harmless for softmax weights, 8 ulps of a silu at |x| = 16.) Below
  * -87 the result is 0 (where torch's would be subnormal, below 1.2e-38). */
-#define EXP_NONPOSITIVE(VF, VI, SUFFIX)                                                         \
-    static inline VF exp_nonpositive##SUFFIX(VF x) {                                           \
-        VI underflow = x < -87.0f; /* e^x below float32 normals: 0 */  \
-        x = select##SUFFIX(underflow, splat##SUFFIX(-87.0f), x);                               \
-        VI n = __builtin_convertvector(x * LOG2E - 0.5f, VI); /* truncates toward 0: rounds */ \
-        VF nf = __builtin_convertvector(n, VF);                                                 \
-        VF y = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;                     \
-        VF p = splat##SUFFIX(1.0f / 5040.0f);                                                   \
-        p = p * y + 1.0f / 720.0f;                                                              \
-        p = p * y + 1.0f / 120.0f;                                                              \
-        p = p * y + 1.0f / 24.0f;                                                               \
-        p = p * y + 1.0f / 6.0f;                                                                \
-        p = p * y + 0.5f;                                                                       \
-        p = p * y + 1.0f;                                                                       \
-        p = p * y + 1.0f;                                                                       \
-        return select##SUFFIX(underflow, splat##SUFFIX(0.0f), (VF)((VI)p + (n << 23)));         \
-    }                                                                                           \
-    /* silu(g) * u = g * sigmoid(g) * u, sigmoid from e = exp(-|g|) <= 1 (never overflows). */  \
-    static inline VF silu_times##SUFFIX(VF g, VF u) {                                           \
-        VF e = exp_nonpositive##SUFFIX(select##SUFFIX(g < 0.0f, g, -g));                        \
-        VF sigmoid = select##SUFFIX(g < 0.0f, e, splat##SUFFIX(1.0f)) / (1.0f + e);            \
-        return (g * sigmoid) * u;                                                               \
+#define EXP_NONPOSITIVE(VF, VI, SUFFIX)                                                            \
+    static inline VF exp_nonpositive##SUFFIX(VF x) {                                               \
+        VI underflow = x < -87.0f; /* e^x below float32 normals: 0 */                              \
+        x = select##SUFFIX(underflow, splat##SUFFIX(-87.0f), x);                                   \
+        VI n = __builtin_convertvector(x * LOG2E - 0.5f, VI); /* truncates toward 0: rounds */     \
+        VF nf = __builtin_convertvector(n, VF);                                                    \
+        VF y = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;                        \
+        VF p = splat##SUFFIX(1.0f / 5040.0f);                                                      \
+        p = p * y + 1.0f / 720.0f;                                                                 \
+        p = p * y + 1.0f / 120.0f;                                                                 \
+        p = p * y + 1.0f / 24.0f;                                                                  \
+        p = p * y + 1.0f / 6.0f;                                                                   \
+        p = p * y + 0.5f;                                                                          \
+        p = p * y + 1.0f;                                                                          \
+        p = p * y + 1.0f;                                                                          \
+        return select##SUFFIX(underflow, splat##SUFFIX(0.0f), (VF)((VI)p + (n << 23)));            \
+    }                                                                                              \
+    /* silu(g) * u = g * sigmoid(g) * u, sigmoid from e = exp(-|g|) <= 1 (never overflows). */     \
+    static inline VF silu_times##SUFFIX(VF g, VF u) {                                              \
+        VF e = exp_nonpositive##SUFFIX(select##SUFFIX(g < 0.0f, g, -g));                           \
+        VF sigmoid = select##SUFFIX(g < 0.0f, e, splat##SUFFIX(1.0f)) / (1.0f + e);                \
+        return (g * sigmoid) * u;                                                                  \
     }
 
 EXP_NONPOSITIVE(vf8, vi8, )
