@@ -82,6 +82,14 @@ def build_and_load(
     return None, errors
 
 
+def status_function(library: ctypes.CDLL, name: str, argtypes: list) -> Callable[..., int]:
+    """``library``'s C function ``name`` with its argument types, returning an int status."""
+    function = getattr(library, name)
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function
+
+
 def build(compiler: str, flags: tuple[str, ...], source: Path, inputs: Sequence[Path]) -> Path:
     """The shared object of ``source`` built with ``flags``, from the cache when it is there."""
     # Every file the build reads: a change to any of them is a new build.

@@ -61,12 +61,8 @@ class PagedAttentionKernel:
         self.path = path
         # Of the queries, the cache and the output: this build takes no other.
         self.dtype = dtype
-        self._function = library.conveyor_paged_attention
-        self._function.argtypes = _ARGTYPES
-        self._function.restype = ctypes.c_int
-        self._write = library.conveyor_write_kv
-        self._write.argtypes = _WRITE_ARGTYPES
-        self._write.restype = ctypes.c_int
+        self._function = native.status_function(library, "conveyor_paged_attention", _ARGTYPES)
+        self._write = native.status_function(library, "conveyor_write_kv", _WRITE_ARGTYPES)
 
     def supports(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """Whether these tensors fit the kernel: CPU, this build's dtype, dense head rows, a dense

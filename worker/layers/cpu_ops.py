@@ -52,18 +52,19 @@ class TokenOps:
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
         self._add_rms_norm = {
-            torch.float32: library.conveyor_add_rms_norm,
-            torch.bfloat16: library.conveyor_add_rms_norm_bf16,
+            torch.float32: native.status_function(
+                library, "conveyor_add_rms_norm", _ADD_RMS_NORM_ARGTYPES
+            ),
+            torch.bfloat16: native.status_function(
+                library, "conveyor_add_rms_norm_bf16", _ADD_RMS_NORM_ARGTYPES
+            ),
         }
-        for function in self._add_rms_norm.values():
-            function.argtypes = _ADD_RMS_NORM_ARGTYPES
-            function.restype = ctypes.c_int
-        self._qk_norm_rope = library.conveyor_qk_norm_rope
-        self._qk_norm_rope.argtypes = _QK_NORM_ROPE_ARGTYPES
-        self._qk_norm_rope.restype = ctypes.c_int
-        self._silu_and_mul = library.conveyor_silu_and_mul
-        self._silu_and_mul.argtypes = _SILU_AND_MUL_ARGTYPES
-        self._silu_and_mul.restype = ctypes.c_int
+        self._qk_norm_rope = native.status_function(
+            library, "conveyor_qk_norm_rope", _QK_NORM_ROPE_ARGTYPES
+        )
+        self._silu_and_mul = native.status_function(
+            library, "conveyor_silu_and_mul", _SILU_AND_MUL_ARGTYPES
+        )
 
     @staticmethod
     def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
