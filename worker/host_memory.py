@@ -4,10 +4,11 @@ Runs in worker processes. A decode reads every cached key and value of its reque
 block, from wherever the block manager put them: with 4 KiB pages each block of one head is a
 page of its own, so nearly every block costs a TLB miss and a page walk, and the hardware
 prefetchers stop at every page boundary. Most Linux hosts run transparent huge pages in
-``madvise`` mode (only regions that ask get them); asking for the KV cache made the decode path
-read 1.2x faster from memory on the bench model (docs/performance.md, "Huge pages for the KV
-cache"). Where the kernel has no transparent huge pages, or the platform no ``madvise``, the
-mapping is plain anonymous memory, which behaves as ``torch.zeros`` does.
+``madvise`` mode (only regions that ask get them); asking for them made decodes read their cache
+from memory 1.01-1.24x faster on the bench model (docs/performance.md, "Fewer small ops per
+layer, and the KV cache on huge pages"). Where the kernel has no transparent huge pages, or the
+platform no ``madvise``, the mapping is plain anonymous memory, which behaves as ``torch.zeros``
+does.
 """
 
 from __future__ import annotations
