@@ -130,10 +130,10 @@ def layer_matmuls(args: argparse.Namespace, num_tokens: int, dtype: torch.dtype,
     return run
 
 
-def last_level_cache_bytes() -> int:
+def last_level_cache_bytes(cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
     """The largest CPU cache Linux reports for cpu0 (0 where it reports none)."""
     sizes = []
-    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+    for entry in cache_dir.glob("index*/size"):
         text = entry.read_text().strip().upper()
         scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
         digits = text.rstrip("KMG")
@@ -143,8 +143,8 @@ def last_level_cache_bytes() -> int:
 
 
 def cache_flusher() -> Callable[[], object]:
-    """Evicts the CPU's caches by reading a buffer four times the last-level cache (128 MiB
-    where the size is unknown); reads, so no dirty lines are written back during the timed call."""
+    """Evicts the CPU's caches by reading a buffer of four times the last-level cache, and at
+    least 128 MiB; reads, so no dirty lines are written back during the timed call."""
     buffer = torch.ones(max(4 * last_level_cache_bytes(), 128 << 20) // 4, dtype=torch.float32)
     return lambda: buffer.sum()
 

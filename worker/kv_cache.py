@@ -21,7 +21,19 @@ from worker.host_memory import zeros_on_huge_pages
 # start-up with the numbers beats a scheduler that can never admit anything.
 MIN_NUM_BLOCKS = 2
 # CONVEYOR_KV_HUGE_PAGES=0 keeps the CPU cache on ordinary pages (worker.host_memory).
-HUGE_PAGES = os.environ.get("CONVEYOR_KV_HUGE_PAGES", "1") != "0"
+HUGE_PAGES_ENV = "CONVEYOR_KV_HUGE_PAGES"
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def huge_pages_enabled() -> bool:
+    """Whether the CPU KV cache asks for huge pages: CONVEYOR_KV_HUGE_PAGES, on unless set off
+    (the spellings CONVEYOR_CPU_KERNEL takes); any other value is refused, not read as on."""
+    value = os.environ.get(HUGE_PAGES_ENV, "1").strip().lower()
+    if value not in _ON + _OFF:
+        raise ConfigError(
+            f"{HUGE_PAGES_ENV}={os.environ[HUGE_PAGES_ENV]!r}: use one of {', '.join(_ON + _OFF)}"
+        )
+    return value in _ON
 
 
 def kv_bytes_per_block(
@@ -139,7 +151,7 @@ def allocate_kv_caches(
             f"attention backend {backend.name!r} does not support block_size {block_size}"
         )
     shape = backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-    if device.type == "cpu" and HUGE_PAGES:
+    if device.type == "cpu" and huge_pages_enabled():
         return [zeros_on_huge_pages(shape, dtype) for _ in range(num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 

@@ -58,7 +58,14 @@ def test_cold_evicts_the_caches_before_every_timed_call(monkeypatch, capsys):
     )
     # 2 rounds x (two attention paths + the matmuls) x 3 timed calls, never the warm-up calls
     assert len(flushes) == 2 * 3 * 3
-    assert bench.last_level_cache_bytes() >= 0
+
+
+def test_the_last_level_cache_is_the_largest_size_linux_lists(tmp_path):
+    for index, size in enumerate(["48K", "2048K", "32M", "32768K\n"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size)
+    assert bench.last_level_cache_bytes(tmp_path) == 32 << 20
+    assert bench.last_level_cache_bytes(tmp_path / "missing") == 0
 
 
 def test_cold_is_refused_off_the_cpu():

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from protocol.config import ConfigError
 from worker import kv_cache
 from worker.attention.torch_backend import TorchAttentionBackend
 from worker.host_memory import HUGE_PAGE_BYTES, zeros_on_huge_pages
@@ -72,6 +73,17 @@ def test_cpu_kv_caches_take_huge_pages_unless_turned_off(monkeypatch):
     )
     assert calls == [backend.kv_cache_shape(5, 16, 2, 8)] * 2
     assert all(torch.count_nonzero(c) == 0 for c in caches)
-    monkeypatch.setattr(kv_cache, "HUGE_PAGES", False)
+    monkeypatch.setenv("CONVEYOR_KV_HUGE_PAGES", "0")
     kv_cache.allocate_kv_caches(1, 5, 16, 2, 8, torch.float32, torch.device("cpu"), backend)
     assert len(calls) == 2
+
+
+def test_a_huge_pages_setting_it_does_not_know_is_refused(monkeypatch):
+    for value, enabled in (("1", True), ("on", True), ("0", False), ("Off", False)):
+        monkeypatch.setenv("CONVEYOR_KV_HUGE_PAGES", value)
+        assert kv_cache.huge_pages_enabled() is enabled
+    monkeypatch.setenv("CONVEYOR_KV_HUGE_PAGES", "disabled")
+    with pytest.raises(ConfigError, match="CONVEYOR_KV_HUGE_PAGES='disabled': use one of"):
+        kv_cache.allocate_kv_caches(
+            1, 5, 16, 2, 8, torch.float32, torch.device("cpu"), TorchAttentionBackend()
+        )

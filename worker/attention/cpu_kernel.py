@@ -188,15 +188,16 @@ def load_kernel_from(
     source = Path(folder) / SOURCE_PATH.name
     return native.build_and_load(
         source,
-        sorted(source.parent.glob("*.[ch]")),
+        _inputs(source.parent),
         functools.partial(_from_library, dtype=dtype),
         compiler,
         BUILDS[dtype],
     )
 
 
-def _inputs() -> list[Path]:
-    return sorted(SOURCE_PATH.parent.glob("*.[ch]"))
+def _inputs(folder: Path = SOURCE_PATH.parent) -> list[Path]:
+    """Every file a build of the kernel in ``folder`` reads (its hash keys the cached build)."""
+    return sorted(folder.glob("*.[ch]"))
 
 
 def _build(compiler: str, flags: tuple[str, ...], dtype: torch.dtype = torch.float32) -> Path:

@@ -16,7 +16,7 @@ class SiluAndMul(nn.Module):
     """x = [gate | up] along the last dimension -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cpu and TokenOps.takes_gated(x):
+        if TokenOps.takes_gated(x):
             ops = load_token_ops()
             if ops is not None:
                 # One compiled pass (worker/layers/cpu_ops.py): torch's silu and product cost

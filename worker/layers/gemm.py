@@ -4,10 +4,11 @@ Runs in worker processes. On an AVX2 CPU, MKL's sgemm (what ``F.linear`` calls) 
 machine's peak for prefill-sized inputs (thousands of rows) but not at decode sizes (one row per
 running request), where oneDNN with the weight reordered once into its blocked layout is faster;
 where torch runs AVX-512 code, oneDNN's packed path is the faster one at every size (conveyor
-bench layers measures both per shape). So a layer keeps its plain weight, which the
-loader, tensor-parallel slicing and a tied embedding all read, and may hold a packed copy of it
-next to it for small batches (for every batch on AVX-512: ``packed_row_limit``). The copy doubles the layer's weight memory; it is made for float32
-and bfloat16 CPU weights, where the measured gain is. bfloat16 matmuls go through oneDNN at every
+bench layers measures both per shape). So a layer keeps its plain weight, which the loader,
+tensor-parallel slicing and a tied embedding all read, and may hold a packed copy of it next to
+it for small batches (for every batch on AVX-512: ``packed_row_limit``). The copy doubles the
+layer's weight memory; it is made for float32 and bfloat16 CPU weights, where the measured gain
+is. bfloat16 matmuls go through oneDNN at every
 size anyway (MKL has none), and the packed weight is faster at every size measured: 2.4-3.6x at
 one row, 1.2-1.3x at 64, 1.04-1.09x at 2,048 (2-core Zen 4 with AVX512_BF16, the `bench` model's
 shapes), so bfloat16 takes it for every batch.
