@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_engine_args(parser)
     parser.set_defaults(max_num_seqs=64, max_num_batched_tokens=2048, dtype="float32")
     args = parser.parse_args(argv)
+    if args.quantization is not None:
+        # The reference engine would run the checkpoint's float weights: not the same model.
+        parser.error("--quantization: the reference engine runs the same weights unquantized")
     unknown = set(args.workloads.split(",")) - set(WORKLOADS)
     if unknown:
         parser.error(f"unknown workloads {sorted(unknown)}; choose from {sorted(WORKLOADS)}")

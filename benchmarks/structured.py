@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -52,7 +53,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from worker.model_maker import ensure_model
 
     model = str(args.model or ensure_model("bench", "qwen3"))
-    trace = Path(tempfile.mkdtemp(prefix="conveyor-bench-")) / "steps.jsonl"
+    trace_dir = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
+    trace = trace_dir / "steps.jsonl"
     rng = random.Random(0)
     llm = LLM(model, max_num_seqs=max(64, args.num_requests), trace_steps=str(trace))
     vocab_size = llm.config.model.vocab_size
@@ -92,6 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 steps[name] += [r["duration_ms"] for r in records if r["num_prefill_tokens"] == 0]
     finally:
         llm.shutdown()
+        shutil.rmtree(trace_dir, ignore_errors=True)
     results = {
         name: {
             "output_tok_per_s": statistics.median(rates[name]),

@@ -21,6 +21,9 @@ POLICIES: tuple[str, ...] = ("stall-free", "prefill-first", "orca", "static")
 # "auto": flash-attn where it can run, else the torch backend (with the compiled CPU kernel on
 # CPU); "torch": torch ops only; "cpu-kernel": the torch backend with the compiled kernel required.
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash-attn", "triton", "torch", "cpu-kernel")
+# Weights turned into another format at load time (None: as the checkpoint has them). "int8":
+# weight-only, one scale per output row, CPU only (worker/layers/int8_linear.py).
+QUANTIZATION_METHODS: tuple[str, ...] = ("int8",)
 
 
 class ConfigError(ValueError):
@@ -44,6 +47,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # How the frontends read tool calls out of the text (``--tool-call-parser``); None: no
     # ``tool_choice: "auto"``.
     tool_call_parser: str | None = None
+    # One of QUANTIZATION_METHODS, applied to the decoder's linears at load time; None: none.
+    quantization: str | None = None
 
 
 class CacheConfig(msgspec.Struct, frozen=True):
@@ -304,6 +309,15 @@ def check_engine_config(config: EngineConfig) -> None:
         )
     if cache.block_size < 1 or cache.block_size & (cache.block_size - 1):
         raise ConfigError(f"block_size must be a power of two, got {cache.block_size}")
+    quantization = config.model.quantization
+    if quantization is not None:
+        if quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or none), "
+                f"got {quantization!r}"
+            )
+        if config.device.startswith("cuda"):
+            raise ConfigError(f"quantization {quantization!r} runs on CPU only; use --device cpu")
     check_node_config(config.parallel)
 
 

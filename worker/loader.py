@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from worker.layers.int8_linear import quantize_model
 from worker.models.decoder import DecoderForCausalLM
 from worker.models.registry import UnsupportedArchitectureError, model_class_for
 
@@ -66,8 +67,10 @@ def load_model(
     device: torch.device | str,
     tp_rank: int = 0,
     tp_size: int = 1,
+    quantization: str | None = None,
 ) -> DecoderForCausalLM:
-    """Build the model named by config.json on ``device`` in ``dtype`` and load its weights."""
+    """Build the model named by config.json on ``device`` in ``dtype`` and load its weights;
+    with ``quantization`` ("int8"), turn its linears' weights into that (CPU only)."""
     path = Path(model_dir)
     model_class = _model_class(read_config_json(path))
     hf_config = read_hf_config(path)
@@ -80,6 +83,10 @@ def load_model(
         raise ModelLoadError(f"{path}: {error}") from error
     _check_complete(model, loaded, files)
     model.process_weights_after_loading()
+    if quantization is not None:
+        if torch.device(device).type != "cpu":
+            raise ModelLoadError(f"--quantization {quantization} runs on CPU only, not {device}")
+        quantize_model(model, quantization)
     return model.eval().requires_grad_(False)
 
 

@@ -57,7 +57,9 @@ class ModelRunner:
         self.memory_baseline: CudaMemory | None = None
         if device.type == "cuda":
             self.memory_baseline = claim_cuda_memory(device, config.cache.gpu_memory_utilization)
-        self.model = load_model(config.model.model, self.dtype, device, tp_rank, tp_size)
+        self.model = load_model(
+            config.model.model, self.dtype, device, tp_rank, tp_size, config.model.quantization
+        )
         self.vocab_size = config.model.vocab_size
         self.attention_layers = self.model.attention_layers()
         needs_sinks = any(layer.sinks is not None for layer in self.attention_layers)

@@ -8,7 +8,9 @@ full checkpoint tensor, so the same loading code serves one rank or many, and fu
 (q/k/v, gate/up) fill their parts from the separate tensors a Hugging Face checkpoint holds, or
 from one already-fused tensor (Phi-3), split into its parts first.
 Once every weight is in, ``process_weights_after_loading`` packs a copy for the CPU's small-batch
-kernel (see gemm.py); the plain weight stays what the loader and the tests see.
+kernel (see gemm.py); the plain weight stays what the loader and the tests see. With
+``--quantization int8`` the loader then turns the column- and row-parallel weights into int8
+(``quantize_int8``, see int8_linear.py); the float weight's memory is released.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 from worker.layers.gemm import linear, pack_weight
+from worker.layers.int8_linear import Int8Weight
 from worker.layers.parallel import all_reduce, divide
 
 # Which part of a fused parameter a checkpoint tensor fills: "q"/"k"/"v", or 0/1 for gate/up.
@@ -71,13 +74,27 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         # Not a parameter or buffer: a derived copy, rebuilt after loading, never saved.
         self.packed_weight: torch.Tensor | None = None
+        # The weight in int8 once ``quantize_int8`` ran; the float weight is then a meta tensor.
+        self.int8: Int8Weight | None = None
 
     def process_weights_after_loading(self) -> None:
-        self.packed_weight = pack_weight(self.weight)
+        if self.int8 is None:
+            self.packed_weight = pack_weight(self.weight)
+
+    def quantize_int8(self) -> None:
+        """Compute with an int8 copy of the weight from now on and release the float one (its
+        shape stays, on the meta device, for code that reads it)."""
+        self.int8 = Int8Weight(self.weight, self.bias)
+        self.packed_weight = None
+        shape, dtype = self.weight.shape, self.weight.dtype
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), False)
+        _set_weight_loader(self.weight, self._load)
 
     def _load(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
     ) -> None:
+        if self.int8 is not None:
+            raise ValueError("an int8-quantized linear cannot load new weights; reload the model")
         self.packed_weight = None  # stale once the weight changes; rebuilt after loading
         self.weight_loader(param, loaded_weight, shard_id)
 
@@ -87,7 +104,13 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T, plus ``bias`` when it is given (this layer's own bias or None)."""
+        if self.int8 is not None:
+            return self.int8.linear(x, with_bias=bias is not None)
+        return linear(x, self.weight, bias, self.packed_weight)
 
 
 class ReplicatedLinear(LinearBase):
@@ -229,7 +252,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Adding the bias on one rank only keeps it from being summed tp_size times.
         bias = self.bias if self.tp_rank == 0 else None
-        return self.all_reduce(linear(x, self.weight, bias, self.packed_weight))
+        return self.all_reduce(self.matmul(x, bias))
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return all_reduce(partial, self.tp_size)

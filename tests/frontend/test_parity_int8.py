@@ -1,0 +1,93 @@
+"""``--quantization int8`` against transformers on the same int8 weights: greedy parity.
+
+transformers runs the checkpoint with each decoder linear's weight replaced by what the engine
+computes with, ``q * scale`` from ``quantize_int8`` (one scale per output row); the engine runs
+the checkpoint with ``quantization="int8"``. The engine fuses q/k/v and gate/up where HF keeps
+them apart, which changes nothing: a row's scale depends on that row alone. The tokens must be
+the same and the logprobs within the float32 parity tests' tolerance (the kernel sums x * q and
+scales once, HF multiplies by q * scale: the two differ by float rounding only). A near tie is
+reported by name, as in test_parity_hf.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from frontend import LLM
+from tests.frontend.test_parity_hf import (
+    ARCHS,
+    BLOCK_SIZE,
+    GREEDY,
+    SMALL_KV,
+    Reference,
+    _check,
+    _reference,
+)
+from worker.layers.int8_linear import quantize_int8
+
+# The decoder linears the engine quantizes, by their transformers names.
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _int8_hf_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    replaced = 0
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in QUANTIZED:
+                q, scale = quantize_int8(module.weight)
+                module.weight.copy_(q.float() * scale[:, None])
+                replaced += 1
+    assert replaced == 7 * model.config.num_hidden_layers
+    return model
+
+
+_REFERENCES: dict[Path, Reference] = {}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def int8_reference(request, tiny_model_dirs) -> Reference:
+    model_dir = tiny_model_dirs[request.param]
+    if model_dir not in _REFERENCES:
+        _REFERENCES[model_dir] = Reference(model_dir, _int8_hf_model(model_dir))
+    return _REFERENCES[model_dir]
+
+
+def _llm(reference: Reference, **engine_args) -> LLM:
+    # On the CPU in float32 in a CUDA test run too: int8 weights run on CPU only.
+    return LLM(
+        str(reference.model_dir),
+        engine="inprocess",
+        block_size=BLOCK_SIZE,
+        seed=0,
+        dtype="float32",
+        device="cpu",
+        kv_cache_memory=SMALL_KV,
+        quantization="int8",
+        **engine_args,
+    )
+
+
+def test_int8_batch_with_chunked_prefill_matches_hf_on_int8_weights(int8_reference):
+    # Chunks of 16 tokens next to decodes: the kernel's few-row path (decodes alone) and its
+    # many-row path (chunks) both run.
+    with _llm(int8_reference, max_num_seqs=8, max_num_batched_tokens=16) as llm:
+        outputs = llm.generate(int8_reference.prompts, GREEDY, use_tqdm=False)
+        _check(int8_reference, outputs, list(range(len(int8_reference.prompts))))
+        llm.check_all_free()
+
+
+def test_the_int8_reference_is_not_the_float_model(int8_reference, hf_model):
+    # The int8 rounding moves the first logits (same context in both: the prompt) by far more
+    # than the parity tolerance, so passing the test above means the engine ran int8 weights.
+    float_reference = _reference(int8_reference.model_dir, hf_model)
+    gaps = [
+        (ours[0] - theirs[0]).abs().max().item()
+        for ours, theirs in zip(int8_reference.logits, float_reference.logits)
+    ]
+    assert min(gaps) > 1e-3

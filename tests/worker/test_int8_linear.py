@@ -1,0 +1,182 @@
+"""Weight-only int8 linears (worker/layers/int8_linear.py, csrc/int8_gemm.c) against torch.
+
+The reference is torch's float32 ``x @ (q * scale)^T + bias`` on the same int8 weight. The kernel
+sums x * q and scales once, so the two differ by float rounding: the bound below is a few
+float32 ulps of the sum of |x| * |w| per output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from protocol.config import ConfigError
+from worker.layers import int8_linear
+from worker.layers.int8_linear import Int8Weight, load_int8_gemm, quantize_int8, quantize_model
+from worker.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+
+pytestmark = pytest.mark.skipif(load_int8_gemm() is None, reason="no C compiler for the kernel")
+
+
+def _close(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias=None) -> None:
+    reference = x.float() @ weight.T + (0 if bias is None else bias)
+    bound = (x.float().abs() @ weight.abs().T) * (x.shape[-1] * 2**-23) + 1e-6
+    error = (out.float() - reference).abs()
+    assert bool((error <= bound).all()), f"max error {error.max():.3g}, bound {bound.min():.3g}"
+
+
+def test_quantize_int8_rounds_each_row_to_its_own_scale():
+    weight = torch.tensor([[0.5, -1.27, 0.01], [0.0, 0.0, 0.0], [254.0, 1.0, -127.0]])
+    q, scale = quantize_int8(weight)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    torch.testing.assert_close(scale, torch.tensor([0.01, 0.0, 2.0]))
+    # Row 3: 1 / 2 and -127 / 2 are halves, rounded to even (0, -64) as torch.round does.
+    assert q.tolist() == [[50, -127, 1], [0, 0, 0], [127, 0, -64]]
+    dequantized = q.float() * scale[:, None]
+    assert bool(((dequantized - weight).abs() <= scale[:, None] / 2 + 1e-7).all())
+
+
+def test_quantize_int8_never_leaves_the_symmetric_range():
+    weight = torch.randn(64, 300, generator=torch.Generator().manual_seed(0)) * 3
+    q, scale = quantize_int8(weight)
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+    assert bool((q.abs().amax(dim=1) == 127).all())  # each row's largest reaches 127
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 96, 97, 250])
+@pytest.mark.parametrize(("in_features", "out_features"), [(1, 1), (17, 15), (300, 130), (64, 64)])
+def test_kernel_matches_torch_on_the_same_int8_weight(rows, in_features, out_features):
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.1
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    for with_bias in (False, True):
+        int8 = Int8Weight(weight, bias if with_bias else None)
+        assert int8.gemm is not None
+        dequantized = int8.dequantized()
+        torch.testing.assert_close(
+            dequantized, quantize_int8(weight)[0].float() * quantize_int8(weight)[1][:, None]
+        )
+        out = int8.linear(x)
+        assert out.shape == (rows, out_features) and out.dtype == torch.float32
+        _close(out, x, dequantized, bias if with_bias else None)
+
+
+def test_kernel_reads_strided_rows_and_leading_dimensions():
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 80, generator=generator)
+    int8 = Int8Weight(weight, None)
+    wide = torch.randn(40, 200, generator=generator)
+    x = wide[:, 16:96]  # rows 200 apart, as a slice of a fused projection's output
+    assert x.stride(0) == 200
+    _close(int8.linear(x), x, int8.dequantized())
+    batched = torch.randn(3, 5, 80, generator=generator)
+    out = int8.linear(batched)
+    assert out.shape == (3, 5, 96)
+    _close(out.view(15, 96), batched.view(15, 80), int8.dequantized())
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    generator = torch.Generator().manual_seed(4)
+    int8 = Int8Weight(torch.randn(512, 256, generator=generator), None)
+    x = torch.randn(70, 256, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = int8.linear(x)
+        torch.set_num_threads(2)
+        two = int8.linear(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_bfloat16_activations_compute_in_float32_and_return_bfloat16():
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(64, 128, generator=generator).bfloat16()
+    int8 = Int8Weight(weight, None)
+    x = torch.randn(9, 128, generator=generator).bfloat16()
+    out = int8.linear(x)
+    assert out.dtype == torch.bfloat16
+    expected = (x.float() @ int8.dequantized().T).bfloat16()
+    torch.testing.assert_close(out, expected, atol=0, rtol=2**-7)
+
+
+def test_without_the_kernel_torch_widens_the_weight_to_the_same_result(monkeypatch):
+    generator = torch.Generator().manual_seed(6)
+    weight, bias = torch.randn(48, 72, generator=generator), torch.randn(48, generator=generator)
+    x = torch.randn(11, 72, generator=generator)
+    with_kernel = Int8Weight(weight, bias)
+    monkeypatch.setattr(int8_linear, "load_int8_gemm", lambda: None)
+    fallback = Int8Weight(weight, bias)
+    assert fallback.gemm is None and fallback.q.shape == (48, 72)
+    torch.testing.assert_close(fallback.dequantized(), with_kernel.dequantized())
+    _close(fallback.linear(x), x, fallback.dequantized(), bias)
+    torch.testing.assert_close(fallback.linear(x), with_kernel.linear(x))
+
+
+def _filled(layer: torch.nn.Module, seed: int) -> torch.nn.Module:
+    generator = torch.Generator().manual_seed(seed)
+    for param in layer.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=generator))
+    layer.process_weights_after_loading()
+    return layer
+
+
+def test_a_quantized_layer_computes_with_int8_and_drops_its_float_weight():
+    layer = _filled(QKVParallelLinear(64, 16, 4, 2, bias=True), seed=7)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    x = torch.randn(6, 64)
+    layer.quantize_int8()
+    assert layer.weight.device.type == "meta" and layer.weight.shape == weight.shape
+    assert layer.packed_weight is None and layer.int8 is not None
+    q, scale = quantize_int8(weight)
+    _close(layer(x), x, q.float() * scale[:, None], bias)
+    with pytest.raises(ValueError, match="cannot load new weights"):
+        layer.weight.weight_loader(layer.weight, weight, "q")  # type: ignore[attr-defined]
+
+
+def test_row_parallel_adds_its_bias_on_rank_zero_only():
+    x = torch.randn(3, 32)
+    outputs = []
+    for rank in (0, 1):
+        layer = _filled(RowParallelLinear(64, 16, bias=True, tp_rank=rank, tp_size=2), seed=8)
+        layer.all_reduce = lambda partial: partial  # one rank's own partial sum
+        layer.quantize_int8()
+        outputs.append((layer(x), layer.int8.dequantized(), layer.bias))
+    (out0, w0, bias0), (out1, w1, _) = outputs
+    _close(out0, x, w0, bias0)
+    _close(out1, x, w1)
+
+
+def test_quantize_model_takes_the_decoder_linears_and_leaves_routers():
+    model = torch.nn.ModuleDict(
+        {
+            "gate_up": _filled(MergedColumnParallelLinear(32, [48, 48]), seed=9),
+            "down": _filled(RowParallelLinear(48, 32), seed=10),
+            "column": _filled(ColumnParallelLinear(32, 8), seed=11),
+            "router": _filled(ReplicatedLinear(32, 4, False, 0, 1), seed=12),
+        }
+    )
+    quantize_model(model, "int8")
+    assert all(model[name].int8 is not None for name in ("gate_up", "down", "column"))
+    assert model["router"].int8 is None and model["router"].weight.device.type == "cpu"
+    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
+        quantize_model(model, "int4")
+
+
+def test_engine_config_refuses_unknown_methods_and_cuda(tiny_model_dirs):
+    from frontend.engine_args import EngineArgs
+
+    model = str(tiny_model_dirs["qwen3"])
+    assert EngineArgs(model=model, quantization="int8").create_engine_config().model.quantization
+    with pytest.raises(ConfigError, match="quantization must be one of int8.*'fp8'"):
+        EngineArgs(model=model, quantization="fp8").create_engine_config()
+    with pytest.raises(ConfigError, match="runs on CPU only"):
+        EngineArgs(model=model, quantization="int8", device="cuda").create_engine_config()

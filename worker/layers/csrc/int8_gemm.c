@@ -1,0 +1,230 @@
+/*
+ * Weight-only int8 linears for CPU worker processes: out = (x @ q^T) * scale + bias, with x
+ * float32 [M, K], q int8 [N, K] (one symmetric scale per output row) and out float32 [M, N].
+ *
+ * Built on first use by worker/layers/int8_linear.py (through worker/native.py) with the system
+ * C compiler and loaded with ctypes. The weight is stored once, at load time, in panels of PANEL
+ * output columns, each panel k-major ([N / PANEL][K][PANEL], the last panel zero-padded), so a
+ * step of k reads PANEL consecutive bytes that widen into NV float vectors, and every row of x
+ * multiplies them with one broadcast each: the register tile is MR rows x NV vectors.
+ *
+ * Two paths, by the number of rows:
+ *  - a few rows (a decode step of a few requests, M <= MR): each int8 vector is widened in
+ *    registers and used MR times at most; the step is bound by reading the int8 weight, a
+ *    quarter of what float32 weights cost.
+ *  - more rows: each panel's int8 slice of KB values of k is widened once into a float buffer in
+ *    the core's L2 and reused by every MR-row tile of an MB-row block, so widening costs ~1/MB of
+ *    the multiply-adds and the inner loop is the float one.
+ * The products of x with the integers of q are summed in float32 and the row's scale applied
+ * once at the end; against x @ (q * scale)^T in float32 the results differ by the rounding of
+ * the two orders (relative ~K * 2^-24).
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define CONVEYOR_INT8_GEMM_ABI_VERSION 1
+
+#if defined(__AVX512F__)
+#define VL 16 /* floats per vector */
+#define NV 4  /* vectors per panel row: 24 accumulators + 4 weights of AVX-512's 32 registers */
+#else
+#define VL 8
+#define NV 2 /* 12 accumulators + 2 weights + 1 broadcast of AVX2's 16 registers */
+#endif
+#define PANEL (VL * NV)
+#define MR 6   /* rows per register tile */
+#define MB 96  /* rows per block sharing one widened weight slice */
+#define KB 256 /* values of k per widened slice: KB x PANEL floats (64 KB with AVX-512) */
+/* Below this many multiply-adds the OpenMP fork costs more than the second thread saves. */
+#define PARALLEL_MIN_MACS (1 << 18)
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+/* GCC's vector conversions sign-extend int8 lane by lane in scalar code, so the widening is
+ * written with the instructions that do it in two (sign extension, conversion). */
+static inline vf widen(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    vf v;
+    for (int i = 0; i < VL; i++) v[i] = (float)p[i];
+    return v;
+#endif
+}
+
+static inline vf loadf(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void storef(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static inline vf splat(float x) { return x - (vf){0}; }
+
+int conveyor_int8_gemm_abi_version(void) { return CONVEYOR_INT8_GEMM_ABI_VERSION; }
+
+int conveyor_int8_panel_width(void) { return PANEL; }
+
+/* out[r][n] = acc[r][n] * scale[n] + bias[n] for the panel's first `width` columns. */
+static inline void write_rows(const float *acc, int64_t acc_stride, int rows, int width,
+                              const float *scale, const float *bias, float *out,
+                              int64_t out_stride) {
+    for (int r = 0; r < rows; r++) {
+        const float *a = acc + r * acc_stride;
+        float *o = out + r * out_stride;
+        if (width == PANEL) {
+            for (int j = 0; j < NV; j++) {
+                vf v = loadf(a + j * VL) * loadf(scale + j * VL);
+                if (bias) v += loadf(bias + j * VL);
+                storef(o + j * VL, v);
+            }
+        } else {
+            for (int n = 0; n < width; n++) o[n] = a[n] * scale[n] + (bias ? bias[n] : 0.0f);
+        }
+    }
+}
+
+/* A few rows against one panel, widening the int8 values in registers; ROWS is a constant at
+ * every call, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void few_rows_panel(
+    const float *x, int64_t x_stride, const int8_t *panel, int64_t k_size, const int ROWS,
+    float *acc_out /* [ROWS][PANEL] */) {
+    vf acc[MR][NV];
+#pragma GCC unroll 6
+    for (int r = 0; r < ROWS; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) acc[r][j] = splat(0.0f);
+    for (int64_t k = 0; k < k_size; k++) {
+        vf w[NV];
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) w[j] = widen(panel + k * PANEL + j * VL);
+#pragma GCC unroll 6
+        for (int r = 0; r < ROWS; r++) {
+            const vf xs = splat(x[r * x_stride + k]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NV; j++) acc[r][j] += xs * w[j];
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < ROWS; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) storef(acc_out + r * PANEL + j * VL, acc[r][j]);
+}
+
+/* acc[ROWS][PANEL] (+)= x[ROWS, 0:kb] @ w[0:kb][PANEL]; starts from zero when `first`. */
+static inline __attribute__((always_inline)) void float_tile(const float *x, int64_t x_stride,
+                                                             const float *w, int kb,
+                                                             const int ROWS, float *acc_io,
+                                                             int first) {
+    vf acc[MR][NV];
+#pragma GCC unroll 6
+    for (int r = 0; r < ROWS; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++)
+            acc[r][j] = first ? splat(0.0f) : loadf(acc_io + r * PANEL + j * VL);
+    for (int k = 0; k < kb; k++) {
+        vf wv[NV];
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) wv[j] = loadf(w + k * PANEL + j * VL);
+#pragma GCC unroll 6
+        for (int r = 0; r < ROWS; r++) {
+            const vf xs = splat(x[r * x_stride + k]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NV; j++) acc[r][j] += xs * wv[j];
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < ROWS; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) storef(acc_io + r * PANEL + j * VL, acc[r][j]);
+}
+
+/* One specialised copy per row count, chosen at run time. */
+#define DISPATCH_ROWS(rows, CALL)     \
+    switch (rows) {                   \
+        case 1: CALL(1); break;       \
+        case 2: CALL(2); break;       \
+        case 3: CALL(3); break;       \
+        case 4: CALL(4); break;       \
+        case 5: CALL(5); break;       \
+        default: CALL(6); break;      \
+    }
+
+static void few_rows(const float *x, int64_t x_stride, int rows, const int8_t *packed,
+                     int64_t k_size, int64_t n_size, const float *scale, const float *bias,
+                     float *out, int64_t out_stride, int num_threads) {
+    const int64_t num_panels = (n_size + PANEL - 1) / PANEL;
+    const int parallel =
+        num_threads > 1 && rows * n_size * k_size >= PARALLEL_MIN_MACS && num_panels > 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+    for (int64_t p = 0; p < num_panels; p++) {
+        float acc[MR * PANEL] __attribute__((aligned(64)));
+        const int8_t *panel = packed + p * k_size * PANEL;
+#define FEW(R) few_rows_panel(x, x_stride, panel, k_size, R, acc)
+        DISPATCH_ROWS(rows, FEW)
+#undef FEW
+        const int64_t n0 = p * PANEL;
+        const int width = n_size - n0 < PANEL ? (int)(n_size - n0) : PANEL;
+        write_rows(acc, PANEL, rows, width, scale + n0, bias ? bias + n0 : NULL, out + n0,
+                   out_stride);
+    }
+}
+
+static void many_rows(const float *x, int64_t x_stride, int64_t m_size, const int8_t *packed,
+                      int64_t k_size, int64_t n_size, const float *scale, const float *bias,
+                      float *out, int64_t out_stride, int num_threads) {
+    const int64_t num_panels = (n_size + PANEL - 1) / PANEL;
+    const int64_t num_blocks = (m_size + MB - 1) / MB;
+    const int parallel = num_threads > 1 && m_size * n_size * k_size >= PARALLEL_MIN_MACS &&
+                         num_panels * num_blocks > 1;
+    /* Consecutive items share a panel, so a thread's static share widens each panel's slices
+     * for every row block it holds of it. */
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+    for (int64_t item = 0; item < num_panels * num_blocks; item++) {
+        float acc[MB * PANEL] __attribute__((aligned(64)));
+        float slice[KB * PANEL] __attribute__((aligned(64)));
+        const int64_t p = item / num_blocks, m0 = (item % num_blocks) * MB;
+        const int block_rows = m_size - m0 < MB ? (int)(m_size - m0) : MB;
+        const int8_t *panel = packed + p * k_size * PANEL;
+        for (int64_t k0 = 0; k0 < k_size; k0 += KB) {
+            const int kb = k_size - k0 < KB ? (int)(k_size - k0) : KB;
+            for (int i = 0; i < kb * NV; i++)
+                storef(slice + i * VL, widen(panel + k0 * PANEL + (int64_t)i * VL));
+            for (int r0 = 0; r0 < block_rows; r0 += MR) {
+                const int rows = block_rows - r0 < MR ? block_rows - r0 : MR;
+                const float *xr = x + (m0 + r0) * x_stride + k0;
+#define TILE(R) float_tile(xr, x_stride, slice, kb, R, acc + r0 * PANEL, k0 == 0)
+                DISPATCH_ROWS(rows, TILE)
+#undef TILE
+            }
+        }
+        const int64_t n0 = p * PANEL;
+        const int width = n_size - n0 < PANEL ? (int)(n_size - n0) : PANEL;
+        write_rows(acc, PANEL, block_rows, width, scale + n0, bias ? bias + n0 : NULL,
+                   out + m0 * out_stride + n0, out_stride);
+    }
+}
+
+/* out [M, N] (row stride out_stride) = (x [M, K] (row stride x_stride) @ q^T) * scale + bias,
+ * q packed by the caller as [ceil(N / PANEL)][K][PANEL] (conveyor_int8_panel_width), scale [N]
+ * and bias [N] (or NULL) padded to a whole number of panels. */
+int conveyor_int8_linear(const float *x, int64_t x_stride, int64_t m_size, int64_t k_size,
+                         const int8_t *packed, const float *scale, const float *bias,
+                         int64_t n_size, float *out, int64_t out_stride, int num_threads) {
+    if (m_size < 0 || k_size <= 0 || n_size <= 0 || num_threads < 1) return -1;
+    if (m_size == 0) return 0;
+    if (m_size <= MR)
+        few_rows(x, x_stride, (int)m_size, packed, k_size, n_size, scale, bias, out, out_stride,
+                 num_threads);
+    else
+        many_rows(x, x_stride, m_size, packed, k_size, n_size, scale, bias, out, out_stride,
+                  num_threads);
+    return 0;
+}

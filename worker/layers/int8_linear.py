@@ -1,0 +1,201 @@
+"""Weight-only int8 linears on CPU (``--quantization int8``).
+
+Runs in worker processes. At load time each decoder linear's weight [out, in] becomes int8 with
+one symmetric scale per output row (``scale = max |w| / 127``, ``q = round(w / scale)``), a
+quarter of float32's bytes (half of bfloat16's); activations stay in the model's dtype and the
+products are summed in float32 by ``csrc/int8_gemm.c``, built and cached like the attention
+kernel (``worker.native``). A decode step of a few requests reads each weight once, so it is
+bound by memory bandwidth, and reading a quarter of the bytes makes it up to ~4x faster on a
+model larger than the CPU's caches; at larger batches the kernel runs at float32's speed
+(docs/performance.md, "Weight-only int8 on CPU"). Where the kernel cannot be built, or
+``CONVEYOR_CPU_KERNEL=0``, each call widens the weight with torch ops instead: the same result,
+slower than float32.
+
+Quantized: the column- and row-parallel linears (attention q/k/v and output projections, MLP
+gate/up/down), each tensor-parallel rank its own slice with its own scales. Left in the model's
+dtype: embeddings, the LM head, norms, mixture-of-experts routers and experts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from protocol.config import QUANTIZATION_METHODS
+from worker import native
+
+logger = logging.getLogger(__name__)
+
+SOURCE_PATH = Path(__file__).parent / "csrc" / "int8_gemm.c"
+# Must match CONVEYOR_INT8_GEMM_ABI_VERSION in the source.
+ABI_VERSION = 1
+QMAX = 127
+
+_i32, _i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+_LINEAR_ARGTYPES = [
+    _ptr, _i64, _i64, _i64,  # x and its row stride, rows, in features
+    _ptr, _ptr, _ptr, _i64,  # packed weight, scale, bias (or NULL), out features
+    _ptr, _i64, _i32,  # out and its row stride, threads
+]  # fmt: skip
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (q int8 [out, in], scale float32 [out]), w ~ q * scale per row.
+
+    Symmetric, per output row: the largest magnitude maps to 127, so every element is within
+    scale / 2 of its original. An all-zero row gets scale 0 and zeros.
+    """
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / QMAX
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / divisor[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+class Int8Gemm:
+    """The loaded library."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self.panel_width = int(library.conveyor_int8_panel_width())
+        self._linear = native.status_function(library, "conveyor_int8_linear", _LINEAR_ARGTYPES)
+
+    def pack(self, q: torch.Tensor) -> torch.Tensor:
+        """q [N, K] -> [ceil(N / panel)][K][panel], zero-padded: the layout the kernel reads."""
+        n, k = q.shape
+        width = self.panel_width
+        padded = torch.zeros(_round_up(n, width), k, dtype=torch.int8)
+        padded[:n] = q
+        return padded.view(-1, width, k).transpose(1, 2).contiguous()
+
+    def pad(self, values: torch.Tensor) -> torch.Tensor:
+        """A per-output-row float32 vector padded with zeros to whole panels."""
+        padded = torch.zeros(_round_up(values.shape[0], self.panel_width), dtype=torch.float32)
+        padded[: values.shape[0]] = values
+        return padded
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_features: int,
+    ) -> torch.Tensor:
+        """x float32 [M, K] with dense rows -> float32 [M, out_features]."""
+        num_rows, in_features = x.shape
+        out = torch.empty((num_rows, out_features), dtype=torch.float32)
+        status = self._linear(
+            x.data_ptr(), x.stride(0), num_rows, in_features,
+            packed.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(),
+            out_features, out.data_ptr(), out_features, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"int8 linear failed with status {status}")
+        return out
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@functools.cache
+def load_int8_gemm() -> Int8Gemm | None:
+    """The library, built if needed; None (logged once) where it is off or cannot be built."""
+    if native.compiled_paths_disabled():
+        return None
+    compiler = native.find_compiler()
+    if compiler is None:
+        logger.warning("int8 kernel unavailable (no C compiler): int8 linears widen with torch")
+        return None
+    gemm, errors = native.build_and_load(SOURCE_PATH, [SOURCE_PATH], _from_library, compiler)
+    if gemm is None:
+        logger.warning(
+            "int8 kernel unavailable, int8 linears widen with torch:\n%s", "\n".join(errors)
+        )
+    return gemm
+
+
+def _from_library(library: ctypes.CDLL, path: Path) -> Int8Gemm:
+    version = library.conveyor_int8_gemm_abi_version()
+    if version != ABI_VERSION:
+        raise RuntimeError(f"{path} has ABI {version}, want {ABI_VERSION}")
+    return Int8Gemm(library, path)
+
+
+class Int8Weight:
+    """One linear's int8 weight and what its forward reads: the kernel's packed layout and
+    padded float32 scale and bias, or, without the kernel, q [N, K] and the scale for torch."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        if weight.device.type != "cpu":
+            raise ValueError(f"int8 weights run on CPU only, this one is on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        q, scale = quantize_int8(weight)
+        self.gemm = load_int8_gemm()
+        if self.gemm is not None:
+            self.q = self.gemm.pack(q)
+            self.scale = self.gemm.pad(scale)
+            self.bias = None if bias is None else self.gemm.pad(bias.detach().float())
+        else:
+            self.q, self.scale = q, scale
+            self.bias = None if bias is None else bias.detach().float()
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [out, in] this computes with, q * scale (for tests and checks)."""
+        if self.gemm is None:
+            return self.q.float() * self.scale[:, None]
+        panels, k, width = self.q.shape
+        q = self.q.transpose(1, 2).reshape(panels * width, k)[: self.out_features]
+        return q.float() * self.scale[: self.out_features, None]
+
+    def linear(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        """x [..., in] in the model's dtype -> [..., out] in the same dtype."""
+        leading = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+            rows = rows.to(torch.float32).contiguous()
+        bias = self.bias if with_bias else None
+        if self.gemm is not None:
+            out = self.gemm.linear(rows, self.q, self.scale, bias, self.out_features)
+        else:
+            out = torch.mm(rows, self.q.t().to(torch.float32)) * self.scale
+            if bias is not None:
+                out += bias
+        return out.to(x.dtype).view(*leading, self.out_features)
+
+
+def quantize_model(model: nn.Module, method: str) -> None:
+    """Replace every column- and row-parallel linear's weight with its int8 form, in place."""
+    from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"unknown quantization {method!r}; use one of {', '.join(QUANTIZATION_METHODS)}"
+        )
+    layers = [
+        m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+    ]
+    before = after = 0
+    for layer in layers:
+        before += layer.weight.nbytes
+        layer.quantize_int8()
+        assert layer.int8 is not None
+        after += layer.int8.nbytes
+    gemm = load_int8_gemm()
+    logger.info(
+        "int8 weights for %d linears: %.1f MB -> %.1f MB (%s)",
+        len(layers),
+        before / 1e6,
+        after / 1e6,
+        f"kernel {gemm.path.name}" if gemm else "torch ops, no kernel",
+    )
