@@ -8,13 +8,14 @@
  * step of k reads PANEL consecutive bytes that widen into NV float vectors, and every row of x
  * multiplies them with one broadcast each: the register tile is MR rows x NV vectors.
  *
- * Two paths, by the number of rows:
- *  - a few rows (a decode step of a few requests, M <= MR): each int8 vector is widened in
- *    registers and used MR times at most; the step is bound by reading the int8 weight, a
- *    quarter of what float32 weights cost.
- *  - more rows: each panel's int8 slice of KB values of k is widened once into a float buffer in
- *    the core's L2 and reused by every MR-row tile of an MB-row block, so widening costs ~1/MB of
- *    the multiply-adds and the inner loop is the float one.
+ * Each int8 vector is widened in registers and used by up to MR rows. Measured against
+ * widening a panel's slice once into a float buffer in L2 and running the float tile over it
+ * for every MR rows (the usual way to amortise it), widening in registers was as fast or faster
+ * at every size from 7 to 2,048 rows (2-core Zen 4, AVX-512): the widening's two instructions per
+ * vector are cheap next to MR multiply-adds, the float slice's loads were not. With a few rows the
+ * step is bound by reading the weight, a quarter of what float32 weights cost; with many, by the
+ * multiply-adds, at float32's speed (docs/performance.md, "Weight-only int8 on CPU").
+ *
  * The products of x with the integers of q are summed in float32 and the row's scale applied
  * once at the end; against x @ (q * scale)^T in float32 the results differ by the rounding of
  * the two orders (relative ~K * 2^-24).
@@ -38,12 +39,12 @@
 #endif
 #define PANEL (VL * NV)
 #define MR 6   /* rows per register tile */
-#define MB 96  /* rows per block sharing one widened weight slice */
-#define KB 256 /* values of k per widened slice: KB x PANEL floats (64 KB with AVX-512) */
+#define MB 96  /* rows per work item: a long prompt chunk splits into items of this many rows */
 /* Below this many multiply-adds the OpenMP fork costs more than the second thread saves. */
 #define PARALLEL_MIN_MACS (1 << 18)
 
 typedef float vf __attribute__((vector_size(VL * 4)));
+
 /* GCC's vector conversions sign-extend int8 lane by lane in scalar code, so the widening is
  * written with the instructions that do it in two (sign extension, conversion). */
 static inline vf widen(const int8_t *p) {
@@ -91,9 +92,9 @@ static inline void write_rows(const float *acc, int64_t acc_stride, int rows, in
     }
 }
 
-/* A few rows against one panel, widening the int8 values in registers; ROWS is a constant at
- * every call, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void few_rows_panel(
+/* acc = ROWS rows of x against one panel, widening the int8 values in registers; ROWS is a
+ * constant at every call, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void rows_panel(
     const float *x, int64_t x_stride, const int8_t *panel, int64_t k_size, const int ROWS,
     float *acc_out /* [ROWS][PANEL] */) {
     vf acc[MR][NV];
@@ -118,34 +119,6 @@ static inline __attribute__((always_inline)) void few_rows_panel(
         for (int j = 0; j < NV; j++) storef(acc_out + r * PANEL + j * VL, acc[r][j]);
 }
 
-/* acc[ROWS][PANEL] (+)= x[ROWS, 0:kb] @ w[0:kb][PANEL]; starts from zero when `first`. */
-static inline __attribute__((always_inline)) void float_tile(const float *x, int64_t x_stride,
-                                                             const float *w, int kb,
-                                                             const int ROWS, float *acc_io,
-                                                             int first) {
-    vf acc[MR][NV];
-#pragma GCC unroll 6
-    for (int r = 0; r < ROWS; r++)
-#pragma GCC unroll 4
-        for (int j = 0; j < NV; j++)
-            acc[r][j] = first ? splat(0.0f) : loadf(acc_io + r * PANEL + j * VL);
-    for (int k = 0; k < kb; k++) {
-        vf wv[NV];
-#pragma GCC unroll 4
-        for (int j = 0; j < NV; j++) wv[j] = loadf(w + k * PANEL + j * VL);
-#pragma GCC unroll 6
-        for (int r = 0; r < ROWS; r++) {
-            const vf xs = splat(x[r * x_stride + k]);
-#pragma GCC unroll 4
-            for (int j = 0; j < NV; j++) acc[r][j] += xs * wv[j];
-        }
-    }
-#pragma GCC unroll 6
-    for (int r = 0; r < ROWS; r++)
-#pragma GCC unroll 4
-        for (int j = 0; j < NV; j++) storef(acc_io + r * PANEL + j * VL, acc[r][j]);
-}
-
 /* One specialised copy per row count, chosen at run time. */
 #define DISPATCH_ROWS(rows, CALL)     \
     switch (rows) {                   \
@@ -157,61 +130,6 @@ static inline __attribute__((always_inline)) void float_tile(const float *x, int
         default: CALL(6); break;      \
     }
 
-static void few_rows(const float *x, int64_t x_stride, int rows, const int8_t *packed,
-                     int64_t k_size, int64_t n_size, const float *scale, const float *bias,
-                     float *out, int64_t out_stride, int num_threads) {
-    const int64_t num_panels = (n_size + PANEL - 1) / PANEL;
-    const int parallel =
-        num_threads > 1 && rows * n_size * k_size >= PARALLEL_MIN_MACS && num_panels > 1;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
-    for (int64_t p = 0; p < num_panels; p++) {
-        float acc[MR * PANEL] __attribute__((aligned(64)));
-        const int8_t *panel = packed + p * k_size * PANEL;
-#define FEW(R) few_rows_panel(x, x_stride, panel, k_size, R, acc)
-        DISPATCH_ROWS(rows, FEW)
-#undef FEW
-        const int64_t n0 = p * PANEL;
-        const int width = n_size - n0 < PANEL ? (int)(n_size - n0) : PANEL;
-        write_rows(acc, PANEL, rows, width, scale + n0, bias ? bias + n0 : NULL, out + n0,
-                   out_stride);
-    }
-}
-
-static void many_rows(const float *x, int64_t x_stride, int64_t m_size, const int8_t *packed,
-                      int64_t k_size, int64_t n_size, const float *scale, const float *bias,
-                      float *out, int64_t out_stride, int num_threads) {
-    const int64_t num_panels = (n_size + PANEL - 1) / PANEL;
-    const int64_t num_blocks = (m_size + MB - 1) / MB;
-    const int parallel = num_threads > 1 && m_size * n_size * k_size >= PARALLEL_MIN_MACS &&
-                         num_panels * num_blocks > 1;
-    /* Consecutive items share a panel, so a thread's static share widens each panel's slices
-     * for every row block it holds of it. */
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
-    for (int64_t item = 0; item < num_panels * num_blocks; item++) {
-        float acc[MB * PANEL] __attribute__((aligned(64)));
-        float slice[KB * PANEL] __attribute__((aligned(64)));
-        const int64_t p = item / num_blocks, m0 = (item % num_blocks) * MB;
-        const int block_rows = m_size - m0 < MB ? (int)(m_size - m0) : MB;
-        const int8_t *panel = packed + p * k_size * PANEL;
-        for (int64_t k0 = 0; k0 < k_size; k0 += KB) {
-            const int kb = k_size - k0 < KB ? (int)(k_size - k0) : KB;
-            for (int i = 0; i < kb * NV; i++)
-                storef(slice + i * VL, widen(panel + k0 * PANEL + (int64_t)i * VL));
-            for (int r0 = 0; r0 < block_rows; r0 += MR) {
-                const int rows = block_rows - r0 < MR ? block_rows - r0 : MR;
-                const float *xr = x + (m0 + r0) * x_stride + k0;
-#define TILE(R) float_tile(xr, x_stride, slice, kb, R, acc + r0 * PANEL, k0 == 0)
-                DISPATCH_ROWS(rows, TILE)
-#undef TILE
-            }
-        }
-        const int64_t n0 = p * PANEL;
-        const int width = n_size - n0 < PANEL ? (int)(n_size - n0) : PANEL;
-        write_rows(acc, PANEL, block_rows, width, scale + n0, bias ? bias + n0 : NULL,
-                   out + m0 * out_stride + n0, out_stride);
-    }
-}
-
 /* out [M, N] (row stride out_stride) = (x [M, K] (row stride x_stride) @ q^T) * scale + bias,
  * q packed by the caller as [ceil(N / PANEL)][K][PANEL] (conveyor_int8_panel_width), scale [N]
  * and bias [N] (or NULL) padded to a whole number of panels. */
@@ -220,11 +138,28 @@ int conveyor_int8_linear(const float *x, int64_t x_stride, int64_t m_size, int64
                          int64_t n_size, float *out, int64_t out_stride, int num_threads) {
     if (m_size < 0 || k_size <= 0 || n_size <= 0 || num_threads < 1) return -1;
     if (m_size == 0) return 0;
-    if (m_size <= MR)
-        few_rows(x, x_stride, (int)m_size, packed, k_size, n_size, scale, bias, out, out_stride,
-                 num_threads);
-    else
-        many_rows(x, x_stride, m_size, packed, k_size, n_size, scale, bias, out, out_stride,
-                  num_threads);
+    const int64_t num_panels = (n_size + PANEL - 1) / PANEL;
+    const int64_t num_blocks = (m_size + MB - 1) / MB;
+    const int parallel = num_threads > 1 && m_size * n_size * k_size >= PARALLEL_MIN_MACS &&
+                         num_panels * num_blocks > 1;
+    /* Consecutive items share a panel, so a thread's static share reads each of its panels from
+     * memory once and from its L2 for the row groups and blocks after the first. */
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+    for (int64_t item = 0; item < num_panels * num_blocks; item++) {
+        float acc[MR * PANEL] __attribute__((aligned(64)));
+        const int64_t p = item / num_blocks, m_end = (item % num_blocks + 1) * MB;
+        const int8_t *panel = packed + p * k_size * PANEL;
+        const int64_t n0 = p * PANEL;
+        const int width = n_size - n0 < PANEL ? (int)(n_size - n0) : PANEL;
+        for (int64_t r0 = (item % num_blocks) * MB; r0 < m_end && r0 < m_size; r0 += MR) {
+            const int rows = m_size - r0 < MR ? (int)(m_size - r0) : MR;
+            const float *xr = x + r0 * x_stride;
+#define ROWS(R) rows_panel(xr, x_stride, panel, k_size, R, acc)
+            DISPATCH_ROWS(rows, ROWS)
+#undef ROWS
+            write_rows(acc, PANEL, rows, width, scale + n0, bias ? bias + n0 : NULL,
+                       out + r0 * out_stride + n0, out_stride);
+        }
+    }
     return 0;
 }
