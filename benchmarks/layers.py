@@ -12,6 +12,11 @@ Sections:
           which the compiled CPU ops replace); with --compile also ours
           through torch.compile (static shapes, one compile per row count: minutes); with
           --device cuda the ops run on the GPU in bfloat16 (the other sections are CPU only).
+  int8    every decoder linear shape at each row count: float32 with the packed weight (what
+          the layers use) against the weight-only int8 kernel (``--quantization int8``), each
+          call on the next of enough copies of the weight (4x the last-level cache in float32,
+          at least two) that it comes from memory, as in a forward pass of a model larger
+          than the caches.
   model   one forward with a stub attention that only copies q (so the time is everything but
           attention), decode-sized and prefill-sized, with and without packed weights, and the
           LM head on 64 rows.
@@ -132,6 +137,39 @@ def bench_matmuls(config, rows: list[int], budget_s: float) -> None:
         for name, (k, n) in linear_shapes(config).items():
             x, weight = torch.randn(num_rows, k), torch.randn(n, k) / k**0.5
             times = best_of(matmul_variants(x, weight), budget_s)
+            print_row(f"M={num_rows:<5d} {name}", times, 2 * num_rows * k * n)
+
+
+def bench_int8(config, rows: list[int], budget_s: float) -> None:
+    from benchmarks.attention import last_level_cache_bytes
+    from worker.layers.gemm import linear
+    from worker.layers.int8_linear import Int8Weight, load_int8_gemm
+
+    gemm = load_int8_gemm()
+    if gemm is None:
+        print("\n== int8: the kernel is unavailable (no C compiler, or CONVEYOR_CPU_KERNEL=0) ==")
+        return
+    cache_bytes = last_level_cache_bytes() or 32 << 20  # where Linux reports none
+    print(f"\n== int8 (weights from memory: copies of 4x the {cache_bytes >> 20} MiB cache) ==")
+    shapes = {name: shape for name, shape in linear_shapes(config).items() if name != "lm_head"}
+    for name, (k, n) in shapes.items():
+        copies = max(2, -(-4 * cache_bytes // (4 * n * k)))
+        weights = [torch.randn(n, k) / k**0.5 for _ in range(copies)]
+        packed = [pack_weight(w) for w in weights]
+        int8 = [Int8Weight(w, None) for w in weights]
+        for num_rows in rows:
+            x = torch.randn(num_rows, k)
+            turn = {"float32": 0, "int8": 0}
+
+            def float32(x=x) -> torch.Tensor:
+                i = turn["float32"] = (turn["float32"] + 1) % copies
+                return linear(x, weights[i], None, packed[i])
+
+            def quantized(x=x) -> torch.Tensor:
+                i = turn["int8"] = (turn["int8"] + 1) % copies
+                return int8[i].linear(x)
+
+            times = best_of({"float32": float32, "int8": quantized}, budget_s)
             print_row(f"M={num_rows:<5d} {name}", times, 2 * num_rows * k * n)
 
 
@@ -364,7 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", default="/tmp/bench2", help="a model directory (config.json)")
     parser.add_argument("--rows", default="1,16,64,256,2048", help="comma-separated row counts")
-    parser.add_argument("--section", choices=("all", "matmul", "ops", "model"), default="all")
+    parser.add_argument(
+        "--section", choices=("all", "matmul", "ops", "int8", "model"), default="all"
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--budget", type=float, default=0.5, help="seconds per measurement")
     parser.add_argument(
@@ -384,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_matmuls(config, rows, args.budget)
         if args.section in ("all", "ops"):
             bench_ops(config, rows, args.budget, args.compile, args.device)
+        if args.section in ("all", "int8"):
+            bench_int8(config, rows, args.budget)
         if args.section in ("all", "model"):
             bench_model(args.model, args.budget)
     return 0

@@ -98,6 +98,12 @@ def test_reference_flags_follow_conveyors_settings():
         bench.parse_args(["--workloads", "equal,nope"])
 
 
+def test_int8_is_refused_since_the_reference_would_run_float_weights(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", "m", "--quantization", "int8"])
+    assert "reference engine runs the same weights unquantized" in capsys.readouterr().err
+
+
 class FakeReference:
     pid = 0
     version = "stub"

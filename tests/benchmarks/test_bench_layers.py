@@ -1,0 +1,20 @@
+"""``conveyor bench layers --section int8``: float32 and int8 timed on every decoder linear."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import attention, layers
+from worker.layers.int8_linear import load_int8_gemm
+
+
+@pytest.mark.skipif(load_int8_gemm() is None, reason="no C compiler for the int8 kernel")
+def test_int8_section_times_both_on_every_decoder_linear(tiny_model_dirs, monkeypatch, capsys):
+    # A 1 MiB "cache": a few copies of each tiny weight, not 128 MiB of them.
+    monkeypatch.setattr(attention, "last_level_cache_bytes", lambda: 1 << 20)
+    argv = ["--model", str(tiny_model_dirs["qwen3"]), "--section", "int8", "--rows", "1,7"]
+    assert layers.main([*argv, "--budget", "0.01"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("M=")]
+    names = [line.split()[1] for line in lines]
+    assert names == ["qkv", "qkv", "o", "o", "gate_up", "gate_up", "down", "down"]
+    assert all("float32" in line and "int8" in line and "GF" in line for line in lines)
