@@ -28,6 +28,8 @@ another process hits them alike); the machine's cores are shared, so compare wit
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -140,6 +142,12 @@ def bench_matmuls(config, rows: list[int], budget_s: float) -> None:
             print_row(f"M={num_rows:<5d} {name}", times, 2 * num_rows * k * n)
 
 
+def in_turn(calls: list[Callable[[], object]]) -> Callable[[], object]:
+    """One call of the next of ``calls`` each time, round and round."""
+    turns = itertools.cycle(calls)
+    return lambda: next(turns)()
+
+
 def bench_int8(config, rows: list[int], budget_s: float) -> None:
     from benchmarks.attention import last_level_cache_bytes
     from worker.layers.gemm import linear
@@ -159,17 +167,10 @@ def bench_int8(config, rows: list[int], budget_s: float) -> None:
         int8 = [Int8Weight(w, None) for w in weights]
         for num_rows in rows:
             x = torch.randn(num_rows, k)
-            turn = {"float32": 0, "int8": 0}
-
-            def float32(x=x) -> torch.Tensor:
-                i = turn["float32"] = (turn["float32"] + 1) % copies
-                return linear(x, weights[i], None, packed[i])
-
-            def quantized(x=x) -> torch.Tensor:
-                i = turn["int8"] = (turn["int8"] + 1) % copies
-                return int8[i].linear(x)
-
-            times = best_of({"float32": float32, "int8": quantized}, budget_s)
+            float32 = [functools.partial(linear, x, w, None, p) for w, p in zip(weights, packed)]
+            quantized = [functools.partial(q.linear, x) for q in int8]
+            variants = {"float32": in_turn(float32), "int8": in_turn(quantized)}
+            times = best_of(variants, budget_s)
             print_row(f"M={num_rows:<5d} {name}", times, 2 * num_rows * k * n)
 
 
