@@ -72,6 +72,8 @@ def load_model(
     """Build the model named by config.json on ``device`` in ``dtype`` and load its weights;
     with ``quantization`` ("int8"), turn its linears' weights into that (CPU only)."""
     path = Path(model_dir)
+    if quantization is not None and torch.device(device).type != "cpu":
+        raise ModelLoadError(f"--quantization {quantization} runs on CPU only, not {device}")
     model_class = _model_class(read_config_json(path))
     hf_config = read_hf_config(path)
     files = safetensors_files(path)
@@ -82,11 +84,9 @@ def load_model(
     except ValueError as error:  # an unsupported setting, a tensor that does not fit
         raise ModelLoadError(f"{path}: {error}") from error
     _check_complete(model, loaded, files)
-    model.process_weights_after_loading()
-    if quantization is not None:
-        if torch.device(device).type != "cpu":
-            raise ModelLoadError(f"--quantization {quantization} runs on CPU only, not {device}")
+    if quantization is not None:  # before the packed copies are made: a quantized layer has none
         quantize_model(model, quantization)
+    model.process_weights_after_loading()
     return model.eval().requires_grad_(False)
 
 

@@ -180,3 +180,21 @@ def test_engine_config_refuses_unknown_methods_and_cuda(tiny_model_dirs):
         EngineArgs(model=model, quantization="fp8").create_engine_config()
     with pytest.raises(ConfigError, match="runs on CPU only"):
         EngineArgs(model=model, quantization="int8", device="cuda").create_engine_config()
+
+
+def test_load_model_quantizes_the_decoder_linears_before_packing(tiny_model_dirs):
+    from worker.layers.embedding import ParallelLMHead
+    from worker.loader import ModelLoadError, load_model
+
+    model = load_model(tiny_model_dirs["qwen2"], torch.float32, "cpu", quantization="int8")
+    linears = [
+        m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+    ]
+    assert len(linears) == 4 * model.config.num_hidden_layers
+    for layer in linears:
+        assert layer.int8 is not None and layer.packed_weight is None
+        assert layer.weight.device.type == "meta"
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    assert heads and all(h.weight.device.type == "cpu" for h in heads)
+    with pytest.raises(ModelLoadError, match="runs on CPU only"):
+        load_model(tiny_model_dirs["qwen2"], torch.float32, "cuda", quantization="int8")
