@@ -24,6 +24,9 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash-attn", "triton", "torch", 
 # Weights turned into another format at load time (None: as the checkpoint has them). "int8":
 # weight-only, one scale per output row, CPU only (worker/layers/int8_linear.py).
 QUANTIZATION_METHODS: tuple[str, ...] = ("int8",)
+# The quantized checkpoint formats (config.json's quantization_config.quant_method) the loader
+# reads; any other is refused by name rather than failing on tensors it does not know.
+LOADABLE_QUANTIZED_CHECKPOINTS: tuple[str, ...] = ("mxfp4",)
 
 
 class ConfigError(ValueError):
@@ -171,6 +174,13 @@ def load_model_config(
     architectures = hf.get("architectures") or []
     if not architectures:
         raise ConfigError(f"{config_file} names no architecture")
+    checkpoint_format = (hf.get("quantization_config") or {}).get("quant_method")
+    if checkpoint_format not in (None, *LOADABLE_QUANTIZED_CHECKPOINTS):
+        raise ConfigError(
+            f"{path} is a {checkpoint_format}-quantized checkpoint, which conveyor does not load "
+            f"(it loads unquantized ones, and gpt-oss's mxfp4); point it at the unquantized model "
+            f"and add --quantization int8 for int8 weights on CPU"
+        )
     eos = _as_id_tuple(hf.get("eos_token_id"))
     gen_file = path / "generation_config.json"
     if gen_file.is_file():

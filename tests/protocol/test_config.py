@@ -61,6 +61,20 @@ def test_generation_config_eos_ids_win(tmp_path: Path):
     assert load_model_config(model_dir).eos_token_ids == (151645, 151643)
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors", "fp8"])
+def test_a_checkpoint_quantized_in_a_format_we_do_not_load_is_refused_by_name(tmp_path, method):
+    config = {**HF_CONFIG, "quantization_config": {"quant_method": method, "bits": 4}}
+    with pytest.raises(
+        ConfigError, match=f"is a {method}-quantized checkpoint.*--quantization int8"
+    ):
+        load_model_config(write_model_dir(tmp_path / "m", config))
+
+
+def test_mxfp4_checkpoints_load(tmp_path: Path):
+    config = {**HF_CONFIG, "quantization_config": {"quant_method": "mxfp4"}}
+    assert load_model_config(write_model_dir(tmp_path / "m", config)).vocab_size == 151936
+
+
 def test_missing_max_position_embeddings_defaults_to_2048(tmp_path: Path):
     config = {k: v for k, v in HF_CONFIG.items() if k != "max_position_embeddings"}
     assert load_model_config(write_model_dir(tmp_path / "m", config)).max_model_len == 2048
