@@ -3,7 +3,8 @@
 transformers runs the checkpoint with each decoder linear's weight replaced by what the engine
 computes with, ``q * scale`` from ``quantize_int8`` (one scale per output row); the engine runs
 the checkpoint with ``quantization="int8"``. The engine fuses q/k/v and gate/up where HF keeps
-them apart, which changes nothing: a row's scale depends on that row alone. The tokens must be
+them apart, which changes nothing: a row's scale depends on that row alone. The mixture-of-experts
+families (Qwen3-MoE, Mixtral) quantize every expert's matrices too; the routers stay float. The tokens must be
 the same and the logprobs within the float32 parity tests' tolerance (the kernel sums x * q and
 scales once, HF multiplies by q * scale: the two differ by float rounding only). A near tie is
 reported by name, as in test_parity_hf.
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from frontend import LLM
+from tests.conftest import MOE_ARCHS
 from tests.frontend.test_parity_hf import (
     ARCHS,
     BLOCK_SIZE,
@@ -28,8 +30,10 @@ from tests.frontend.test_parity_hf import (
 )
 from worker.layers.int8_linear import quantize_int8
 
-# The decoder linears the engine quantizes, by their transformers names.
+# The linears the engine quantizes, by their transformers names, and the experts' stacked
+# matrices ([experts, out, in] in transformers 5, as in the engine: a row is an output feature).
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+STACKED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 def _int8_hf_model(model_dir: Path):
@@ -38,21 +42,28 @@ def _int8_hf_model(model_dir: Path):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     replaced = 0
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in QUANTIZED:
-                q, scale = quantize_int8(module.weight)
-                module.weight.copy_(q.float() * scale[:, None])
-                replaced += 1
-    assert replaced == 7 * model.config.num_hidden_layers
+        for name, param in model.named_parameters():
+            if name.endswith(tuple(f"{n}.weight" for n in QUANTIZED)):
+                matrices = [param]
+            elif name.endswith(STACKED_EXPERTS):
+                matrices = list(param)
+            else:
+                continue
+            for matrix in matrices:
+                q, scale = quantize_int8(matrix)
+                matrix.copy_(q.float() * scale[:, None])
+            replaced += 1
+    assert replaced >= 4 * model.config.num_hidden_layers
     return model
 
 
 _REFERENCES: dict[Path, Reference] = {}
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def int8_reference(request, tiny_model_dirs) -> Reference:
-    model_dir = tiny_model_dirs[request.param]
+@pytest.fixture(scope="module", params=ARCHS + MOE_ARCHS)
+def int8_reference(request, tiny_model_dirs, tiny_moe_model_dirs) -> Reference:
+    dirs = tiny_model_dirs if request.param in ARCHS else tiny_moe_model_dirs
+    model_dir = dirs[request.param]
     if model_dir not in _REFERENCES:
         _REFERENCES[model_dir] = Reference(model_dir, _int8_hf_model(model_dir))
     return _REFERENCES[model_dir]

@@ -198,3 +198,39 @@ def test_load_model_quantizes_the_decoder_linears_before_packing(tiny_model_dirs
     assert heads and all(h.weight.device.type == "cpu" for h in heads)
     with pytest.raises(ModelLoadError, match="runs on CPU only"):
         load_model(tiny_model_dirs["qwen2"], torch.float32, "cuda", quantization="int8")
+
+
+def _random_experts(kind: str) -> torch.nn.Module:
+    from worker.layers.fused_moe import MoEExperts
+    from worker.models.gpt_oss import GptOssExperts
+
+    if kind == "gpt_oss":  # biases on both matrices, the clamped SwiGLU
+        experts = GptOssExperts(4, 32, 24, swiglu_limit=7.0)
+    else:
+        experts = MoEExperts(4, 32, 24)
+    generator = torch.Generator().manual_seed(13)
+    for param in experts.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return experts
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "gpt_oss"])
+def test_int8_experts_compute_what_their_dequantized_weights_do(kind):
+    quantized, dequantized = _random_experts(kind), _random_experts(kind)
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            stacked = getattr(dequantized, name)
+            for e in range(stacked.shape[0]):
+                q, scale = quantize_int8(stacked[e])
+                stacked[e] = q.float() * scale[:, None]
+    quantized.quantize_int8()
+    quantized.process_weights_after_loading()  # nothing to pack any more
+    assert quantized.packed_weights is None and quantized.gate_up_proj.device.type == "meta"
+    hidden = torch.randn(9, 32, generator=torch.Generator().manual_seed(14))
+    expert_ids = torch.tensor([[e % 4, (e + 1) % 4] for e in range(9)])
+    weights = torch.full((9, 2), 0.5)
+    ours, theirs = quantized(hidden, expert_ids, weights), dequantized(hidden, expert_ids, weights)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert (ours - _random_experts(kind)(hidden, expert_ids, weights)).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="cannot load new weights"):
+        quantized.weight_loader(quantized.down_proj, torch.zeros(32, 24), (0, "down"))

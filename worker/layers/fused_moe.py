@@ -5,7 +5,9 @@ Runs in worker processes. The experts' weights are stacked, one parameter for ev
 over all of them: the step's (token, slot) pairs are sorted by expert, each active expert does one
 gate/up matmul, SiLU-and-mul and one down matmul over its contiguous run of rows, and the weighted
 rows go back to their tokens. Experts nobody picked cost nothing. On CPU in float32 each
-expert's matrices also get the oneDNN-packed copy the dense layers keep for small batches.
+expert's matrices also get the oneDNN-packed copy the dense layers keep for small batches; with
+``--quantization int8`` each expert's matrices are int8 instead (``quantize_int8``), which matters
+most here: a decode step reads the weights of every expert its tokens picked.
 ``conveyor bench moe`` measures this against the alternatives (docs/performance.md).
 
 Tensor parallelism splits every expert's intermediate dimension across the ranks, as a dense MLP
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.layers.gemm import linear, pack_weight
+from worker.layers.int8_linear import Int8Weight
 from worker.layers.linear import ReplicatedLinear
 from worker.layers.parallel import all_reduce, divide
 
@@ -72,18 +75,49 @@ class MoEExperts(nn.Module):
         # Each expert's (gate_up, down) in oneDNN's blocked layout for small batches, as the
         # dense layers keep them (gemm.py); derived after loading, never saved.
         self.packed_weights: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+        # Each expert's (gate_up, down) in int8 once ``quantize_int8`` ran.
+        self.int8: list[tuple[Int8Weight, Int8Weight]] | None = None
 
     def process_weights_after_loading(self) -> None:
+        if self.int8 is not None:
+            return
         packed = [
             (pack_weight(self.gate_up_proj[e]), pack_weight(self.down_proj[e]))
             for e in range(self.num_experts)
         ]
         self.packed_weights = packed if packed[0][0] is not None else None
 
+    def quantize_int8(self) -> None:
+        """Compute with int8 copies of every expert's matrices from now on and release the float
+        ones (their shapes stay, on the meta device)."""
+        self.int8 = [
+            (Int8Weight(self.gate_up_proj[e], None), Int8Weight(self.down_proj[e], None))
+            for e in range(self.num_experts)
+        ]
+        self.packed_weights = None
+        for name in ("gate_up_proj", "down_proj"):
+            param = getattr(self, name)
+            meta = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), False)
+            meta.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            setattr(self, name, meta)
+
+    def project(
+        self, rows: torch.Tensor, expert: int, part: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """rows @ W^T (+ bias) for one expert's gate_up (part 0) or down (part 1) matrix."""
+        if self.int8 is not None:
+            out = self.int8[expert][part].linear(rows, with_bias=False)
+            return out if bias is None else out.add_(bias)
+        weight = (self.gate_up_proj, self.down_proj)[part][expert]
+        packed = self.packed_weights[expert][part] if self.packed_weights else None
+        return linear(rows, weight, bias, packed)
+
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ExpertShardId | None
     ) -> None:
         """Copy this rank's slice of one expert's gate, up ([I, hidden]) or down ([hidden, I])."""
+        if self.int8 is not None:
+            raise ValueError("int8-quantized experts cannot load new weights; reload the model")
         self.packed_weights = None  # stale once a weight changes; rebuilt after loading
         if not isinstance(shard_id, tuple):
             raise ValueError("stacked experts load one expert's gate, up or down at a time")
@@ -128,27 +162,20 @@ class MoEExperts(nn.Module):
     def _run_experts(self, sorted_hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows grouped by expert [S, H] and each expert's row count -> expert outputs [S, H]."""
         out = sorted_hidden.new_empty(sorted_hidden.shape[0], self.down_proj.shape[1])
-        packed = self.packed_weights or [(None, None)] * self.num_experts
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
             end = start + count
-            out[start:end] = self._expert(sorted_hidden[start:end], expert, *packed[expert])
+            out[start:end] = self._expert(sorted_hidden[start:end], expert)
             start = end
         return out
 
-    def _expert(
-        self,
-        rows: torch.Tensor,
-        expert: int,
-        packed_gate_up: torch.Tensor | None,
-        packed_down: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def _expert(self, rows: torch.Tensor, expert: int) -> torch.Tensor:
         """One expert over its rows: down(silu(gate(x)) * up(x)). A family with another expert
         (gpt-oss: biases, a clamped SwiGLU) overrides this and keeps the grouping above."""
-        gate, up = linear(rows, self.gate_up_proj[expert], None, packed_gate_up).chunk(2, -1)
-        return linear(F.silu(gate).mul_(up), self.down_proj[expert], None, packed_down)
+        gate, up = self.project(rows, expert, 0).chunk(2, -1)
+        return self.project(F.silu(gate).mul_(up), expert, 1)
 
     def extra_repr(self) -> str:
         return (

@@ -12,8 +12,9 @@ model larger than the CPU's caches; at larger batches the kernel runs at float32
 slower than float32.
 
 Quantized: the column- and row-parallel linears (attention q/k/v and output projections, MLP
-gate/up/down), each tensor-parallel rank its own slice with its own scales. Left in the model's
-dtype: embeddings, the LM head, norms, mixture-of-experts routers and experts.
+gate/up/down) and the mixture-of-experts experts' matrices, each tensor-parallel rank its own
+slice with its own scales. Left in the model's dtype: embeddings, the LM head, norms, biases and
+the experts' routers.
 """
 
 from __future__ import annotations
@@ -175,25 +176,30 @@ class Int8Weight:
 
 
 def quantize_model(model: nn.Module, method: str) -> None:
-    """Replace every column- and row-parallel linear's weight with its int8 form, in place."""
+    """Replace the weights of every column- and row-parallel linear and every mixture-of-experts
+    expert with their int8 form, in place."""
+    from worker.layers.fused_moe import MoEExperts
     from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 
     if method not in QUANTIZATION_METHODS:
         raise ValueError(
             f"unknown quantization {method!r}; use one of {', '.join(QUANTIZATION_METHODS)}"
         )
-    layers = [
-        m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
-    ]
+    kinds = (ColumnParallelLinear, RowParallelLinear, MoEExperts)
+    layers = [m for m in model.modules() if isinstance(m, kinds)]
     before = after = 0
     for layer in layers:
-        before += layer.weight.nbytes
-        layer.quantize_int8()
-        assert layer.int8 is not None
-        after += layer.int8.nbytes
+        if isinstance(layer, MoEExperts):
+            before += layer.gate_up_proj.nbytes + layer.down_proj.nbytes
+            layer.quantize_int8()
+            after += sum(w.nbytes for pair in layer.int8 or () for w in pair)
+        else:
+            before += layer.weight.nbytes
+            layer.quantize_int8()
+            after += layer.int8.nbytes if layer.int8 else 0
     gemm = load_int8_gemm()
     logger.info(
-        "int8 weights for %d linears: %.1f MB -> %.1f MB (%s)",
+        "int8 weights for %d layers: %.1f MB -> %.1f MB (%s)",
         len(layers),
         before / 1e6,
         after / 1e6,

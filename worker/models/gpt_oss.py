@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from worker.layers.fused_moe import MoEExperts
-from worker.layers.gemm import linear
 from worker.layers.linear import ReplicatedLinear
 from worker.layers.mxfp4 import dequantize_mxfp4
 from worker.layers.parallel import all_reduce
@@ -87,16 +86,8 @@ class GptOssExperts(MoEExperts):
             raise ValueError(f"down_proj_bias has shape {tuple(loaded_weight.shape)}")
         param.data.copy_(loaded_weight)
 
-    def _expert(
-        self,
-        rows: torch.Tensor,
-        expert: int,
-        packed_gate_up: torch.Tensor | None,
-        packed_down: torch.Tensor | None,
-    ) -> torch.Tensor:
-        gate_up = linear(
-            rows, self.gate_up_proj[expert], self.gate_up_proj_bias[expert], packed_gate_up
-        )
+    def _expert(self, rows: torch.Tensor, expert: int) -> torch.Tensor:
+        gate_up = self.project(rows, expert, 0, self.gate_up_proj_bias[expert])
         gate, up = gate_up.chunk(2, dim=-1)
         limit = self.swiglu_limit
         gate = gate.clamp(max=limit)
@@ -104,7 +95,7 @@ class GptOssExperts(MoEExperts):
         activated = (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
         # The down bias is part of every rank's partial sum otherwise: rank 0 alone adds it.
         bias = self.down_proj_bias[expert] if self.tp_rank == 0 else None
-        return linear(activated, self.down_proj[expert], bias, packed_down)
+        return self.project(activated, expert, 1, bias)
 
 
 class GptOssMoE(nn.Module):
