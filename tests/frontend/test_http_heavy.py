@@ -39,8 +39,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http-heavy")]
 
 # Long enough to outlast the heavy requests on a loaded 2-core machine (a stream that ends inside
 # the window measures nothing there: see ``longest_gap_s``; alone or beside a busy process all
-# four outlasted the 256-prompt request in 5 of 5 runs, 1.8-2.9 s).
-STREAM_TOKENS = 1000
+# four outlasted the 256-prompt request in 5 of 5 runs, 1.8-2.9 s, at 1,000 tokens; on a faster
+# day 1 run of 4 had a stream end inside the window (the text request took 1.96 s), so 2,000).
+STREAM_TOKENS = 2000
 NUM_STREAMS = 4
 HEALTH_BUDGET_S = 0.1  # for 95 % of the polls
 HEALTH_LIMIT_S = 1.0  # for every poll
@@ -256,20 +257,23 @@ def test_an_accepted_request_that_tokenizes_for_seconds_leaves_other_streams_run
     assert len(texts["text"]) == 256
     num_prompt_tokens = answers["text"]["usage"]["prompt_tokens"]
     assert num_prompt_tokens == 256 * len(token_ids) > 900_000
-    # Timed alone, the tokenizing is heavy; in the server it also shares the CPU with the engine
-    # and the streams, so what it cost there is the text request's extra time over the control
-    # (a loaded CI run: 1.1 s alone, 2.2 s extra in the server, streams waiting 0.71 s). A
-    # tokenizer on the event loop holds every stream for about all of that extra time.
-    tokenizer = load_tokenizer(tiny_model_dir)
-    start = time.perf_counter()
-    tokenizer([prompt] * 256)
-    assert time.perf_counter() - start > 0.5, "not a heavy request to tokenize"
+    # In the server the tokenizing shares the CPU with the engine and the streams, so what it
+    # cost there is the text request's extra time over the control (a loaded CI run: 1.1 s timed
+    # alone, 2.2 s extra in the server, streams waiting 0.71 s; a fast host: 0.53 s alone, 1.24 s
+    # extra). A tokenizer on the event loop holds every stream for about all of that extra time,
+    # so the test can tell only if that time is above the bound's floor: checked, instead of the
+    # tokenizing timed alone against a fixed 0.5 s, which a fast host missed by 2 ms.
     measured = {name: [g for g in gap if g is not None] for name, gap in gaps.items()}
     assert measured["text"] and measured["control"], (
         f"the streams ended before the heavy requests did: nothing measured ({took})"
     )
     tokenizing_s = took["text"] - took["control"]
-    bound = max(MAX_STREAM_GAP_S, 2 * max(measured["control"]), 0.5 * tokenizing_s)
+    floor = max(MAX_STREAM_GAP_S, 2 * max(measured["control"]))
+    assert tokenizing_s > floor, (
+        f"tokenizing took {tokenizing_s:.2f} s in the server, too little for a stall of the "
+        f"streams to show above {floor:.2f} s ({took})"
+    )
+    bound = max(floor, 0.5 * tokenizing_s)
     assert max(measured["text"]) < bound, (
         f"requests took {took}; longest waits {gaps}; bound {bound:.2f} s"
     )
