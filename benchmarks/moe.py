@@ -14,6 +14,9 @@ Variants, all computing sum_k weight_k * expert_k(x) for the same routing:
                no grouping, but a copy of k weight sets per token.
   all_experts  every expert over every token (one bmm each way), then pick k outputs per token:
                no data-dependent shapes, E/k times the arithmetic.
+  int8         ``packed``'s grouping with every expert's matrices in int8 (``--quantization
+               int8``, worker/layers/int8_linear.py); checked against the same grouping on its
+               dequantized weights, since its results are the int8 weights'.
 
 Timings are the best of interleaved rounds (benchmarks/layers.py's ``best_of``); the machine's
 cores are shared, so compare within a row.
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from benchmarks.layers import best_of, print_row
 from benchmarks.machine import Timing, machine_info
 from worker.layers.fused_moe import MoEExperts, select_experts
+from worker.layers.int8_linear import load_int8_gemm
 
 # (name, hidden, expert intermediate size, experts, k): Mixtral's shape (few wide experts, top-2)
 # and Qwen3-MoE's (many narrow experts, top-8), scaled to the bench model's hidden size.
@@ -81,7 +85,34 @@ def grouped_mm(experts: MoEExperts, x, ids, weights):
     return unsorted.view(num_tokens, top_k, -1).sum(1)
 
 
-def variants(experts: MoEExperts, x, ids, weights) -> dict[str, Callable[[], object]]:
+def int8_pair(experts: MoEExperts) -> tuple[MoEExperts, MoEExperts] | None:
+    """(a copy with int8 experts, a float copy holding their dequantized weights), or None
+    where the int8 kernel cannot be built."""
+    if load_int8_gemm() is None:
+        return None
+    quantized, dequantized = _unpacked_copy(experts), _unpacked_copy(experts)
+    quantized.quantize_int8()
+    with torch.no_grad():
+        for part, name in enumerate(("gate_up_proj", "down_proj")):
+            stacked = getattr(dequantized, name)
+            for e in range(experts.num_experts):
+                stacked[e] = quantized.int8[e][part].dequantized()  # type: ignore[index]
+    return quantized, dequantized
+
+
+def _unpacked_copy(experts: MoEExperts) -> MoEExperts:
+    """The same weights in a new layer, without the packed copies (which cannot be copied)."""
+    hidden, inter = experts.down_proj.shape[1:]
+    twin = MoEExperts(experts.num_experts, hidden, inter)
+    with torch.no_grad():
+        twin.gate_up_proj.copy_(experts.gate_up_proj)
+        twin.down_proj.copy_(experts.down_proj)
+    return twin
+
+
+def variants(
+    experts: MoEExperts, x, ids, weights, int8: tuple[MoEExperts, MoEExperts] | None = None
+) -> dict[str, Callable[[], object]]:
     """``experts`` as loaded (packed where gemm.py would pack); the others on its plain weights."""
     table: dict[str, Callable[[], object]] = {}
     if experts.packed_weights is not None:
@@ -93,6 +124,12 @@ def variants(experts: MoEExperts, x, ids, weights) -> dict[str, Callable[[], obj
     table["all_experts"] = lambda: all_experts(experts, x, ids, weights)
     if x.shape[0] <= GATHERED_MAX_ROWS:
         table["gathered"] = lambda: gathered(experts, x, ids, weights)
+    if int8 is not None:
+        quantized, dequantized = int8
+        table["int8"] = lambda: quantized(x, ids, weights)
+        torch.testing.assert_close(
+            table["int8"](), dequantized(x, ids, weights), rtol=1e-4, atol=1e-4, msg="int8"
+        )
     return table
 
 
@@ -100,6 +137,8 @@ def check_agreement(table: dict[str, Callable[[], object]]) -> None:
     """Every variant computes the same thing (a benchmark of a wrong variant is worthless)."""
     reference = table["grouped"]()  # the plain weights
     for name, fn in table.items():
+        if name == "int8":  # the int8 weights' results, checked in ``variants``
+            continue
         torch.testing.assert_close(fn(), reference, rtol=1e-4, atol=1e-4, msg=name)
 
 
@@ -113,13 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, hidden, inter, num_experts, top_k in SHAPES:
         print(f"\n== {name}: hidden {hidden}, {num_experts} experts x {inter}, top-{top_k} ==")
         experts = make_experts(hidden, inter, num_experts)
+        int8 = int8_pair(experts)
         router = torch.randn(num_experts, hidden) * 2 / hidden**0.5
         with Timing() as timing:
             for num_rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(num_rows, hidden)
                 weights, ids = select_experts(x @ router.t(), top_k, renormalize=True)
                 with torch.inference_mode():
-                    table = variants(experts, x, ids, weights)
+                    table = variants(experts, x, ids, weights, int8)
                     check_agreement(table)
                     times = best_of(table, args.budget)
                 active = len(ids.unique())
