@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from frontend import LLM
+from protocol import SamplingParams
 from tests.conftest import MOE_ARCHS
 from tests.frontend.test_parity_hf import (
     ARCHS,
@@ -102,3 +103,22 @@ def test_the_int8_reference_is_not_the_float_model(int8_reference, hf_model):
         for ours, theirs in zip(int8_reference.logits, float_reference.logits)
     ]
     assert min(gaps) > 1e-3
+
+
+def test_int8_keeps_the_trained_default_models_greedy_text():
+    # The random-weight models above say the engine computes what int8 weights compute, not
+    # how close that is to the float model. The embedded default model is trained: on these
+    # prompts its int8 weights gave the float32 model's greedy tokens, all 192 (measured when
+    # the path landed). Three quarters is the bar: a near tie may flip one prompt's tail.
+    prompts = ["def add(a, b):", "import os\n\n", "class Stack:\n    def __init__(self):",
+               "for i in range(10):", "    def __repr__(self):", "try:\n    import json\nexcept"]  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    outputs = {}
+    for quantization in (None, "int8"):
+        with LLM(None, quantization=quantization, engine="inprocess", device="cpu") as llm:
+            outputs[quantization] = llm.generate(prompts, params, use_tqdm=False)
+    agreeing = 0
+    for ours, theirs in zip(outputs["int8"], outputs[None]):
+        a, b = ours.outputs[0].token_ids, theirs.outputs[0].token_ids
+        agreeing += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    assert agreeing >= 0.75 * 32 * len(prompts), f"{agreeing} of {32 * len(prompts)} tokens"
