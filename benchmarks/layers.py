@@ -14,8 +14,8 @@ Sections:
           --device cuda the ops run on the GPU in bfloat16 (the other sections are CPU only).
   int8    every decoder linear shape at each row count: float32 with the packed weight (what
           the layers use) against the weight-only int8 kernel (``--quantization int8``), each
-          call on the next of enough copies of the weight (4x the last-level cache in float32,
-          at least two) that it comes from memory, as in a forward pass of a model larger
+          call on the next of enough copies of the weight (4x the last-level cache in int8,
+          16x in float32) that it comes from memory, as in a forward pass of a model larger
           than the caches.
   model   one forward with a stub attention that only copies q (so the time is everything but
           attention), decode-sized and prefill-sized, with and without packed weights, and the
@@ -158,10 +158,13 @@ def bench_int8(config, rows: list[int], budget_s: float) -> None:
         print("\n== int8: the kernel is unavailable (no C compiler, or CONVEYOR_CPU_KERNEL=0) ==")
         return
     cache_bytes = last_level_cache_bytes() or 32 << 20  # where Linux reports none
-    print(f"\n== int8 (weights from memory: copies of 4x the {cache_bytes >> 20} MiB cache) ==")
+    print(
+        f"\n== int8 (weights from memory: int8 copies of 4x the {cache_bytes >> 20} MiB cache) =="
+    )
     shapes = {name: shape for name, shape in linear_shapes(config).items() if name != "lm_head"}
     for name, (k, n) in shapes.items():
-        copies = max(2, -(-4 * cache_bytes // (4 * n * k)))
+        # Sized by the int8 weights, the smaller: both sets then come from memory.
+        copies = max(2, -(-4 * cache_bytes // (n * k)))
         weights = [torch.randn(n, k) / k**0.5 for _ in range(copies)]
         packed = [pack_weight(w) for w in weights]
         int8 = [Int8Weight(w, None) for w in weights]

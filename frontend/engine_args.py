@@ -162,7 +162,7 @@ class EngineArgs:
                 step_timeout_s=self.step_timeout_s,
                 stats_interval_s=self.stats_interval_s,
             ),
-            device=self.device,
+            device=self._device(),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
         )
@@ -188,10 +188,17 @@ class EngineArgs:
         if self.block_size is not None:
             return self.block_size
         if self.attention_backend == "flash-attn" or (
-            self.attention_backend == "auto" and _flash_attn_will_run(self.device)
+            self.attention_backend == "auto" and _flash_attn_will_run(self._device())
         ):
             return FLASH_ATTN_BLOCK_SIZE
         return DEFAULT_BLOCK_SIZE
+
+    def _device(self) -> str:
+        """The device asked for; "auto" is the CPU when the weights are quantized, the one
+        device that runs int8 weights, so a GPU host does not fail at load instead."""
+        if self.device == "auto" and self.quantization is not None:
+            return "cpu"
+        return self.device
 
     def _read_chat_template(self) -> str | None:
         if self.chat_template is None:

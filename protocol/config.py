@@ -326,8 +326,11 @@ def check_engine_config(config: EngineConfig) -> None:
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or none), "
                 f"got {quantization!r}"
             )
-        if config.device.startswith("cuda"):
-            raise ConfigError(f"quantization {quantization!r} runs on CPU only; use --device cpu")
+        if config.device not in ("cpu", "auto"):
+            raise ConfigError(
+                f"quantization {quantization!r} runs on CPU only, not {config.device!r}; "
+                "use --device cpu"
+            )
     check_node_config(config.parallel)
 
 

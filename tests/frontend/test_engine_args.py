@@ -119,3 +119,15 @@ def test_the_tbt_slo_flag_reaches_the_scheduler_config(tiny_model_dir):
     assert EngineArgs.from_cli(args).create_engine_config().scheduler.tbt_slo_ms == 120.0
     with pytest.raises(ConfigError, match="stall-free"):
         EngineArgs(model=str(tiny_model_dir), policy="orca", tbt_slo_ms=50.0).create_engine_config()
+
+
+def test_quantization_is_checked_and_auto_means_the_cpu(tiny_model_dirs):
+    model = str(tiny_model_dirs["qwen3"])
+    config = EngineArgs(model=model, quantization="int8").create_engine_config()
+    assert config.model.quantization == "int8" and config.device == "cpu"
+    assert EngineArgs(model=model).create_engine_config().device == "auto"
+    with pytest.raises(ConfigError, match="quantization must be one of int8.*'fp8'"):
+        EngineArgs(model=model, quantization="fp8").create_engine_config()
+    for device in ("cuda", "cuda:1", "mps"):
+        with pytest.raises(ConfigError, match=f"runs on CPU only, not '{device}'"):
+            EngineArgs(model=model, quantization="int8", device=device).create_engine_config()

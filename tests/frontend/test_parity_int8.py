@@ -3,9 +3,9 @@
 transformers runs the checkpoint with each decoder linear's weight replaced by what the engine
 computes with, ``q * scale`` from ``quantize_int8`` (one scale per output row); the engine runs
 the checkpoint with ``quantization="int8"``. The engine fuses q/k/v and gate/up where HF keeps
-them apart, which changes nothing: a row's scale depends on that row alone. The mixture-of-experts
-families (Qwen3-MoE, Mixtral) quantize every expert's matrices too; the routers stay float. The tokens must be
-the same and the logprobs within the float32 parity tests' tolerance (the kernel sums x * q and
+them apart, which changes nothing: a row's scale depends on that row alone. The
+mixture-of-experts families (Qwen3-MoE, Mixtral) quantize every expert's matrices too; the routers
+stay float. The tokens must be the same and the logprobs within the float32 parity tests' tolerance (the kernel sums x * q and
 scales once, HF multiplies by q * scale: the two differ by float rounding only). A near tie is
 reported by name, as in test_parity_hf.
 """
@@ -54,7 +54,13 @@ def _int8_hf_model(model_dir: Path):
                 q, scale = quantize_int8(matrix)
                 matrix.copy_(q.float() * scale[:, None])
             replaced += 1
-    assert replaced >= 4 * model.config.num_hidden_layers
+    # Per layer: q, k, v, o, and gate, up, down (dense) or the two stacked expert matrices.
+    names = {name for name, _ in model.named_parameters()}
+    expected = sum(
+        4 + (2 if f"model.layers.{i}.mlp.experts.gate_up_proj" in names else 3)
+        for i in range(model.config.num_hidden_layers)
+    )
+    assert replaced == expected
     return model
 
 
@@ -112,13 +118,21 @@ def test_int8_keeps_the_trained_default_models_greedy_text():
     # the path landed). Three quarters is the bar: a near tie may flip one prompt's tail.
     prompts = ["def add(a, b):", "import os\n\n", "class Stack:\n    def __init__(self):",
                "for i in range(10):", "    def __repr__(self):", "try:\n    import json\nexcept"]  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=32)
+    params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=0)
     outputs = {}
     for quantization in (None, "int8"):
         with LLM(None, quantization=quantization, engine="inprocess", device="cpu") as llm:
             outputs[quantization] = llm.generate(prompts, params, use_tqdm=False)
-    agreeing = 0
+    agreeing, logprob_gaps = 0, []
     for ours, theirs in zip(outputs["int8"], outputs[None]):
-        a, b = ours.outputs[0].token_ids, theirs.outputs[0].token_ids
-        agreeing += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        a, b = ours.outputs[0], theirs.outputs[0]
+        agreeing += next(
+            (i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+            len(a.token_ids),
+        )
+        first = a.token_ids[0]
+        if first == b.token_ids[0]:
+            logprob_gaps.append(abs(a.logprobs[0][first] - b.logprobs[0][first]))
     assert agreeing >= 0.75 * 32 * len(prompts), f"{agreeing} of {32 * len(prompts)} tokens"
+    # ... and the int8 run was one: its logprobs are not the float model's.
+    assert max(logprob_gaps) > 1e-4, logprob_gaps

@@ -7,10 +7,11 @@ float32 ulps of the sum of |x| * |w| per output.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from protocol.config import ConfigError
 from worker.layers import int8_linear
 from worker.layers.int8_linear import Int8Weight, load_int8_gemm, quantize_int8, quantize_model
 from worker.layers.linear import (
@@ -68,6 +69,19 @@ def test_kernel_matches_torch_on_the_same_int8_weight(rows, in_features, out_fea
         _close(out, x, dequantized, bias if with_bias else None)
 
 
+def test_the_kernel_widens_with_vector_instructions_where_the_cpu_has_avx2():
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    gemm = load_int8_gemm()
+    assert gemm is not None
+    assert gemm.vector_widening == (" avx2 " in f" {flags} ".replace("\n", " ")), gemm.path
+
+
+def test_a_wrong_input_width_is_refused_by_name():
+    int8 = Int8Weight(torch.randn(70, 33), None)
+    with pytest.raises(ValueError, match="input has 1 features, the layer takes 33"):
+        int8.linear(torch.randn(66, 1))
+
+
 def test_kernel_reads_strided_rows_and_leading_dimensions():
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(96, 80, generator=generator)
@@ -85,7 +99,7 @@ def test_kernel_reads_strided_rows_and_leading_dimensions():
 def test_results_do_not_depend_on_the_thread_count():
     generator = torch.Generator().manual_seed(4)
     int8 = Int8Weight(torch.randn(512, 256, generator=generator), None)
-    x = torch.randn(70, 256, generator=generator)
+    x = torch.randn(200, 256, generator=generator)  # three row blocks of 96 (the last partial)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -140,6 +154,9 @@ def test_a_quantized_layer_computes_with_int8_and_drops_its_float_weight():
     _close(layer(x), x, q.float() * scale[:, None], bias)
     with pytest.raises(ValueError, match="cannot load new weights"):
         layer.weight.weight_loader(layer.weight, weight, "q")  # type: ignore[attr-defined]
+    int8 = layer.int8
+    layer.quantize_int8()  # again: nothing changes
+    assert layer.int8 is int8
 
 
 def test_row_parallel_adds_its_bias_on_rank_zero_only():
@@ -169,17 +186,6 @@ def test_quantize_model_takes_the_decoder_linears_and_leaves_routers():
     assert model["router"].int8 is None and model["router"].weight.device.type == "cpu"
     with pytest.raises(ValueError, match="unknown quantization 'int4'"):
         quantize_model(model, "int4")
-
-
-def test_engine_config_refuses_unknown_methods_and_cuda(tiny_model_dirs):
-    from frontend.engine_args import EngineArgs
-
-    model = str(tiny_model_dirs["qwen3"])
-    assert EngineArgs(model=model, quantization="int8").create_engine_config().model.quantization
-    with pytest.raises(ConfigError, match="quantization must be one of int8.*'fp8'"):
-        EngineArgs(model=model, quantization="fp8").create_engine_config()
-    with pytest.raises(ConfigError, match="runs on CPU only"):
-        EngineArgs(model=model, quantization="int8", device="cuda").create_engine_config()
 
 
 def test_load_model_quantizes_the_decoder_linears_before_packing(tiny_model_dirs):

@@ -89,7 +89,9 @@ class MoEExperts(nn.Module):
 
     def quantize_int8(self) -> None:
         """Compute with int8 copies of every expert's matrices from now on and release the float
-        ones (their shapes stay, on the meta device)."""
+        ones (their shapes stay, on the meta device). Once is enough: a second call does nothing."""
+        if self.int8 is not None:
+            return
         self.int8 = [
             (Int8Weight(self.gate_up_proj[e], None), Int8Weight(self.down_proj[e], None))
             for e in range(self.num_experts)
@@ -106,8 +108,7 @@ class MoEExperts(nn.Module):
     ) -> torch.Tensor:
         """rows @ W^T (+ bias) for one expert's gate_up (part 0) or down (part 1) matrix."""
         if self.int8 is not None:
-            out = self.int8[expert][part].linear(rows, with_bias=False)
-            return out if bias is None else out.add_(bias)
+            return self.int8[expert][part].linear(rows, with_bias=False, add=bias)
         weight = (self.gate_up_proj, self.down_proj)[part][expert]
         packed = self.packed_weights[expert][part] if self.packed_weights else None
         return linear(rows, weight, bias, packed)

@@ -64,6 +64,7 @@ class Int8Gemm:
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
         self.panel_width = int(library.conveyor_int8_panel_width())
+        self.vector_widening = bool(library.conveyor_int8_vector_widening())
         self._linear = native.status_function(library, "conveyor_int8_linear", _LINEAR_ARGTYPES)
 
     def pack(self, q: torch.Tensor) -> torch.Tensor:
@@ -119,6 +120,12 @@ def load_int8_gemm() -> Int8Gemm | None:
         logger.warning(
             "int8 kernel unavailable, int8 linears widen with torch:\n%s", "\n".join(errors)
         )
+    elif not gemm.vector_widening:
+        logger.warning(
+            "int8 kernel built without AVX2 or AVX-512 (%s): it widens int8 one value at a "
+            "time, slower than float32's matmuls; drop --quantization for speed",
+            gemm.path.name,
+        )
     return gemm
 
 
@@ -159,8 +166,16 @@ class Int8Weight:
         q = self.q.transpose(1, 2).reshape(panels * width, k)[: self.out_features]
         return q.float() * self.scale[: self.out_features, None]
 
-    def linear(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-        """x [..., in] in the model's dtype -> [..., out] in the same dtype."""
+    def linear(
+        self, x: torch.Tensor, with_bias: bool = True, add: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [..., in] in the model's dtype -> [..., out] in the same dtype; ``with_bias``: plus
+        the bias it was made with; ``add``: plus another [out] vector (an expert's bias), in
+        float32 before the result is rounded to x's dtype, as the own bias is."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"input has {x.shape[-1]} features, the layer takes {self.in_features}"
+            )
         leading = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32 or rows.stride(-1) != 1:
@@ -172,6 +187,8 @@ class Int8Weight:
             out = torch.mm(rows, self.q.t().to(torch.float32)) * self.scale
             if bias is not None:
                 out += bias
+        if add is not None:
+            out += add.float()
         return out.to(x.dtype).view(*leading, self.out_features)
 
 

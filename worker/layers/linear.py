@@ -83,7 +83,9 @@ class LinearBase(nn.Module):
 
     def quantize_int8(self) -> None:
         """Compute with an int8 copy of the weight from now on and release the float one (its
-        shape stays, on the meta device, for code that reads it)."""
+        shape stays, on the meta device, for code that reads it). A second call does nothing."""
+        if self.int8 is not None:
+            return
         self.int8 = Int8Weight(self.weight, self.bias)
         self.packed_weight = None
         shape, dtype = self.weight.shape, self.weight.dtype
@@ -109,6 +111,8 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T, plus ``bias`` when it is given (this layer's own bias or None)."""
         if self.int8 is not None:
+            # The int8 copy holds this layer's bias (padded, float32): only whether, not which.
+            assert bias is None or bias is self.bias
             return self.int8.linear(x, with_bias=bias is not None)
         return linear(x, self.weight, bias, self.packed_weight)
 

@@ -73,6 +73,16 @@ int conveyor_int8_gemm_abi_version(void) { return CONVEYOR_INT8_GEMM_ABI_VERSION
 
 int conveyor_int8_panel_width(void) { return PANEL; }
 
+/* 1 where the widening is the two vector instructions, 0 for the lane-by-lane fallback (other
+ * CPUs, or a build without -march=native), which is slower than float32's matmuls. */
+int conveyor_int8_vector_widening(void) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* out[r][n] = acc[r][n] * scale[n] + bias[n] for the panel's first `width` columns. */
 static inline void write_rows(const float *acc, int64_t acc_stride, int rows, int width,
                               const float *scale, const float *bias, float *out,
