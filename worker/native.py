@@ -82,6 +82,31 @@ def build_and_load(
     return None, errors
 
 
+def load_optional(
+    log: logging.Logger,
+    what: str,
+    instead: str,
+    source: Path,
+    inputs: Sequence[Path],
+    load: Callable[[ctypes.CDLL, Path], T],
+    defines: tuple[str, ...] = (),
+    no_compiler_level: int = logging.WARNING,
+) -> T | None:
+    """``load`` of ``source``'s build, or None where compiled paths are off, there is no C
+    compiler or nothing builds; the last two are logged on ``log`` as "``what`` unavailable, ...
+    ``instead``" (what runs in its place). Callers cache the result, so each says it once."""
+    if compiled_paths_disabled():
+        return None
+    compiler = find_compiler()
+    if compiler is None:
+        log.log(no_compiler_level, "%s unavailable (no C compiler; set CC), %s", what, instead)
+        return None
+    library, errors = build_and_load(source, inputs, load, compiler, defines)
+    if library is None:
+        log.warning("%s unavailable, %s:\n%s", what, instead, "\n".join(errors))
+    return library
+
+
 def status_function(library: ctypes.CDLL, name: str, argtypes: list) -> Callable[..., int]:
     """``library``'s C function ``name`` with its argument types, returning an int status."""
     function = getattr(library, name)

@@ -160,20 +160,10 @@ def load_kernel(dtype: torch.dtype = torch.float32) -> PagedAttentionKernel | No
     if kernel_disabled():
         logger.info("CPU attention kernel disabled by CONVEYOR_CPU_KERNEL; using torch ops")
         return None
-    compiler = find_compiler()
-    if compiler is None:
-        logger.warning("CPU attention kernel unavailable (no C compiler; set CC), using torch ops")
-        return None
-    kernel, errors = native.build_and_load(
-        SOURCE_PATH,
-        _inputs(),
-        functools.partial(_from_library, dtype=dtype),
-        compiler,
-        BUILDS[dtype],
-    )
-    if kernel is None:
-        logger.warning("CPU attention kernel unavailable, using torch ops:\n%s", "\n".join(errors))
-    return kernel
+    return native.load_optional(
+        logger, "CPU attention kernel", "using torch ops", SOURCE_PATH, _inputs(),
+        functools.partial(_from_library, dtype=dtype), BUILDS[dtype],
+    )  # fmt: skip
 
 
 def load_kernel_from(

@@ -214,18 +214,11 @@ class TokenOps:
 @functools.cache
 def load_token_ops() -> TokenOps | None:
     """The library, built if needed; None (logged once) where it is off or cannot be built."""
-    if native.compiled_paths_disabled():
-        return None
-    compiler = native.find_compiler()
-    if compiler is None:
-        logger.info("compiled CPU token ops unavailable (no C compiler), using torch ops")
-        return None
-    ops, errors = native.build_and_load(SOURCE_PATH, _inputs(), _from_library, compiler)
-    if ops is None:
-        logger.warning(
-            "compiled CPU token ops unavailable, using torch ops:\n%s", "\n".join(errors)
-        )
-    return ops
+    # Without a compiler the attention kernel's warning has said so already.
+    return native.load_optional(
+        logger, "compiled CPU token ops", "using torch ops", SOURCE_PATH, _inputs(),
+        _from_library, no_compiler_level=logging.INFO,
+    )  # fmt: skip
 
 
 def _inputs() -> list[Path]:

@@ -109,18 +109,11 @@ def _round_up(n: int, multiple: int) -> int:
 @functools.cache
 def load_int8_gemm() -> Int8Gemm | None:
     """The library, built if needed; None (logged once) where it is off or cannot be built."""
-    if native.compiled_paths_disabled():
-        return None
-    compiler = native.find_compiler()
-    if compiler is None:
-        logger.warning("int8 kernel unavailable (no C compiler): int8 linears widen with torch")
-        return None
-    gemm, errors = native.build_and_load(SOURCE_PATH, [SOURCE_PATH], _from_library, compiler)
-    if gemm is None:
-        logger.warning(
-            "int8 kernel unavailable, int8 linears widen with torch:\n%s", "\n".join(errors)
-        )
-    elif not gemm.vector_widening:
+    gemm = native.load_optional(
+        logger, "int8 kernel", "int8 linears widen with torch", SOURCE_PATH, [SOURCE_PATH],
+        _from_library,
+    )  # fmt: skip
+    if gemm is not None and not gemm.vector_widening:
         logger.warning(
             "int8 kernel built without AVX2 or AVX-512 (%s): it widens int8 one value at a "
             "time, slower than float32's matmuls; drop --quantization for speed",

@@ -1,0 +1,50 @@
+"""native.load_optional: the compiled libraries' one way to load or say why not."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from worker import native
+
+LOG = logging.getLogger("tests.native")
+
+
+def _load(library, path):
+    return library.answer()
+
+
+def _attempt(source: Path, **kwargs):
+    return native.load_optional(
+        LOG, "test library", "doing without", source, [source], _load, **kwargs
+    )
+
+
+@pytest.mark.skipif(native.find_compiler() is None, reason="no C compiler on this machine")
+def test_builds_loads_and_says_why_not(tmp_path, monkeypatch, caplog):
+    good = tmp_path / "good.c"
+    good.write_text("int answer(void) { return 42; }\n")
+    monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path / "cache"))
+    assert _attempt(good) == 42
+    bad = tmp_path / "bad.c"
+    bad.write_text("int answer(void) { return }\n")
+    with caplog.at_level(logging.INFO, logger="tests.native"):
+        assert _attempt(bad) is None
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "test library unavailable, doing without:" in caplog.text and "bad.c" in caplog.text
+
+
+def test_no_compiler_is_logged_at_the_callers_level_and_off_is_silent(
+    tmp_path, monkeypatch, caplog
+):
+    source = tmp_path / "unused.c"
+    monkeypatch.setattr(native, "find_compiler", lambda: None)
+    with caplog.at_level(logging.INFO, logger="tests.native"):
+        assert _attempt(source, no_compiler_level=logging.INFO) is None
+        monkeypatch.setenv("CONVEYOR_CPU_KERNEL", "0")
+        assert _attempt(source) is None
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, "test library unavailable (no C compiler; set CC), doing without")
+    ]
