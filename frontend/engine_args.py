@@ -77,7 +77,7 @@ class EngineArgs:
     # None = the model's own context length (max_position_embeddings).
     max_model_len: int | None = None
     dtype: str = "auto"
-    # "int8": the decoder's linears in int8 with one scale per output row (CPU only); None: none.
+    # "int8": the decoder's linears and experts in int8, one scale per output row (CPU only).
     quantization: str | None = None
     device: str = "auto"
     seed: int = 0
@@ -289,9 +289,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "-q",
         choices=QUANTIZATION_METHODS,
         default=d.quantization,
-        help="int8: the decoder's linears in int8, one scale per output row, activations in "
-        "--dtype (CPU only; faster decoding at small batches, a quarter of float32's weight "
-        "memory; embeddings and the LM head stay in --dtype)",
+        help="int8: the decoder's linears and experts in int8, one scale per output row, "
+        "activations in --dtype (CPU only; faster decoding at small batches, a quarter of "
+        "float32's weight memory; embeddings and the LM head stay in --dtype)",
     )
     group.add_argument("--device", default=d.device)
     group.add_argument("--seed", type=int, default=d.seed)

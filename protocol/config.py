@@ -50,7 +50,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # How the frontends read tool calls out of the text (``--tool-call-parser``); None: no
     # ``tool_choice: "auto"``.
     tool_call_parser: str | None = None
-    # One of QUANTIZATION_METHODS, applied to the decoder's linears at load time; None: none.
+    # One of QUANTIZATION_METHODS, applied to the decoder's linears and experts at load time;
+    # None: none.
     quantization: str | None = None
 
 
