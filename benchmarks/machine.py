@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from runtime import cpu_isa
+
 
 def machine_info(**extra: object) -> dict[str, object]:
     """Platform, CPU model, usable cores, Python, and torch / GPU where torch is loaded."""
@@ -26,10 +28,14 @@ def machine_info(**extra: object) -> dict[str, object]:
         else os.cpu_count(),
         "python": platform.python_version(),
     }
+    if os.environ.get(cpu_isa.ENV):
+        info["cpu_isa"] = os.environ[cpu_isa.ENV]
     torch = sys.modules.get("torch")
     if torch is not None:
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
+        # What torch's kernels run (AVX512, AVX2, ...): CONVEYOR_CPU_ISA can hold it below the CPU's.
+        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
     info.update(extra)

@@ -14,6 +14,8 @@ reports what the idle engine burnt meanwhile (`idle_peer_cpu`, cores). Per pair:
 output and total tok/s of each, the ratio (conveyor over reference: both produce the same tokens,
 so it is the ratio of their times), and each one's share of the compute roofline
 (`benchmarks/roofline.py`) against the matmul calibration measured in the same run.
+Under CONVEYOR_CPU_ISA=avx2 both engines run what an AVX2-only CPU runs (runtime/cpu_isa.py,
+reference_client.isa_env); the report's machine line names it.
 """
 
 from __future__ import annotations

@@ -16,7 +16,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from runtime import cpu_isa
+
 SCRIPT = Path(__file__).resolve().parent / "reference_engine.py"
+ISA_SITE = Path(__file__).resolve().parent / "reference_isa"
 # vLLM's CPU build reserves a core for its frontend and picks its own OpenMP binding unless
 # told; on a 2-core machine both cores must compute, and 4 GiB of KV holds every workload here.
 CPU_ENV = {
@@ -24,6 +27,17 @@ CPU_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",
     "VLLM_CPU_KVCACHE_SPACE": "4",
 }
+
+
+def isa_env(isa: str, env: dict[str, str]) -> dict[str, str]:
+    """What holds the reference engine to ``isa`` as conveyor is held (runtime/cpu_isa.py):
+    the same torch/oneDNN/MKL limits, and for AVX2 a sitecustomize that makes vLLM pick the
+    kernels it runs on an AVX2-only CPU."""
+    if isa == "native":
+        return {}
+    limits = {k: v for k, v in cpu_isa.library_env(isa).items() if k not in env}
+    path = [str(ISA_SITE), *filter(None, [env.get("PYTHONPATH")])]
+    return {**limits, cpu_isa.ENV: isa, "PYTHONPATH": os.pathsep.join(path)}
 
 
 class ReferenceEngineError(RuntimeError):
@@ -53,6 +67,7 @@ class ReferenceEngine:
         script = shutil.copy(SCRIPT, workdir.name)
         log = open(Path(workdir.name) / "engine.log", "w")  # noqa: SIM115 (child's stderr)
         env = {**os.environ, **{k: os.environ.get(k, v) for k, v in CPU_ENV.items()}}
+        env.update(isa_env(cpu_isa.requested(), env))
         process = subprocess.Popen(
             [python, script, *flags],
             stdin=subprocess.PIPE,

@@ -24,6 +24,8 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
+from runtime import cpu_isa
+
 Main = Callable[[list[str]], int]
 
 
@@ -221,6 +223,12 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
+    # Before anything imports torch: its kernels, oneDNN and MKL read these once, at first use.
+    try:
+        cpu_isa.apply()
+    except ValueError as error:
+        print(f"conveyor: {error}", file=sys.stderr)
+        return 2
     if args.command == "bench":
         run = BENCH_COMMANDS[args.bench_command][0]
     else:

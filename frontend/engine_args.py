@@ -37,6 +37,7 @@ from protocol.config import (
     NodeConfig,
     read_sampling_defaults,
 )
+from runtime import cpu_isa
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +173,10 @@ class EngineArgs:
                 f"tool_call_parser must be one of {', '.join(sorted(PARSERS))}, "
                 f"got {self.tool_call_parser!r}"
             )
+        try:  # read by the workers' kernel builds: a typo fails here, before any process starts
+            cpu_isa.requested()
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         return config
 
     def _node_config(self) -> NodeConfig:

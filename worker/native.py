@@ -27,12 +27,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from runtime import cpu_isa
+
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
 # Tried in order: the first set the compiler accepts wins. -march=native vectorises for this CPU
-# (the cache key includes the CPU, so a shared cache folder never hands it to another machine).
+# (the cache key includes the CPU, so a shared cache folder never hands it to another machine);
+# CONVEYOR_CPU_ISA=avx2 puts -march=haswell in its place (runtime.cpu_isa).
 FLAG_SETS = (
     ("-O3", "-march=native", "-fopenmp"),
     ("-O3", "-fopenmp"),
@@ -72,8 +75,9 @@ def build_and_load(
     each failed. ``inputs``: every file the build reads (the source and its headers);
     ``defines``: flags every attempt adds (``-DNAME``), a build variant of the same source."""
     errors = []
+    march = cpu_isa.march_flag()
     for flags in FLAG_SETS:
-        flags = (*flags, *defines)
+        flags = (*(march if f == "-march=native" else f for f in flags), *defines)
         try:
             path = build(compiler, flags, source, inputs)
             return load(ctypes.CDLL(str(path)), path), errors

@@ -199,6 +199,42 @@ def test_reference_engine_pipe_against_a_stub_vllm(tmp_path: Path):
         engine.close()
 
 
+FAKE_TORCH_CPU = """
+def _is_avx512_supported():
+    return True
+
+def _is_amx_tile_supported():
+    return True
+"""
+
+
+def test_avx2_holds_the_reference_engine_to_what_an_avx2_cpu_runs(tmp_path: Path, monkeypatch):
+    # vLLM picks its kernel library from torch.cpu's feature queries: they must answer "no
+    # AVX-512" in the engine's process, and oneDNN/MKL get conveyor's own limits.
+    report = 'import os, torch.cpu\nprint("isa", torch.cpu._is_avx512_supported(), '
+    report += 'torch.cpu._is_amx_tile_supported(), os.environ["ONEDNN_MAX_CPU_ISA"])\n'
+    python = _venv_with_vllm(tmp_path / "venv", report + textwrap.dedent(STUB_VLLM))
+    torch_dir = Path(python).parents[1] / "torch-stub" / "torch"
+    torch_dir.mkdir(parents=True)
+    (torch_dir / "__init__.py").write_text("")
+    (torch_dir / "cpu.py").write_text(FAKE_TORCH_CPU)
+    monkeypatch.setenv("PYTHONPATH", str(torch_dir.parent))
+    monkeypatch.setenv("CONVEYOR_CPU_ISA", "avx2")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    engine = ReferenceEngine.start(python, ["--model=m"])
+    try:
+        assert "isa False False AVX2" in engine.log_tail()
+    finally:
+        engine.close()
+    monkeypatch.setenv("CONVEYOR_CPU_ISA", "native")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")
+    engine = ReferenceEngine.start(python, ["--model=m"])
+    try:
+        assert "isa True True ALL" in engine.log_tail()
+    finally:
+        engine.close()
+
+
 def test_a_reference_engine_that_dies_is_an_error_with_its_log(tmp_path: Path):
     python = _venv_with_vllm(tmp_path / "venv", "raise ImportError('no AVX-512 here')\n")
     with pytest.raises(ReferenceEngineError, match="no AVX-512 here"):

@@ -131,3 +131,11 @@ def test_quantization_is_checked_and_auto_means_the_cpu(tiny_model_dirs):
     for device in ("cuda", "cuda:1", "mps"):
         with pytest.raises(ConfigError, match=f"runs on CPU only, not '{device}'"):
             EngineArgs(model=model, quantization="int8", device=device).create_engine_config()
+
+
+def test_a_cpu_isa_typo_fails_the_config_before_any_process_starts(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CPU_ISA", "avx512")
+    with pytest.raises(ConfigError, match="CONVEYOR_CPU_ISA='avx512' is not one of native, avx2"):
+        EngineArgs(model=str(tiny_model_dir)).create_engine_config()
+    monkeypatch.setenv("CONVEYOR_CPU_ISA", "avx2")
+    assert EngineArgs(model=str(tiny_model_dir)).create_engine_config().device == "auto"
