@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from benchmarks.machine import Timing, machine_info
+from benchmarks.phase_times import PhaseTimes, format_report
 from frontend import LLM
 from frontend.engine_args import EngineArgs, add_engine_args
 from protocol import SamplingParams
@@ -82,8 +83,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--torch-profile", action="store_true", help="torch.profiler op table of the timed run"
     )
+    parser.add_argument(
+        "--phase-times",
+        action="store_true",
+        help="time the timed run's phases (scheduling, input preparation, linears, attention, "
+        "sampling, ...); needs --engine inprocess",
+    )
     add_engine_args(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.phase_times and (args.engine != "inprocess" or args.compare):
+        parser.error("--phase-times needs --engine inprocess (one process sees every phase)")
+    return args
 
 
 def engine_kwargs(engine_args: EngineArgs, **overrides: object) -> dict[str, object]:
@@ -136,12 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     calibration = measure_matmul_gflops()
     profiler = cProfile.Profile() if args.profile else None
     op_profiler = _torch_profiler() if args.torch_profile else contextlib.nullcontext()
-    with op_profiler:
+    phases = PhaseTimes() if args.phase_times else None
+    with op_profiler, phases.timing() if phases else contextlib.nullcontext():
         if profiler is not None:
             profiler.enable()
         run = timed_run(llm, args, progress=not args.json)
         if profiler is not None:
             profiler.disable()
+    if phases is not None:
+        run["phases"] = phases.report(float(run["seconds"]))
+        print(format_report(run["phases"]), file=sys.stderr)
     result = {
         "workload": args.workload,
         "num_requests": args.num_requests,

@@ -69,3 +69,38 @@ def test_tree_cpu_seconds_counts_a_busy_child():
         assert tree_cpu_seconds() - before >= 0.4
     finally:
         child.communicate(b"", timeout=10)
+
+
+def test_phase_times_account_for_an_in_process_run(tiny_model_dir, capsys):
+    from engine_core.scheduler import Scheduler
+    from worker.attention.cpu_kernel import load_kernel
+    from worker.layers.linear import LinearBase
+
+    schedule, matmul = Scheduler.schedule, LinearBase.matmul
+    argv = ["--model", str(tiny_model_dir), "--workload", "mix", "--engine", "inprocess"]
+    argv += ["--num-requests", "2", "--num-warmup-requests", "1", "--phase-times", "--json"]
+    argv += ["--kv-cache-memory", "32M", "--max-num-seqs", "4"]
+    assert bench.main(argv) == 0
+    captured = capsys.readouterr()
+    phases = json.loads(captured.out.strip().splitlines()[-1])["phases"]
+    assert "forward_other" in captured.err and "linears" in captured.err  # the table
+    num_layers = json.loads((tiny_model_dir / "config.json").read_text())["num_hidden_layers"]
+    steps = phases["forward"]["calls"]
+    assert steps >= 128 and phases["execute"]["calls"] == steps == phases["sample"]["calls"]
+    # qkv, o, gate_up and down in every layer of every step; the kernel once per layer.
+    assert phases["linears"]["calls"] == 4 * num_layers * steps
+    if load_kernel() is not None:
+        assert phases["attention"]["calls"] == num_layers * steps
+    assert 0 < phases["linears"]["seconds"] < phases["forward"]["seconds"]
+    for nested in ("runner_other", "forward_other", "engine_other"):
+        assert phases[nested]["seconds"] >= 0, nested
+    assert abs(sum(phases[p]["share"] for p in ("execute", "engine_other")) - 1) < 0.01
+    # The wrappers are gone once the run is timed.
+    assert Scheduler.schedule is schedule and LinearBase.matmul is matmul
+
+
+def test_phase_times_needs_the_in_process_engine(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--phase-times"])
+    assert exit_info.value.code == 2
+    assert "--phase-times needs --engine inprocess" in capsys.readouterr().err
