@@ -35,6 +35,7 @@ from protocol.worker_messages import (
     Shutdown,
     WorkerLaunch,
 )
+from runtime import cpu_isa
 from runtime.dirs import make_runtime_dir, remove_runtime_dir
 from runtime.processes import spawn_module, terminate_processes, wait_for_exit
 from runtime.signals import signals_held
@@ -233,9 +234,11 @@ def openmp_env() -> dict[str, str]:
 
 
 def worker_env(nodes: NodeConfig) -> dict[str, str]:
-    """What a worker's environment adds: OpenMP's spin count (``openmp_env``), and gloo's
-    interface when every peer is on loopback."""
+    """What a worker's environment adds: OpenMP's spin count (``openmp_env``), the library
+    limits of CONVEYOR_CPU_ISA (so a program that imports conveyor gets them in its workers too;
+    the user's own settings win), and gloo's interface when every peer is on loopback."""
     env = openmp_env()
+    env.update({k: v for k, v in cpu_isa.library_env().items() if k not in os.environ})
     if sys.platform.startswith("linux") and not faces_network(f"tcp://{nodes.master_addr}:0"):
         # Every rank is on this machine: keep gloo's sockets on loopback rather than on the
         # interface the host name resolves to (internal sockets never face the network). Across

@@ -9,9 +9,10 @@ without one: caches, clock and memory stay this host's, so it answers "which cod
 fast is it relative to the other engine", not "what would that machine measure".
 
 The library variables must be in the environment before torch runs its first op, so the
-``conveyor`` command applies them first thing (``apply``), and every process it starts inherits
-them; a program that imports conveyor as a library sets them itself (``library_env``). A value
-set explicitly by the user is never overridden.
+``conveyor`` command applies them first thing (``apply``) and every process it starts inherits
+them; the engine also adds them to each worker process's environment, so a program that imports
+conveyor gets them where the model runs, except in its own process (an in-process engine), where
+it sets them itself (``library_env``). A value set explicitly by the user is never overridden.
 """
 
 from __future__ import annotations

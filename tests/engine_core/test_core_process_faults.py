@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_core.worker_processes import OPENMP_SPIN_COUNT, openmp_env
+from engine_core.worker_processes import OPENMP_SPIN_COUNT, openmp_env, worker_env
 from frontend.engine_args import EngineArgs
 from frontend.engine_client.engine_process import EngineProcess
 from frontend.engine_client.session import EngineDeadError
@@ -94,6 +94,20 @@ def test_how_openmp_waits_is_left_to_whoever_already_said(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY")
     monkeypatch.setenv("GOMP_SPINCOUNT", "infinite")
     assert openmp_env() == {}
+
+
+def test_workers_get_the_cpu_isa_limits_unless_the_user_set_them(monkeypatch):
+    from protocol.config import NodeConfig
+
+    monkeypatch.setenv("CONVEYOR_CPU_ISA", "avx2")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2_VNNI")
+    env = worker_env(NodeConfig())
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
+    assert "ONEDNN_MAX_CPU_ISA" not in env  # inherited as the user set it
+    monkeypatch.delenv("CONVEYOR_CPU_ISA")
+    assert "ATEN_CPU_CAPABILITY" not in worker_env(NodeConfig())
 
 
 @pytest.mark.slow
