@@ -15,8 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-from runtime import cpu_isa
-
 
 def machine_info(**extra: object) -> dict[str, object]:
     """Platform, CPU model, usable cores, Python, and torch / GPU where torch is loaded."""
@@ -28,8 +26,10 @@ def machine_info(**extra: object) -> dict[str, object]:
         else os.cpu_count(),
         "python": platform.python_version(),
     }
-    if os.environ.get(cpu_isa.ENV):
-        info["cpu_isa"] = os.environ[cpu_isa.ENV]
+    # runtime.cpu_isa's variable, read here by name: the load generator imports this module, and
+    # it stays standard-library only.
+    if os.environ.get("CONVEYOR_CPU_ISA"):
+        info["cpu_isa"] = os.environ["CONVEYOR_CPU_ISA"]
     torch = sys.modules.get("torch")
     if torch is not None:
         info["torch"] = torch.__version__

@@ -19,7 +19,6 @@ from pathlib import Path
 from runtime import cpu_isa
 
 SCRIPT = Path(__file__).resolve().parent / "reference_engine.py"
-ISA_SITE = Path(__file__).resolve().parent / "reference_isa"
 # vLLM's CPU build reserves a core for its frontend and picks its own OpenMP binding unless
 # told; on a 2-core machine both cores must compute, and 4 GiB of KV holds every workload here.
 CPU_ENV = {
@@ -30,14 +29,14 @@ CPU_ENV = {
 
 
 def isa_env(isa: str, env: dict[str, str]) -> dict[str, str]:
-    """What holds the reference engine to ``isa`` as conveyor is held (runtime/cpu_isa.py):
-    the same torch/oneDNN/MKL limits, and for AVX2 a sitecustomize that makes vLLM pick the
-    kernels it runs on an AVX2-only CPU."""
+    """What holds the reference engine to ``isa`` as conveyor is held (runtime/cpu_isa.py): the
+    same torch/oneDNN/MKL limits, and CONVEYOR_CPU_ISA itself, on which reference_engine.py
+    answers torch's CPU feature queries as an AVX2-only CPU would before vLLM picks its kernels
+    (in each of vLLM's processes: a spawned one imports that script first)."""
     if isa == "native":
         return {}
     limits = {k: v for k, v in cpu_isa.library_env(isa).items() if k not in env}
-    path = [str(ISA_SITE), *filter(None, [env.get("PYTHONPATH")])]
-    return {**limits, cpu_isa.ENV: isa, "PYTHONPATH": os.pathsep.join(path)}
+    return {**limits, cpu_isa.ENV: isa}
 
 
 class ReferenceEngineError(RuntimeError):

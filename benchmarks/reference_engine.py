@@ -31,6 +31,36 @@ def _answer_stream():
     return answers
 
 
+# torch's CPU feature queries vLLM's CPU build reads to pick its AVX2 or AVX-512 kernel library
+# and its attention and GEMM variants; they read the hardware.
+CPU_FEATURE_QUERIES = (
+    "_is_avx512_supported",
+    "_is_avx512_bf16_supported",
+    "_is_avx512_vnni_supported",
+    "_is_amx_tile_supported",
+    "_is_amx_fp16_supported",
+)
+
+
+def hold_to_avx2() -> bool:
+    """Under CONVEYOR_CPU_ISA=avx2 (conveyor's runtime/cpu_isa.py; the benchmark passes it on):
+    answer those queries as an AVX2-only CPU would, before vLLM is imported, so it loads and
+    runs what it runs on one (torch, oneDNN and MKL get their limits from the environment)."""
+    if os.environ.get("CONVEYOR_CPU_ISA", "").strip().lower() != "avx2":
+        return False
+    import torch.cpu
+
+    for query in CPU_FEATURE_QUERIES:
+        if hasattr(torch.cpu, query):
+            setattr(torch.cpu, query, lambda: False)
+    return True
+
+
+# At import: vLLM's worker processes are spawned, and a spawned child imports the parent's main
+# script (this one, as __mp_main__) before anything of vLLM, so they are held too.
+HELD_TO_AVX2 = hold_to_avx2()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="Hugging Face model directory")
@@ -77,6 +107,8 @@ def timed_generate(llm, prompts_file: str) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     answers = _answer_stream()
     args = parse_args(argv)
+    if HELD_TO_AVX2:
+        print("held to AVX2: torch's AVX-512 and AMX queries answer False", file=sys.stderr)
     llm = build_engine(args)
     import vllm
 

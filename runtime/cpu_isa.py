@@ -4,7 +4,7 @@
 compiled kernels are built for Haswell (AVX2 + FMA, 8-float vectors) instead of ``-march=native``,
 and torch's own kernels, oneDNN and MKL are held to AVX2 through their environment variables.
 That reproduces, on one host, the code paths (and the reference engine's, see
-``benchmarks/reference_isa``) of the 2-core AVX2 machines conveyor's CPU figures are asked for,
+``benchmarks/reference_engine.py``) of the 2-core AVX2 machines conveyor's CPU figures are asked for,
 without one: caches, clock and memory stay this host's, so it answers "which code runs and how
 fast is it relative to the other engine", not "what would that machine measure".
 

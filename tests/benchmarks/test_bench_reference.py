@@ -171,8 +171,9 @@ STUB_VLLM = '''
 '''
 
 
-def _venv_with_vllm(root: Path, vllm_source: str) -> str:
-    """A venv of its own (as the reference engine has) whose `vllm` is the given source."""
+def _venv_with_vllm(root: Path, vllm_source: str, torch_cpu_source: str | None = None) -> str:
+    """A venv of its own (as the reference engine has) whose `vllm` is the given source, and
+    with ``torch_cpu_source``, a `torch` package of just `torch.cpu`."""
     venv.create(root, with_pip=False)
     python = root / "bin" / "python"
     purelib = subprocess.check_output(
@@ -180,6 +181,10 @@ def _venv_with_vllm(root: Path, vllm_source: str) -> str:
     ).strip()
     (Path(purelib) / "vllm").mkdir()
     (Path(purelib) / "vllm" / "__init__.py").write_text(vllm_source)
+    if torch_cpu_source is not None:
+        (Path(purelib) / "torch").mkdir()
+        (Path(purelib) / "torch" / "__init__.py").write_text("")
+        (Path(purelib) / "torch" / "cpu.py").write_text(torch_cpu_source)
     return str(python)
 
 
@@ -213,12 +218,8 @@ def test_avx2_holds_the_reference_engine_to_what_an_avx2_cpu_runs(tmp_path: Path
     # AVX-512" in the engine's process, and oneDNN/MKL get conveyor's own limits.
     report = 'import os, torch.cpu\nprint("isa", torch.cpu._is_avx512_supported(), '
     report += 'torch.cpu._is_amx_tile_supported(), os.environ["ONEDNN_MAX_CPU_ISA"])\n'
-    python = _venv_with_vllm(tmp_path / "venv", report + textwrap.dedent(STUB_VLLM))
-    torch_dir = Path(python).parents[1] / "torch-stub" / "torch"
-    torch_dir.mkdir(parents=True)
-    (torch_dir / "__init__.py").write_text("")
-    (torch_dir / "cpu.py").write_text(FAKE_TORCH_CPU)
-    monkeypatch.setenv("PYTHONPATH", str(torch_dir.parent))
+    stub = report + textwrap.dedent(STUB_VLLM)
+    python = _venv_with_vllm(tmp_path / "venv", stub, FAKE_TORCH_CPU)
     monkeypatch.setenv("CONVEYOR_CPU_ISA", "avx2")
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     engine = ReferenceEngine.start(python, ["--model=m"])
