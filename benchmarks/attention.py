@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from benchmarks.machine import machine_info
+from protocol.config import KV_CACHE_DTYPES
 from worker.attention.cpu_kernel import load_kernel, load_kernel_from
 from worker.attention.metadata_builder import build_attention_metadata
 from worker.attention.selector import select_backend
@@ -152,6 +153,7 @@ def cache_flusher() -> Callable[[], object]:
 def bench_scenario(
     args, scenario: Scenario, backends: list, rng, dtype, device
 ) -> tuple[list[float], float]:
+    kv_dtype = kv_cache_dtype(args, dtype)
     table = block_table_for(scenario, args.block_size, rng)
     metadata, _ = build_attention_metadata(
         np.array(scenario.num_scheduled, dtype=np.int32),
@@ -162,8 +164,9 @@ def bench_scenario(
     )
     num_blocks = int(table.max()) + 1
     (kv_cache,) = allocate_kv_caches(
-        1, num_blocks, args.block_size, args.num_kv_heads, args.head_dim, dtype, device, backends[0]
-    )
+        1, num_blocks, args.block_size, args.num_kv_heads, args.head_dim, kv_dtype, device,
+        backends[0],
+    )  # fmt: skip
     kv_cache.normal_()
     num_tokens = metadata.num_actual_tokens
     query = torch.randn(num_tokens, args.num_heads, args.head_dim, dtype=dtype, device=device)
@@ -188,7 +191,8 @@ def bench_scenario(
 
 def make_backends(args, device: torch.device, dtype: torch.dtype) -> dict[str, object]:
     """Named backends to time: on CPU the torch backend without and with the compiled kernel."""
-    backend = select_backend(device, args.block_size, args.backend, dtype=dtype)
+    kv_dtype = kv_cache_dtype(args, dtype)
+    backend = select_backend(device, args.block_size, args.backend, dtype=dtype, kv_dtype=kv_dtype)
     on_cpu_kernel = isinstance(backend, TorchAttentionBackend) and device.type == "cpu"
     if args.cold and device.type != "cpu":
         raise SystemExit(f"--cold evicts the CPU's caches; it means nothing on {device.type}")
@@ -201,17 +205,21 @@ def make_backends(args, device: torch.device, dtype: torch.dtype) -> dict[str, o
         return {backend.name: backend}
     if args.compare_kernel:
         # Two versions of the kernel, interleaved: the sources in that folder, then this tree's.
-        other, errors = load_kernel_from(args.compare_kernel, dtype)
-        if other is None or load_kernel(dtype) is None:
+        other, errors = load_kernel_from(args.compare_kernel, dtype, kv_dtype)
+        if other is None or load_kernel(dtype, kv_dtype) is None:
             raise SystemExit("a kernel did not build:\n" + "\n".join(errors))
         backends = {"other kernel": TorchAttentionBackend()}
         backends["other kernel"].cpu_kernel = other
         backends["kernel"] = TorchAttentionBackend()
         return backends
     backends = {"torch ops": TorchAttentionBackend(use_cpu_kernel=False)}
-    if load_kernel() is not None and dtype == torch.float32:
+    if load_kernel(dtype, kv_dtype) is not None:
         backends["kernel"] = TorchAttentionBackend()
     return backends
+
+
+def kv_cache_dtype(args: argparse.Namespace, dtype: torch.dtype) -> torch.dtype:
+    return dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
 
 
 def describe_machine(device: torch.device) -> str:
@@ -224,6 +232,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="the cache's dtype (auto: --dtype's), as the engine's --kv-cache-dtype",
+    )
     parser.add_argument("--backend", default=None, help="torch or flash-attn (default: auto)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-heads", type=int, default=8)
@@ -271,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     print(f"machine: {describe_machine(device)}")
     print(
-        f"config: {', '.join(backends)}, {args.dtype}, block_size {args.block_size}, "
+        f"config: {', '.join(backends)}, {args.dtype}, kv cache {kv_cache_dtype(args, dtype)}, "
+        f"block_size {args.block_size}, "
         f"heads {args.num_heads}/{args.num_kv_heads} kv, head_dim {args.head_dim}, "
         f"hidden {args.hidden_size}, intermediate {args.intermediate_size}, "
         f"median of {args.rounds} x {args.repeats} calls"

@@ -24,6 +24,10 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash-attn", "triton", "torch", 
 # Weights turned into another format at load time (None: as the checkpoint has them). "int8":
 # weight-only, one scale per output row, CPU only (worker/layers/int8_linear.py).
 QUANTIZATION_METHODS: tuple[str, ...] = ("int8",)
+# What the KV cache holds (``--kv-cache-dtype``): "auto" is the model's dtype; "bfloat16" rounds
+# each key and value to bfloat16 as it is written (half a float32 cache's bytes: twice the
+# tokens, half the reads per decode step; the arithmetic stays in the model's dtype).
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16")
 # The quantized checkpoint formats (config.json's quantization_config.quant_method) the loader
 # reads; any other is refused by name rather than failing on tensors it does not know.
 LOADABLE_QUANTIZED_CHECKPOINTS: tuple[str, ...] = ("mxfp4",)
@@ -61,6 +65,8 @@ class CacheConfig(msgspec.Struct, frozen=True):
     # CPU: bytes of KV cache per worker. CUDA: fraction of free memory after profiling.
     kv_cache_memory: int = 1 << 30
     gpu_memory_utilization: float = 0.9
+    # One of KV_CACHE_DTYPES.
+    cache_dtype: str = "auto"
     # Learned from the workers at start-up; None until then.
     num_blocks: int | None = None
     # Also learned from the workers: the model's widest sliding window when every layer has one
@@ -320,6 +326,20 @@ def check_engine_config(config: EngineConfig) -> None:
         )
     if cache.block_size < 1 or cache.block_size & (cache.block_size - 1):
         raise ConfigError(f"block_size must be a power of two, got {cache.block_size}")
+    if cache.cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {cache.cache_dtype!r}"
+        )
+    if (
+        cache.cache_dtype != "auto"
+        and config.device not in ("cpu", "auto")
+        and config.model.dtype not in ("auto", cache.cache_dtype)
+    ):
+        # The GPU attention backends read a cache of the model's own dtype only.
+        raise ConfigError(
+            f"kv_cache_dtype {cache.cache_dtype!r} with a {config.model.dtype} model runs on CPU "
+            f"only, not {config.device!r}"
+        )
     quantization = config.model.quantization
     if quantization is not None:
         if quantization not in QUANTIZATION_METHODS:

@@ -36,6 +36,22 @@ def huge_pages_enabled() -> bool:
     return value in _ON
 
 
+def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype, device: torch.device):
+    """The KV cache's torch dtype for ``--kv-cache-dtype``: "auto" is the model's. A cache of
+    another dtype than the model's runs on CPU only (the GPU backends read their own dtype)."""
+    if cache_dtype == "auto":
+        return model_dtype
+    dtype = {"bfloat16": torch.bfloat16}.get(cache_dtype)
+    if dtype is None:
+        raise ConfigError(f"kv_cache_dtype {cache_dtype!r} is not supported")
+    if dtype != model_dtype and device.type != "cpu":
+        raise ConfigError(
+            f"kv_cache_dtype {cache_dtype!r} with a {model_dtype} model runs on CPU only, "
+            f"this is {device.type}"
+        )
+    return dtype
+
+
 def kv_bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:

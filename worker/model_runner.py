@@ -29,6 +29,7 @@ from worker.kv_cache import (
     claim_cuda_memory,
     kv_bytes_per_block,
     num_blocks_for_memory,
+    resolve_kv_cache_dtype,
 )
 from worker.loader import load_model, resolve_dtype
 from worker.memory_profile import profile_num_blocks
@@ -52,6 +53,7 @@ class ModelRunner:
         self.device = device
         self.block_size = config.cache.block_size
         self.dtype = resolve_dtype(config.model.dtype, device, config.model.model)
+        self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype, device)
         # CUDA: where this engine's memory accounting starts (before its weights), and a clear
         # error now if its share of the device is not free.
         self.memory_baseline: CudaMemory | None = None
@@ -69,6 +71,7 @@ class ModelRunner:
             config.attention_backend,
             dtype=self.dtype,
             needs_sinks=needs_sinks,
+            kv_dtype=self.kv_dtype,
         )
         self.sampler = Sampler()
         max_model_len = config.scheduler.max_model_len
@@ -101,7 +104,7 @@ class ModelRunner:
             self.block_size,
             first.num_kv_heads,
             first.head_dim,
-            self.dtype,
+            self.kv_dtype,
         )
 
     def determine_num_blocks(self) -> int:
@@ -167,7 +170,7 @@ class ModelRunner:
             self.block_size,
             first.num_kv_heads,
             first.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             self.backend,
         )

@@ -52,7 +52,9 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 class Reference:
     """HF greedy tokens and raw logits per prompt, computed once per model family."""
 
-    def __init__(self, model_dir: Path, model) -> None:
+    def __init__(self, model_dir: Path, model, make_cache=None) -> None:
+        """``make_cache``: a fresh transformers cache per prompt, for a reference whose keys and
+        values pass through it (None: generate's own)."""
         self.model_dir = model_dir
         self.config = json.loads((model_dir / "config.json").read_text())
         self.prompts = _prompts(self.config["vocab_size"])
@@ -74,6 +76,7 @@ class Reference:
                     output_logits=True,
                     return_dict_in_generate=True,
                     pad_token_id=0,
+                    **({} if make_cache is None else {"cache": make_cache()}),
                 )
                 self.tokens.append(out.sequences[0, len(prompt) :].tolist())
                 self.logits.append(torch.cat(out.logits).float())
@@ -103,8 +106,15 @@ def qwen3_reference(tiny_model_dirs, hf_model) -> Reference:
     return _reference(tiny_model_dirs["qwen3"], hf_model)
 
 
-def _check(reference: Reference, outputs, indices: list[int]) -> None:
-    """Every output equals HF's tokens, or differs first at a reported near tie."""
+def _check(
+    reference: Reference,
+    outputs,
+    indices: list[int],
+    tolerance: float = LOGPROB_TOLERANCE,
+    tie_gap: float = TIE_GAP,
+) -> None:
+    """Every output equals HF's tokens, or differs first at a reported near tie (HF's top-2
+    logits within ``tie_gap``); logprobs within ``tolerance`` of HF's up to there."""
     assert [len(o.outputs) for o in outputs] == [1] * len(indices)
     failures = []
     for i, output in zip(indices, outputs):
@@ -116,13 +126,13 @@ def _check(reference: Reference, outputs, indices: list[int]) -> None:
         for p in range(NUM_NEW_TOKENS if diverge is None else diverge + 1):
             expected = logprobs[p, ours[p]].item()
             got = completion.logprobs[p][ours[p]]
-            assert abs(got - expected) < LOGPROB_TOLERANCE, (i, p, got, expected)
+            assert abs(got - expected) < tolerance, (i, p, got, expected)
         if diverge is None:
             continue
         top2 = reference.logits[i][diverge].topk(2).values
         gap = (top2[0] - top2[1]).item()
         where = f"{reference.model_dir.name} prompt {i} position {diverge}"
-        if gap < TIE_GAP:
+        if gap < tie_gap:
             warnings.warn(NearTieWarning(f"{where}: HF top-2 gap {gap:.2e}"), stacklevel=2)
         else:
             failures.append(f"{where}: ours {ours[diverge]} vs HF {theirs[diverge]}, gap {gap:.3g}")

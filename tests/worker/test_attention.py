@@ -79,7 +79,7 @@ class KernelSpy:
 
     def __init__(self, kernel: PagedAttentionKernel) -> None:
         self.kernel = kernel
-        self.dtype = kernel.dtype
+        self.dtype, self.kv_dtype = kernel.dtype, kernel.kv_dtype
         self.num_calls = 0
         self.supports = kernel.supports
         self.write_kv = kernel.write_kv

@@ -6,8 +6,10 @@ the flags, the compiler and the CPU). Where there is no compiler or the build fa
 logged once and the torch backend keeps its pure-torch path. ``CONVEYOR_CPU_KERNEL=0`` turns the
 kernel off.
 
-The source builds twice, on demand: for float32, and with ``-DCONVEYOR_BF16`` for bfloat16
-models (bfloat16 queries, cache and output; the arithmetic stays float32). ctypes releases the GIL
+The source builds per (model dtype, cache dtype), on demand: float32; ``-DCONVEYOR_BF16`` for
+bfloat16 models (bfloat16 queries, cache and output); ``-DCONVEYOR_KV_BF16`` for float32 models
+over a bfloat16 cache (``--kv-cache-dtype bfloat16``: float32 queries and output, keys and values
+rounded to bfloat16 as they are written). The arithmetic is float32 in all three. ctypes releases the GIL
 for the call; the kernel's OpenMP threads are torch's own (see ``worker.native``).
 """
 
@@ -28,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_attention.c"
 # Must match CONVEYOR_ABI_VERSION in the source: a stale or foreign build is never called.
-ABI_VERSION = 8
+ABI_VERSION = 9
 # Must match the source's limits: rows per work item (query tokens x GQA group, TILE_MAX_ROWS),
 # head_dim (at most MAX_HEAD_DIM, a multiple of HEAD_DIM_MULTIPLE: 8-float vectors).
 MAX_ROWS = 32
@@ -36,8 +38,12 @@ MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
 ITEM_FIELDS = 4
 _ERRORS = {-1: "unsupported shape", -2: "block id out of range", -3: "slot out of range"}
-# The dtypes it is built for, and the defines of each build.
-BUILDS = {torch.float32: (), torch.bfloat16: ("-DCONVEYOR_BF16",)}
+# The (query and output dtype, cache dtype) pairs it is built for, and the defines of each build.
+BUILDS = {
+    (torch.float32, torch.float32): (),
+    (torch.bfloat16, torch.bfloat16): ("-DCONVEYOR_BF16",),
+    (torch.float32, torch.bfloat16): ("-DCONVEYOR_KV_BF16",),
+}
 
 _i32, _i64, _f32, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _ARGTYPES = [
@@ -57,22 +63,25 @@ _WRITE_ARGTYPES = [
 class PagedAttentionKernel:
     """The loaded kernel: checks what it can run, then attends straight from the paged cache."""
 
-    def __init__(self, library: ctypes.CDLL, path: Path, dtype: torch.dtype) -> None:
+    def __init__(
+        self, library: ctypes.CDLL, path: Path, dtype: torch.dtype, kv_dtype: torch.dtype
+    ) -> None:
         self.path = path
-        # Of the queries, the cache and the output: this build takes no other.
+        # Of the queries and the output, and of the cache: this build takes no other.
         self.dtype = dtype
+        self.kv_dtype = kv_dtype
         self._function = native.status_function(library, "conveyor_paged_attention", _ARGTYPES)
         self._write = native.status_function(library, "conveyor_write_kv", _WRITE_ARGTYPES)
 
     def supports(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """Whether these tensors fit the kernel: CPU, this build's dtype, dense head rows, a dense
-        cache."""
+        """Whether these tensors fit the kernel: CPU, this build's dtypes, dense head rows, a
+        dense cache."""
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[1]
         return (
             kv_cache.device.type == "cpu"
             and query.device.type == "cpu"
-            and kv_cache.dtype == self.dtype
+            and kv_cache.dtype == self.kv_dtype
             and query.dtype == self.dtype
             and kv_cache.is_contiguous()
             and query.stride(2) == 1
@@ -152,22 +161,27 @@ def kernel_disabled() -> bool:
 
 
 @functools.cache
-def load_kernel(dtype: torch.dtype = torch.float32) -> PagedAttentionKernel | None:
-    """The kernel for ``dtype``, built if needed; None (logged once) where it is disabled, has no
-    build for that dtype, or cannot be built."""
-    if dtype not in BUILDS:
+def load_kernel(
+    dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None
+) -> PagedAttentionKernel | None:
+    """The kernel for queries of ``dtype`` over a cache of ``kv_dtype`` (default: ``dtype``),
+    built if needed; None (logged once) where it is disabled, has no build for those dtypes, or
+    cannot be built."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    if (dtype, kv_dtype) not in BUILDS:
         return None
     if kernel_disabled():
         logger.info("CPU attention kernel disabled by CONVEYOR_CPU_KERNEL; using torch ops")
         return None
     return native.load_optional(
         logger, "CPU attention kernel", "using torch ops", SOURCE_PATH, _inputs(),
-        functools.partial(_from_library, dtype=dtype), BUILDS[dtype],
+        functools.partial(_from_library, dtype=dtype, kv_dtype=kv_dtype),
+        BUILDS[dtype, kv_dtype],
     )  # fmt: skip
 
 
 def load_kernel_from(
-    folder: Path, dtype: torch.dtype = torch.float32
+    folder: Path, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None
 ) -> tuple[PagedAttentionKernel | None, list[str]]:
     """The kernel built from another copy of the sources (``folder`` holds its paged_attention.c
     and headers, e.g. an older commit's), for benchmarks that time two versions side by side;
@@ -176,12 +190,13 @@ def load_kernel_from(
     if compiler is None:
         return None, ["no C compiler (set CC)"]
     source = Path(folder) / SOURCE_PATH.name
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     return native.build_and_load(
         source,
         _inputs(source.parent),
-        functools.partial(_from_library, dtype=dtype),
+        functools.partial(_from_library, dtype=dtype, kv_dtype=kv_dtype),
         compiler,
-        BUILDS[dtype],
+        BUILDS[dtype, kv_dtype],
     )
 
 
@@ -190,20 +205,33 @@ def _inputs(folder: Path = SOURCE_PATH.parent) -> list[Path]:
     return sorted(folder.glob("*.[ch]"))
 
 
-def _build(compiler: str, flags: tuple[str, ...], dtype: torch.dtype = torch.float32) -> Path:
-    return native.build(compiler, (*flags, *BUILDS[dtype]), SOURCE_PATH, _inputs())
+def _build(
+    compiler: str,
+    flags: tuple[str, ...],
+    dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | None = None,
+) -> Path:
+    defines = BUILDS[dtype, dtype if kv_dtype is None else kv_dtype]
+    return native.build(compiler, (*flags, *defines), SOURCE_PATH, _inputs())
 
 
-def _load(path: Path, dtype: torch.dtype = torch.float32) -> PagedAttentionKernel:
-    return _from_library(ctypes.CDLL(str(path)), path, dtype)
+def _load(
+    path: Path, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None
+) -> PagedAttentionKernel:
+    return _from_library(ctypes.CDLL(str(path)), path, dtype, kv_dtype)
 
 
 def _from_library(
-    library: ctypes.CDLL, path: Path, dtype: torch.dtype = torch.float32
+    library: ctypes.CDLL,
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | None = None,
 ) -> PagedAttentionKernel:
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     if library.conveyor_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path} has ABI {library.conveyor_abi_version()}, want {ABI_VERSION}")
-    element_bytes = torch.empty((), dtype=dtype).element_size()
-    if library.conveyor_element_bytes() != element_bytes:
-        raise RuntimeError(f"{path} is not the {dtype} build")
-    return PagedAttentionKernel(library, path, dtype)
+    built = (library.conveyor_element_bytes(), library.conveyor_kv_element_bytes())
+    wanted = tuple(torch.empty((), dtype=d).element_size() for d in (dtype, kv_dtype))
+    if built != wanted:
+        raise RuntimeError(f"{path} is not the build for {dtype} queries over a {kv_dtype} cache")
+    return PagedAttentionKernel(library, path, dtype, kv_dtype)

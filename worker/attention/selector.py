@@ -38,13 +38,15 @@ def select_backend(
     override: str | None = None,
     dtype: torch.dtype | None = None,
     needs_sinks: bool = False,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """The backend to use; ``override`` forces one, None/"auto" picks.
 
     "torch": torch ops only; "cpu-kernel": the torch backend with the compiled CPU kernel, which
     must build; "flash-attn": flash-attn 2. ``dtype`` is the model's activation dtype; None means
     "not known yet" and does not rule flash-attn out. ``needs_sinks``: the model has attention
-    sinks (gpt-oss), which flash-attn 2 does not compute.
+    sinks (gpt-oss), which flash-attn 2 does not compute. ``kv_dtype``: the cache's, when it is
+    not the model's (``--kv-cache-dtype``, CPU only).
     """
     if override not in (None, "auto", *BACKEND_NAMES):
         raise ValueError(
@@ -54,7 +56,7 @@ def select_backend(
         logger.info("attention backend: torch ops (requested)")
         return TorchAttentionBackend(use_cpu_kernel=False)
     if override == "cpu-kernel":
-        return _cpu_kernel_backend(device, dtype or torch.float32)
+        return _cpu_kernel_backend(device, dtype or torch.float32, kv_dtype)
     if override == "triton":
         triton_reason = triton_unusable_reason(device)
         if triton_reason is not None:
@@ -98,16 +100,20 @@ def select_backend(
     return TorchAttentionBackend()
 
 
-def _cpu_kernel_backend(device: torch.device, dtype: torch.dtype) -> TorchAttentionBackend:
+def _cpu_kernel_backend(
+    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+) -> TorchAttentionBackend:
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     if device.type != "cpu":
         raise ValueError(f"attention backend 'cpu-kernel' runs on CPU only, this is {device.type}")
     if kernel_disabled():
         raise ValueError("attention backend 'cpu-kernel' requested but CONVEYOR_CPU_KERNEL=0")
-    if dtype not in KERNEL_BUILDS:
+    if (dtype, kv_dtype) not in KERNEL_BUILDS:
         raise ValueError(
-            f"attention backend 'cpu-kernel' runs float32 and bfloat16 models, not {dtype}"
+            "attention backend 'cpu-kernel' runs float32 and bfloat16 models (a float32 one "
+            f"also over a bfloat16 cache), not {dtype} over a {kv_dtype} cache"
         )
-    if load_kernel(dtype) is None:
+    if load_kernel(dtype, kv_dtype) is None:
         raise ValueError(
             "attention backend 'cpu-kernel' cannot run here: the kernel did not build (the "
             "log above says why; it needs a C compiler with OpenMP, e.g. gcc)"

@@ -83,7 +83,7 @@ class TorchAttentionBackend(AttentionBackend):
         # Every write lands before any read: a request may attend to a shared prefix block that
         # another request of this same step is filling.
         keys, values = key[:num_tokens], value[:num_tokens]
-        if kernel is not None and keys.dtype == values.dtype == kv_cache.dtype:
+        if kernel is not None and keys.dtype == values.dtype == kernel.dtype:
             kernel.write_kv(kv_cache, keys, values, metadata.slot_mapping[:num_tokens])
         else:
             write_kv(kv_cache, keys, values, metadata.slot_mapping[:num_tokens])
@@ -148,9 +148,9 @@ class TorchAttentionBackend(AttentionBackend):
         if self._use_cpu_kernel is False or kv_cache.is_cuda:
             return None
         kernel = self.cpu_kernel
-        if kernel is None or kernel.dtype != kv_cache.dtype:
-            # One build per dtype (float32, bfloat16); a model runs one dtype, so this loads once.
-            kernel = load_kernel(kv_cache.dtype)
+        if kernel is None or (kernel.dtype, kernel.kv_dtype) != (query.dtype, kv_cache.dtype):
+            # One build per (model dtype, cache dtype); a model runs one pair, so this loads once.
+            kernel = load_kernel(query.dtype, kv_cache.dtype)
             if kernel is None:
                 return None
             self.cpu_kernel = kernel
@@ -199,8 +199,9 @@ def write_kv(
     """Store each token's key and value at its slot (block_id * block_size + offset)."""
     _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
     slots = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
-    slots[0].index_copy_(1, slot_mapping, key.transpose(0, 1))
-    slots[1].index_copy_(1, slot_mapping, value.transpose(0, 1))
+    # A cache of another dtype (--kv-cache-dtype) holds each element rounded to its own.
+    slots[0].index_copy_(1, slot_mapping, key.transpose(0, 1).to(kv_cache.dtype))
+    slots[1].index_copy_(1, slot_mapping, value.transpose(0, 1).to(kv_cache.dtype))
 
 
 def _gather_blocks(
@@ -208,8 +209,10 @@ def _gather_blocks(
     block_ids: torch.Tensor,
     num_seqs: int,
     workspace: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of ``num_seqs`` requests as [kv_heads, num_seqs, num_blocks * block_size, dim]."""
+    """K and V of ``num_seqs`` requests as [kv_heads, num_seqs, num_blocks * block_size, dim],
+    in ``dtype`` (default: the cache's)."""
     _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
     # One gather of whole blocks for K and V of every head, as rows of a 2-D view: index_select
     # on dim 0 runs at memcpy speed, about twice as fast as selecting on an inner dim.
@@ -222,6 +225,8 @@ def _gather_blocks(
         out = workspace[: row_ids.shape[0] * block_size * head_dim].view(row_ids.shape[0], -1)
         gathered = torch.index_select(rows, 0, row_ids, out=out)
     kv = gathered.view(2, num_kv_heads, num_seqs, -1, head_dim)
+    if dtype is not None and dtype != kv.dtype:  # a cache of another dtype: widen what was read
+        kv = kv.to(dtype)
     return kv[0], kv[1]
 
 
@@ -239,7 +244,7 @@ def _attend_decode_chunk(
     num_seqs = chunk.token_ids.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
     block_ids = metadata.block_table[chunk.req_ids, : chunk.num_blocks].reshape(-1)
-    keys, values = _gather_blocks(kv_cache, block_ids, num_seqs, workspace)
+    keys, values = _gather_blocks(kv_cache, block_ids, num_seqs, workspace, query.dtype)
     # The query heads that share a KV head become that head's "query length", so one batched
     # matmul over (kv_head, request) serves the whole GQA group with no KV copies.
     q = query.index_select(0, chunk.token_ids).view(num_seqs, num_kv_heads, -1, head_dim)
@@ -279,19 +284,27 @@ def _attend_prefill(
         )
         return
     if seq_len == query_len:
-        # Nothing cached before this chunk: its own keys are the whole context, no gather.
-        keys = key[start:end].transpose(0, 1).unsqueeze(0)
-        values = value[start:end].transpose(0, 1).unsqueeze(0)
+        # Nothing cached before this chunk: its own keys are the whole context, no gather. With
+        # a cache of another dtype they are what the cache holds, as the kernel reads them.
+        keys = _as_cached(key[start:end], kv_cache).transpose(0, 1).unsqueeze(0)
+        values = _as_cached(value[start:end], kv_cache).transpose(0, 1).unsqueeze(0)
         out = _prefill_attention(q, keys, values, None, scale, scores)
     else:
         block_ids = metadata.block_table[request.req_id, : request.num_blocks]
-        keys, values = _gather_blocks(kv_cache, block_ids, 1)
+        keys, values = _gather_blocks(kv_cache, block_ids, 1, dtype=query.dtype)
         keys, values = keys[:, :, :seq_len].transpose(0, 1), values[:, :, :seq_len].transpose(0, 1)
         # Causal with the cached prefix in front: query i sees keys 0 .. seq_len - query_len + i.
         mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device)
         mask = mask.tril(seq_len - query_len)
         out = _prefill_attention(q, keys, values, mask, scale, scores)
     output[start:end] = out[0].transpose(0, 1)
+
+
+def _as_cached(rows: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    """``rows`` as the cache holds them: rounded to its dtype (and back) where it differs."""
+    if rows.dtype == kv_cache.dtype:
+        return rows
+    return rows.to(kv_cache.dtype).to(rows.dtype)
 
 
 def _attend_prefill_windowed(
@@ -316,7 +329,7 @@ def _attend_prefill_windowed(
     first_block = max(0, first_position - window + 1) // block_size
     offset = first_block * block_size
     block_ids = metadata.block_table[request.req_id, first_block : request.num_blocks]
-    keys, values = _gather_blocks(kv_cache, block_ids, 1)
+    keys, values = _gather_blocks(kv_cache, block_ids, 1, dtype=query.dtype)
     num_keys = seq_len - offset
     keys, values = keys[:, :, :num_keys].transpose(0, 1), values[:, :, :num_keys].transpose(0, 1)
     query_positions = torch.arange(first_position, seq_len, device=query.device)[:, None]

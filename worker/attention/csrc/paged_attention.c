@@ -1,8 +1,9 @@
 /*
  * Paged attention for CPU worker processes: causal attention of query runs of any length
  * (decodes, prompt chunks of any size, in one call) read straight from the paged KV cache
- * through the block table, float32; built a second time with CONVEYOR_BF16 for bfloat16 models
- * (bfloat16 queries, cache and output, float32 arithmetic: paged_kv.h).
+ * through the block table, float32; built again with CONVEYOR_BF16 for bfloat16 models
+ * (bfloat16 queries, cache and output) and with CONVEYOR_KV_BF16 for float32 models over a
+ * bfloat16 cache (--kv-cache-dtype bfloat16), float32 arithmetic in all three: paged_kv.h.
  *
  * Built on first use by worker/attention/cpu_kernel.py with the system C compiler and loaded with
  * ctypes; plain C (no torch headers) so it compiles in about a second. The caller guarantees
@@ -38,14 +39,17 @@
 #include "query_tiles.h"
 #endif
 
-#define CONVEYOR_ABI_VERSION 8
+#define CONVEYOR_ABI_VERSION 9
 /* Items with fewer rows take the short path: below a full vector the query tile's lanes idle. */
 #define TILE_MIN_ROWS LANES
 
 int conveyor_abi_version(void) { return CONVEYOR_ABI_VERSION; }
 
-/* Bytes per query, cache and output element: 4 (float32), or 2 in a CONVEYOR_BF16 build. */
-int conveyor_element_bytes(void) { return (int)sizeof(elem_t); }
+/* Bytes per query and output element: 4 (float32), or 2 in a CONVEYOR_BF16 build. */
+int conveyor_element_bytes(void) { return (int)sizeof(io_t); }
+
+/* Bytes per cache element: 2 in a CONVEYOR_BF16 or CONVEYOR_KV_BF16 build, else 4. */
+int conveyor_kv_element_bytes(void) { return (int)sizeof(kv_t); }
 
 /* One function per row-vector width, row-vector count and head dim: constants let the compiler
  * keep the accumulators in registers and unroll the inner loops fully, and a function of its
@@ -120,11 +124,11 @@ static void prefetch_item_start(const attention_args *a, const int32_t *item, in
 /* Attend every (item, kv head) pair; items are int32 [num_items][ITEM_FIELDS]. Writes the
  * query heads' outputs to output[token][head][dim]. Returns CONVEYOR_OK or a negative error. */
 int conveyor_paged_attention(
-    const elem_t *query, int64_t query_token_stride, int64_t query_head_stride,
-    const elem_t *kv_cache, int num_kv_heads, int64_t num_blocks, int block_size, int head_dim,
+    const io_t *query, int64_t query_token_stride, int64_t query_head_stride,
+    const kv_t *kv_cache, int num_kv_heads, int64_t num_blocks, int block_size, int head_dim,
     int num_heads, const int32_t *block_table, int64_t block_table_stride,
     const int32_t *items, int num_items, float scale, int window, const float *sinks,
-    float softcap, elem_t *output,
+    float softcap, io_t *output,
     int64_t output_token_stride, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 || head_dim % LANES
         || head_dim > MAX_HEAD_DIM || block_size <= 0 || window < 0 || softcap < 0.0f)
@@ -166,26 +170,37 @@ int conveyor_paged_attention(
 }
 
 /* Store each token's key and value rows (any token and head strides, dense rows) at its slot,
- * block_id * block_size + offset, for every kv head. A plain copy on the calling thread: a
- * step's few hundred rows are less work than waking the thread pool, and torch's index_copy_
- * costs several times more per call. Slots are checked before anything is written. */
+ * block_id * block_size + offset, for every kv head; into a bfloat16 cache from float32 rows
+ * (CONVEYOR_KV_BF16) each element rounded to the nearest, ties to even, as torch's .to() rounds.
+ * A plain copy on the calling thread: a step's few hundred rows are less work than waking the
+ * thread pool, and torch's index_copy_ costs several times more per call. Slots are checked
+ * before anything is written. */
+static inline void store_kv_row(kv_t *dst, const io_t *src, int head_dim) {
+#if defined(CONVEYOR_KV_BF16)
+    int d = 0;
+    for (; d + LANES <= head_dim; d += LANES) store_bf16(dst + d, load(src + d));
+    for (; d < head_dim; d++) dst[d] = float_to_bf16(src[d]);
+#else
+    memcpy(dst, src, (size_t)head_dim * sizeof(kv_t));
+#endif
+}
+
 int conveyor_write_kv(
-    elem_t *kv_cache, int num_kv_heads, int64_t num_slots, int head_dim, const elem_t *key,
-    int64_t key_token_stride, int64_t key_head_stride, const elem_t *value,
+    kv_t *kv_cache, int num_kv_heads, int64_t num_slots, int head_dim, const io_t *key,
+    int64_t key_token_stride, int64_t key_head_stride, const io_t *value,
     int64_t value_token_stride, int64_t value_head_stride, const int64_t *slot_mapping,
     int num_tokens) {
     for (int i = 0; i < num_tokens; i++)
         if (slot_mapping[i] < 0 || slot_mapping[i] >= num_slots) return CONVEYOR_BAD_SLOT;
-    const size_t row_bytes = (size_t)head_dim * sizeof(elem_t);
     for (int h = 0; h < num_kv_heads; h++) {
-        elem_t *keys = kv_cache + (int64_t)h * num_slots * head_dim;
-        elem_t *values = kv_cache + (int64_t)(num_kv_heads + h) * num_slots * head_dim;
+        kv_t *keys = kv_cache + (int64_t)h * num_slots * head_dim;
+        kv_t *values = kv_cache + (int64_t)(num_kv_heads + h) * num_slots * head_dim;
         for (int i = 0; i < num_tokens; i++) {
             int64_t slot = slot_mapping[i];
-            memcpy(keys + slot * head_dim, key + i * key_token_stride + h * key_head_stride,
-                   row_bytes);
-            memcpy(values + slot * head_dim,
-                   value + i * value_token_stride + h * value_head_stride, row_bytes);
+            store_kv_row(keys + slot * head_dim, key + i * key_token_stride + h * key_head_stride,
+                         head_dim);
+            store_kv_row(values + slot * head_dim,
+                         value + i * value_token_stride + h * value_head_stride, head_dim);
         }
     }
     return CONVEYOR_OK;

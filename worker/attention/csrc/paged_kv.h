@@ -5,10 +5,11 @@
  * Cache layout (the torch backend's): [2][num_kv_heads][num_blocks][block_size][head_dim], keys
  * then values.
  *
- * Queries, the cache and the output are float32, or bfloat16 in a build with CONVEYOR_BF16
- * (elem_t): bfloat16 elements are widened to float32 as they are loaded, every product, sum and
- * softmax runs in float32, and the outputs are rounded to the nearest bfloat16 (ties to even, as
- * torch rounds) once, when they are written.
+ * Queries, the cache and the output are float32; or all bfloat16 in a build with CONVEYOR_BF16;
+ * or float32 queries and output over a bfloat16 cache with CONVEYOR_KV_BF16 (--kv-cache-dtype
+ * bfloat16 on a float32 model). bfloat16 elements are widened to float32 as they are loaded,
+ * every product, sum and softmax runs in float32, and bfloat16 outputs are rounded to the nearest
+ * (ties to even, as torch rounds) once, when they are written.
  */
 #ifndef CONVEYOR_PAGED_KV_H
 #define CONVEYOR_PAGED_KV_H
@@ -20,23 +21,38 @@
 
 #define MAX_HEAD_DIM 256
 
-#ifdef CONVEYOR_BF16
-typedef uint16_t elem_t; /* the bits of a bfloat16 */
-
-static inline float elem_to_float(elem_t x) { return bf16_to_float(x); }
-static inline elem_t float_to_elem(float f) { return float_to_bf16(f); }
-static inline vf8 load_elems(const elem_t *p) { return load_bf16(p); }
-static inline void store_elems(elem_t *p, vf8 v) { store_bf16(p, v); }
+/* io_t: the queries and the outputs, the model's dtype; kv_t: the cache's elements. */
+#if defined(CONVEYOR_BF16)
+typedef uint16_t io_t; /* the bits of a bfloat16 */
 #else
-typedef float elem_t;
+typedef float io_t;
+#endif
+#if defined(CONVEYOR_BF16) || defined(CONVEYOR_KV_BF16)
+typedef uint16_t kv_t;
+#else
+typedef float kv_t;
+#endif
 
-static inline float elem_to_float(elem_t x) { return x; }
-static inline elem_t float_to_elem(float f) { return f; }
-static inline vf8 load_elems(const elem_t *p) { return load(p); }
-static inline void store_elems(elem_t *p, vf8 v) { store(p, v); }
+#if defined(CONVEYOR_BF16)
+static inline float io_to_float(io_t x) { return bf16_to_float(x); }
+static inline io_t float_to_io(float f) { return float_to_bf16(f); }
+static inline vf8 load_io(const io_t *p) { return load_bf16(p); }
+static inline void store_io(io_t *p, vf8 v) { store_bf16(p, v); }
+#else
+static inline float io_to_float(io_t x) { return x; }
+static inline io_t float_to_io(float f) { return f; }
+static inline vf8 load_io(const io_t *p) { return load(p); }
+static inline void store_io(io_t *p, vf8 v) { store(p, v); }
+#endif
+#if defined(CONVEYOR_BF16) || defined(CONVEYOR_KV_BF16)
+static inline float kv_to_float(kv_t x) { return bf16_to_float(x); }
+static inline vf8 load_kv(const kv_t *p) { return load_bf16(p); }
+#else
+static inline float kv_to_float(kv_t x) { return x; }
+static inline vf8 load_kv(const kv_t *p) { return load(p); }
 #endif
 /* Elements per 64-byte cache line, the step of the software prefetches. */
-#define CACHE_LINE_ELEMS ((int)(64 / sizeof(elem_t)))
+#define CACHE_LINE_ELEMS ((int)(64 / sizeof(kv_t)))
 
 enum { CONVEYOR_OK = 0, CONVEYOR_BAD_SHAPE = -1, CONVEYOR_BAD_BLOCK = -2, CONVEYOR_BAD_SLOT = -3 };
 
@@ -45,9 +61,9 @@ enum { CONVEYOR_OK = 0, CONVEYOR_BAD_SHAPE = -1, CONVEYOR_BAD_BLOCK = -2, CONVEY
 enum { ITEM_TABLE_ROW, ITEM_TOKEN_START, ITEM_NUM_QUERIES, ITEM_FIRST_POSITION, ITEM_FIELDS };
 
 typedef struct {
-    const elem_t *query;
+    const io_t *query;
     int64_t query_token_stride, query_head_stride;
-    const elem_t *kv_cache;
+    const kv_t *kv_cache;
     int64_t num_blocks;
     int num_kv_heads, block_size, head_dim, num_heads;
     const int32_t *block_table;
@@ -56,14 +72,14 @@ typedef struct {
     int window; /* 0: every earlier key */
     const float *sinks; /* per query head, natural-log units; NULL: none */
     float softcap; /* natural-log units; 0: none */
-    elem_t *output;
+    io_t *output;
     int64_t output_token_stride;
 } attention_args;
 
 /* Where the key and value of key position pos lie; false if its block id is out of range. */
 static inline __attribute__((always_inline)) int locate_keys(
     const attention_args *a, const int32_t *blocks, int kv_head, int pos, const int D,
-    const elem_t **keys, const elem_t **values) {
+    const kv_t **keys, const kv_t **values) {
     int32_t block = blocks[pos / a->block_size];
     if (block < 0 || block >= a->num_blocks) return 0;
     int64_t row = ((int64_t)kv_head * a->num_blocks + block) * a->block_size + pos % a->block_size;
@@ -83,7 +99,7 @@ static inline __attribute__((always_inline)) int locate_keys(
 static inline __attribute__((always_inline)) void prefetch_keys(
     const attention_args *a, const int32_t *blocks, int kv_head, int pos, int n, const int D) {
     for (int end = pos + n; pos < end;) {
-        const elem_t *keys, *values;
+        const kv_t *keys, *values;
         if (!locate_keys(a, blocks, kv_head, pos, D, &keys, &values)) return;
         int run = a->block_size - pos % a->block_size; /* rows left in this block */
         run = run < end - pos ? run : end - pos;

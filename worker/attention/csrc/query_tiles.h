@@ -66,7 +66,7 @@ typedef struct {
     QT_VF s[WIDE_TILE_KEYS][QT_MAX_NRV]; /* this tile's scores, then its weights */
     QT_VF max[QT_MAX_NRV], sum[QT_MAX_NRV];
     QT_VI first_visible[QT_MAX_NRV], num_visible[QT_MAX_NRV]; /* per row, as in paged_kv.h */
-    const elem_t *keys[WIDE_TILE_KEYS], *values[WIDE_TILE_KEYS];
+    const kv_t *keys[WIDE_TILE_KEYS], *values[WIDE_TILE_KEYS];
 } QT_FN(query_tile);
 
 /* Pack the item's rows: transposed, scaled queries; running max and sum; visible key ranges.
@@ -88,9 +88,9 @@ static inline __attribute__((always_inline)) void QT_FN(start_tile)(
     for (int r = 0; r < num_rows; r++) {
         const int qi = r / group, head = kv_head * group + r % group;
         const int v = r / QT_LANES, l = r % QT_LANES;
-        const elem_t *src = a->query + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->query_token_stride
+        const io_t *src = a->query + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->query_token_stride
                             + (int64_t)head * a->query_head_stride;
-        for (int d = 0; d < D; d++) st->qt[d][v][l] = elem_to_float(src[d]) * q_scale;
+        for (int d = 0; d < D; d++) st->qt[d][v][l] = io_to_float(src[d]) * q_scale;
         if (a->sinks != NULL) { /* the sink as a key seen first: weight exp(0) = 1, value 0 */
             st->max[v][l] = a->sinks[head] * LOG2E;
             st->sum[v][l] = 1.0f;
@@ -105,7 +105,7 @@ static inline __attribute__((always_inline)) int QT_FN(locate_tile)(
     QT_FN(query_tile) *st, const attention_args *a, const int32_t *blocks, int kv_head, int pos,
     int n, const int D) {
     for (int t = 0; t < n;) {
-        const elem_t *keys, *values;
+        const kv_t *keys, *values;
         if (!locate_keys(a, blocks, kv_head, pos + t, D, &keys, &values)) return 0;
         int run = a->block_size - (pos + t) % a->block_size; /* rows left in this block */
         for (int i = 0; i < run && t < n; i++, t++) {
@@ -124,14 +124,14 @@ static inline __attribute__((always_inline)) void QT_FN(score_tile)(
     int t = 0;
     for (; t + KEYS <= n; t += KEYS) {
         QT_VF acc[SCORE_MAX_KEYS][QT_MAX_NRV];
-        const elem_t *k[SCORE_MAX_KEYS];
+        const kv_t *k[SCORE_MAX_KEYS];
         for (int i = 0; i < KEYS; i++) {
             k[i] = st->keys[t + i];
             for (int v = 0; v < NRV; v++) acc[i][v] = QT_OP(splat)(0.0f);
         }
         for (int d = 0; d < D; d++) {
             for (int i = 0; i < KEYS; i++) {
-                const QT_VF key = QT_OP(splat)(elem_to_float(k[i][d]));
+                const QT_VF key = QT_OP(splat)(kv_to_float(k[i][d]));
                 for (int v = 0; v < NRV; v++) acc[i][v] += key * st->qt[d][v];
             }
         }
@@ -143,7 +143,7 @@ static inline __attribute__((always_inline)) void QT_FN(score_tile)(
         for (int v = 0; v < NRV; v++) acc[v] = QT_OP(splat)(0.0f);
         for (int d = 0; d < D; d++)
             for (int v = 0; v < NRV; v++)
-                acc[v] += QT_OP(splat)(elem_to_float(st->keys[t][d])) * st->qt[d][v];
+                acc[v] += QT_OP(splat)(kv_to_float(st->keys[t][d])) * st->qt[d][v];
         for (int v = 0; v < NRV; v++) st->s[t][v] = acc[v];
     }
 }
@@ -191,9 +191,9 @@ static inline __attribute__((always_inline)) void QT_FN(accumulate_dims)(
     for (int i = 0; i < DIMS; i++)
         for (int v = 0; v < NRV; v++) acc[i][v] = st->ot[d0 + i][v];
     for (int t = 0; t < n; t++) {
-        const elem_t *value = st->values[t] + d0;
+        const kv_t *value = st->values[t] + d0;
         for (int i = 0; i < DIMS; i++) {
-            const QT_VF element = QT_OP(splat)(elem_to_float(value[i]));
+            const QT_VF element = QT_OP(splat)(kv_to_float(value[i]));
             for (int v = 0; v < NRV; v++) acc[i][v] += element * st->s[t][v];
         }
     }
@@ -220,10 +220,10 @@ static inline __attribute__((always_inline)) void QT_FN(finish_tile)(
     for (int r = 0; r < item[ITEM_NUM_QUERIES] * group; r++) {
         const int qi = r / group, head = kv_head * group + r % group;
         const int v = r / QT_LANES, l = r % QT_LANES;
-        elem_t *dst = a->output + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->output_token_stride
+        io_t *dst = a->output + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->output_token_stride
                       + (int64_t)head * D;
         const float inv = 1.0f / st->sum[v][l];
-        for (int d = 0; d < D; d++) dst[d] = float_to_elem(st->ot[d][v][l] * inv);
+        for (int d = 0; d < D; d++) dst[d] = float_to_io(st->ot[d][v][l] * inv);
     }
 }
 

@@ -41,10 +41,10 @@ typedef struct {
  * (prefetch_keys, as the query-tile path does, whose tiles compute far longer per key), decodes
  * ran at 0.65-0.77x. */
 static inline __attribute__((always_inline)) void score_keys(
-    short_state *st, int num_rows, const elem_t *keys, int num_keys, const elem_t *ahead_keys,
-    const elem_t *ahead_values, int num_ahead, const float cap, const int D) {
+    short_state *st, int num_rows, const float *keys, int num_keys, const kv_t *ahead_keys,
+    const kv_t *ahead_values, int num_ahead, const float cap, const int D) {
     for (int t = 0; t < num_keys; t++) {
-        const elem_t *k = keys + (int64_t)t * D;
+        const float *k = keys + (int64_t)t * D;
         if (ahead_keys != NULL && t < num_ahead) {
             for (int c = 0; c < D; c += CACHE_LINE_ELEMS) {
                 __builtin_prefetch(ahead_keys + (int64_t)t * D + c, 0, 1);
@@ -56,10 +56,10 @@ static inline __attribute__((always_inline)) void score_keys(
             vf8 even = splat(0.0f), odd = splat(0.0f);
             int j = 0;
             for (; j + 1 < D / LANES; j += 2) {
-                even += st->q[r][j] * load_elems(k + j * LANES);
-                odd += st->q[r][j + 1] * load_elems(k + (j + 1) * LANES);
+                even += st->q[r][j] * load(k + j * LANES);
+                odd += st->q[r][j + 1] * load(k + (j + 1) * LANES);
             }
-            if (j < D / LANES) even += st->q[r][j] * load_elems(k + j * LANES);
+            if (j < D / LANES) even += st->q[r][j] * load(k + j * LANES);
             float score = hsum(even + odd);
             /* cap is in the scores' log2 units: c * tanh(s / c) scales with them. */
             if (cap > 0.0f) score = cap * tanhf(score / cap);
@@ -104,7 +104,7 @@ static inline __attribute__((always_inline)) void softmax_row(
 
 /* acc[r] += sum over t of p[r][t] * values[t], four vectors of acc held in registers at once. */
 static inline __attribute__((always_inline)) void accumulate_values(
-    short_state *st, int num_rows, const elem_t *values, int num_keys, const int D) {
+    short_state *st, int num_rows, const float *values, int num_keys, const int D) {
     for (int r = 0; r < num_rows; r++) {
         const float *p = (const float *)st->p[r];
         int j = 0;
@@ -112,12 +112,12 @@ static inline __attribute__((always_inline)) void accumulate_values(
             vf8 a0 = st->acc[r][j], a1 = st->acc[r][j + 1];
             vf8 a2 = st->acc[r][j + 2], a3 = st->acc[r][j + 3];
             for (int t = 0; t < num_keys; t++) {
-                const elem_t *v = values + (int64_t)t * D + j * LANES;
+                const float *v = values + (int64_t)t * D + j * LANES;
                 vf8 w = splat(p[t]);
-                a0 += w * load_elems(v);
-                a1 += w * load_elems(v + LANES);
-                a2 += w * load_elems(v + 2 * LANES);
-                a3 += w * load_elems(v + 3 * LANES);
+                a0 += w * load(v);
+                a1 += w * load(v + LANES);
+                a2 += w * load(v + 2 * LANES);
+                a3 += w * load(v + 3 * LANES);
             }
             st->acc[r][j] = a0, st->acc[r][j + 1] = a1;
             st->acc[r][j + 2] = a2, st->acc[r][j + 3] = a3;
@@ -125,7 +125,7 @@ static inline __attribute__((always_inline)) void accumulate_values(
         for (; j < D / LANES; j++) {
             vf8 a = st->acc[r][j];
             for (int t = 0; t < num_keys; t++)
-                a += splat(p[t]) * load_elems(values + (int64_t)t * D + j * LANES);
+                a += splat(p[t]) * load(values + (int64_t)t * D + j * LANES);
             st->acc[r][j] = a;
         }
     }
@@ -139,10 +139,10 @@ static inline __attribute__((always_inline)) void start_rows(
     const float q_scale = a->scale * LOG2E;
     for (int r = 0; r < item[ITEM_NUM_QUERIES] * group; r++) {
         int qi = r / group, head = kv_head * group + r % group;
-        const elem_t *src = a->query + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->query_token_stride
+        const io_t *src = a->query + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->query_token_stride
                             + (int64_t)head * a->query_head_stride;
         for (int j = 0; j < D / LANES; j++) {
-            st->q[r][j] = load_elems(src + j * LANES) * q_scale;
+            st->q[r][j] = load_io(src + j * LANES) * q_scale;
             st->acc[r][j] = splat(0.0f);
         }
         if (a->sinks != NULL) { /* the sink as a key seen first: weight exp(0) = 1, value 0 */
@@ -162,12 +162,20 @@ static inline __attribute__((always_inline)) void finish_rows(
     const int group = a->num_heads / a->num_kv_heads;
     for (int r = 0; r < item[ITEM_NUM_QUERIES] * group; r++) {
         int qi = r / group, head = kv_head * group + r % group;
-        elem_t *dst = a->output + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->output_token_stride
+        io_t *dst = a->output + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->output_token_stride
                       + (int64_t)head * D;
         float inv = 1.0f / st->sum[r];
-        for (int j = 0; j < D / LANES; j++) store_elems(dst + j * LANES, st->acc[r][j] * inv);
+        for (int j = 0; j < D / LANES; j++) store_io(dst + j * LANES, st->acc[r][j] * inv);
     }
 }
+
+#if defined(CONVEYOR_BF16) || defined(CONVEYOR_KV_BF16)
+/* n consecutive cache rows of D elements (a tile never crosses a block), as float32. */
+static inline __attribute__((always_inline)) void widen_rows(float *dst, const kv_t *src, int n,
+                                                            const int D) {
+    for (int64_t i = 0; i < (int64_t)n * D; i += LANES) store(dst + i, load_kv(src + i));
+}
+#endif
 
 /* A short item: every key its rows may see, tile by tile, never crossing a block. */
 static inline __attribute__((always_inline)) int attend_short_item(
@@ -177,7 +185,10 @@ static inline __attribute__((always_inline)) int attend_short_item(
     const int num_keys = item[ITEM_FIRST_POSITION] + item[ITEM_NUM_QUERIES];
     const int bs = a->block_size;
     const int32_t *blocks = a->block_table + (int64_t)item[ITEM_TABLE_ROW] * a->block_table_stride;
-    const elem_t *keys, *values, *next_keys = NULL, *next_values = NULL;
+    const kv_t *keys, *values, *next_keys = NULL, *next_values = NULL;
+#if defined(CONVEYOR_BF16) || defined(CONVEYOR_KV_BF16)
+    float tile_keys[TILE_KEYS * MAX_HEAD_DIM], tile_values[TILE_KEYS * MAX_HEAD_DIM];
+#endif
     start_rows(&st, a, item, kv_head, D);
     const int first_key = st.first_visible[0]; /* the item's earliest row sees furthest back */
     if (!locate_keys(a, blocks, kv_head, first_key, D, &keys, &values)) return CONVEYOR_BAD_BLOCK;
@@ -190,17 +201,25 @@ static inline __attribute__((always_inline)) int attend_short_item(
             && !locate_keys(a, blocks, kv_head, pos + num, D, &next_keys, &next_values))
             return CONVEYOR_BAD_BLOCK;
         /* Rows from `ahead` on, as many as this tile has, up to the end of their block. */
-        const elem_t *ahead_keys = NULL, *ahead_values = NULL;
+        const kv_t *ahead_keys = NULL, *ahead_values = NULL;
         const int ahead = pos + LOOKAHEAD_TILES * tile_step;
         if (ahead < num_keys
             && !locate_keys(a, blocks, kv_head, ahead, D, &ahead_keys, &ahead_values))
             return CONVEYOR_BAD_BLOCK;
         int num_ahead = bs - ahead % bs;
         num_ahead = num_ahead < num ? num_ahead : num;
-        score_keys(&st, num_rows, keys, num, ahead_keys, ahead_values, num_ahead,
+#if defined(CONVEYOR_BF16) || defined(CONVEYOR_KV_BF16)
+        /* A bfloat16 tile is widened once into L1, then read by every row as float32: widened
+         * at each use, each row of the GQA group paid for it again. */
+        widen_rows(tile_keys, keys, num, D);
+        widen_rows(tile_values, values, num, D);
+#else
+        const float *tile_keys = keys, *tile_values = values;
+#endif
+        score_keys(&st, num_rows, tile_keys, num, ahead_keys, ahead_values, num_ahead,
                    a->softcap * LOG2E, D);
         for (int r = 0; r < num_rows; r++) softmax_row(&st, r, num, pos, D);
-        accumulate_values(&st, num_rows, values, num, D);
+        accumulate_values(&st, num_rows, tile_values, num, D);
         pos += num;
         keys = next_keys;
         values = next_values;
