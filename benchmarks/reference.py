@@ -191,6 +191,7 @@ def reference_flags(engine_args: EngineArgs, model_dir: str) -> list[str]:
         f"--max-num-seqs={engine_args.max_num_seqs}",
         f"--max-num-batched-tokens={engine_args.max_num_batched_tokens}",
         f"--dtype={engine_args.dtype}",
+        f"--kv-cache-dtype={engine_args.kv_cache_dtype}",
         f"--prefix-caching={'on' if engine_args.enable_prefix_caching else 'off'}",
         f"--seed={engine_args.seed}",
     ]

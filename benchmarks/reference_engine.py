@@ -67,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype")
     parser.add_argument("--prefix-caching", choices=("on", "off"), default="on")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -78,6 +79,7 @@ def build_engine(args: argparse.Namespace):
     return LLM(
         model=args.model,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.prefix_caching == "on",

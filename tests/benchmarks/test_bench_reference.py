@@ -81,7 +81,8 @@ def test_ratios_and_medians():
 
 
 def test_reference_flags_follow_conveyors_settings():
-    args = bench.parse_args(["--model", "m", "--no-enable-prefix-caching"])
+    argv = ["--model", "m", "--no-enable-prefix-caching", "--kv-cache-dtype", "bfloat16"]
+    args = bench.parse_args(argv)
     engine_args = bench.EngineArgs.from_cli(args)
     flags = bench.reference_flags(engine_args, "/models/m")
     assert flags == [
@@ -89,6 +90,7 @@ def test_reference_flags_follow_conveyors_settings():
         "--max-num-seqs=64",
         "--max-num-batched-tokens=2048",
         "--dtype=float32",
+        "--kv-cache-dtype=bfloat16",
         "--prefix-caching=off",
         "--seed=0",
     ]
@@ -163,6 +165,7 @@ STUB_VLLM = '''
     class LLM:
         def __init__(self, **kwargs):
             assert kwargs["dtype"] == "float32" and kwargs["max_num_seqs"] == 64, kwargs
+            assert kwargs["kv_cache_dtype"] == "auto", kwargs
 
         def generate(self, prompts, params, use_tqdm):
             assert all("prompt_token_ids" in p for p in prompts)
