@@ -313,9 +313,11 @@ def main(
         process = EngineCoreProcess(core, address, heartbeat_timeout_s)
         freeze_startup_heap()
         logger.info(
-            "engine core ready on %s (%d KV blocks, executor %s)",
+            "engine core ready on %s (%d KV blocks of %d tokens, cache dtype %s, executor %s)",
             process.address,
             core.scheduler.kv_cache_manager.block_pool.num_blocks,
+            config.cache.block_size,
+            config.cache.cache_dtype,
             type(executor).__name__,
         )
         process.run()
