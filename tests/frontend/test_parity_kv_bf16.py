@@ -19,11 +19,11 @@ from tests.frontend.test_parity_hf import (
     ARCHS,
     BLOCK_SIZE,
     GREEDY,
-    SMALL_KV,
     Reference,
     _check,
     _reference,
 )
+from tests.frontend.test_parity_hf import _llm as parity_llm
 
 
 class Bfloat16Cache(DynamicCache):
@@ -72,16 +72,9 @@ def first_token_deviations(reference: Reference, outputs, indices: list[int]) ->
 
 
 def _llm(reference: Reference, **engine_args) -> LLM:
-    return LLM(
-        str(reference.model_dir),
-        engine="inprocess",
-        block_size=BLOCK_SIZE,
-        seed=0,
-        dtype="float32",
-        device="cpu",
-        kv_cache_dtype="bfloat16",
-        kv_cache_memory=SMALL_KV,
-        **engine_args,
+    # On the CPU in float32 in a CUDA test run too: a float32 model's bfloat16 cache is CPU only.
+    return parity_llm(
+        reference, dtype="float32", device="cpu", kv_cache_dtype="bfloat16", **engine_args
     )
 
 

@@ -40,20 +40,24 @@ def as_dtype(requests: list[Request], dtype: torch.dtype) -> list[Request]:
     ]
 
 
-def run_kernel(requests: list[Request], num_blocks: int, dtype: torch.dtype, **layer):
-    """(output, cache after the step) of the kernel path in ``dtype``."""
+def run_step(requests, num_blocks, dtype, kv_dtype=None, use_cpu_kernel=True, **layer):
+    """(output, cache after the step, the (dtype, kv_dtype) of each kernel call) of one step of
+    ``dtype`` queries over a ``kv_dtype`` cache (default: ``dtype``), the cached prefixes stored
+    as that cache holds them."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     num_kv_heads, head_dim = requests[0].keys.shape[1:]
     shape = TorchAttentionBackend.kv_cache_shape(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    kv_cache = torch.zeros(shape, dtype=dtype)
+    kv_cache = torch.zeros(shape, dtype=kv_dtype)
     for r in requests:
-        store_prefix(kv_cache, r, BLOCK_SIZE)
+        cached = dataclasses.replace(r, keys=r.keys.to(kv_dtype), values=r.values.to(kv_dtype))
+        store_prefix(kv_cache, cached, BLOCK_SIZE)
     metadata, _, query, key, value = step_inputs(requests, BLOCK_SIZE)
-    backend = TorchAttentionBackend(use_cpu_kernel=True)
+    backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
     calls = []
     original = PagedAttentionKernel.attend
 
     def counting(self, *args, **kwargs):
-        calls.append(self.dtype)
+        calls.append((self.dtype, self.kv_dtype))
         original(self, *args, **kwargs)
 
     PagedAttentionKernel.attend = counting
@@ -61,8 +65,14 @@ def run_kernel(requests: list[Request], num_blocks: int, dtype: torch.dtype, **l
         output = backend.forward(query, key, value, kv_cache, metadata, head_dim**-0.5, **layer)
     finally:
         PagedAttentionKernel.attend = original
-    assert calls == [dtype], "the step did not go through the compiled kernel"
     assert output.dtype == dtype
+    return output, kv_cache, calls
+
+
+def run_kernel(requests: list[Request], num_blocks: int, dtype: torch.dtype, **layer):
+    """(output, cache after the step) of the kernel path in ``dtype``."""
+    output, kv_cache, calls = run_step(requests, num_blocks, dtype, **layer)
+    assert calls == [(dtype, dtype)], "the step did not go through the compiled kernel"
     return output, kv_cache
 
 

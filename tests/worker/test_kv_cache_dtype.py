@@ -16,9 +16,10 @@ import torch
 
 from frontend.engine_args import EngineArgs
 from protocol import ConfigError
-from tests.worker.test_attention import Request, step_inputs, store_prefix
+from tests.worker import test_cpu_kernel_bf16 as bf16_tests
+from tests.worker.test_attention import Request
 from tests.worker.test_prefill_kernel import BLOCK_SIZE, make_batch
-from worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel
+from worker.attention.cpu_kernel import load_kernel
 from worker.attention.torch_backend import TorchAttentionBackend
 
 needs_kernel = pytest.mark.skipif(
@@ -41,28 +42,9 @@ def rounded(requests: list[Request]) -> list[Request]:
 
 def run_step(requests, num_blocks, kv_dtype, use_cpu_kernel=True, **layer):
     """(output, cache after the step, kernel calls) for float32 queries over a kv_dtype cache."""
-    num_kv_heads, head_dim = requests[0].keys.shape[1:]
-    shape = TorchAttentionBackend.kv_cache_shape(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    kv_cache = torch.zeros(shape, dtype=kv_dtype)
-    for r in requests:  # what earlier steps stored: rounded to the cache's dtype
-        cached = dataclasses.replace(r, keys=r.keys.to(kv_dtype), values=r.values.to(kv_dtype))
-        store_prefix(kv_cache, cached, BLOCK_SIZE)
-    metadata, _, query, key, value = step_inputs(requests, BLOCK_SIZE)
-    backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
-    calls = []
-    original = PagedAttentionKernel.attend
-
-    def counting(self, *args, **kwargs):
-        calls.append((self.dtype, self.kv_dtype))
-        original(self, *args, **kwargs)
-
-    PagedAttentionKernel.attend = counting
-    try:
-        output = backend.forward(query, key, value, kv_cache, metadata, head_dim**-0.5, **layer)
-    finally:
-        PagedAttentionKernel.attend = original
-    assert output.dtype == torch.float32
-    return output, kv_cache, calls
+    return bf16_tests.run_step(
+        requests, num_blocks, torch.float32, kv_dtype, use_cpu_kernel, **layer
+    )
 
 
 @needs_kernel
