@@ -18,8 +18,10 @@ it sets them itself (``library_env``). A value set explicitly by the user is nev
 from __future__ import annotations
 
 import os
+import platform
 
 ENV = "CONVEYOR_CPU_ISA"
+X86_MACHINES = ("x86_64", "amd64", "i686", "i386")
 CHOICES = ("native", "avx2")
 # Haswell is the first x86 with both AVX2 and FMA, the baseline the AVX2 paths are written for.
 _MARCH = {"native": "-march=native", "avx2": "-march=haswell"}
@@ -34,10 +36,13 @@ _LIBRARY_ENV = {
 
 
 def requested() -> str:
-    """``CONVEYOR_CPU_ISA``'s value (default ``native``); anything else stops with its name."""
+    """``CONVEYOR_CPU_ISA``'s value (default ``native``); anything else, or an x86 instruction
+    set on another CPU, stops with its name."""
     value = os.environ.get(ENV, "").strip().lower() or "native"
     if value not in CHOICES:
         raise ValueError(f"{ENV}={os.environ[ENV]!r} is not one of {', '.join(CHOICES)}")
+    if value != "native" and platform.machine().lower() not in X86_MACHINES:
+        raise ValueError(f"{ENV}={value} holds an x86 CPU; this one is {platform.machine()}")
     return value
 
 

@@ -18,6 +18,7 @@ the GPU:
 from __future__ import annotations
 
 import os
+import platform
 
 import pytest
 
@@ -27,6 +28,12 @@ TEST_DEVICE = os.environ.get(DEVICE_VARIABLE) or "cpu"
 # The model tests compare with transformers in float32 on the CPU; on CUDA they run float32 too
 # (TF32 is off by default in torch), so the same tokens and a tolerance near the CPU's hold.
 MODEL_TEST_DTYPE = "float32"
+# CONVEYOR_CPU_ISA=avx2 is an x86 setting: elsewhere it is refused, so tests that run with it
+# run on x86 only.
+x86_only = pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"),
+    reason="CONVEYOR_CPU_ISA=avx2 holds an x86 CPU",
+)
 # Largest |ours - reference| of a token's logprob, by the dtype the engine ran in. bfloat16
 # keeps 8 bits of mantissa: logits of a few units are off by ~1e-2 after a few layers.
 _LOGPROB_TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}

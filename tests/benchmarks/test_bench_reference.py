@@ -18,6 +18,7 @@ from benchmarks import offline
 from benchmarks import reference as bench
 from benchmarks.reference_client import ReferenceEngine, ReferenceEngineError
 from benchmarks.roofline import DenseShapes, batch_flops, roofline_share
+from tests.devices import x86_only
 
 SHAPES = DenseShapes(
     hidden_size=4,
@@ -216,6 +217,7 @@ def _is_amx_tile_supported():
 """
 
 
+@x86_only
 def test_avx2_holds_the_reference_engine_to_what_an_avx2_cpu_runs(tmp_path: Path, monkeypatch):
     # vLLM picks its kernel library from torch.cpu's feature queries: they must answer "no
     # AVX-512" in the engine's process, and oneDNN/MKL get conveyor's own limits.

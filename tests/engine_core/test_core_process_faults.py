@@ -20,6 +20,7 @@ from frontend.engine_args import EngineArgs
 from frontend.engine_client.engine_process import EngineProcess
 from frontend.engine_client.session import EngineDeadError
 from protocol import EngineConfig, EngineCoreRequest
+from tests.devices import x86_only
 from tests.engine_core.core_process_helpers import (
     ClientPool,
     collect,
@@ -96,6 +97,7 @@ def test_how_openmp_waits_is_left_to_whoever_already_said(monkeypatch):
     assert openmp_env() == {}
 
 
+@x86_only
 def test_workers_get_the_cpu_isa_limits_unless_the_user_set_them(monkeypatch):
     from protocol.config import NodeConfig
 

@@ -8,6 +8,7 @@ import pytest
 
 from frontend.engine_args import EngineArgs, add_engine_args, engine_args_from_kwargs
 from protocol import ConfigError
+from tests.devices import x86_only
 
 
 def test_cli_flags_become_the_config_tree(tiny_model_dir):
@@ -133,6 +134,7 @@ def test_quantization_is_checked_and_auto_means_the_cpu(tiny_model_dirs):
             EngineArgs(model=model, quantization="int8", device=device).create_engine_config()
 
 
+@x86_only
 def test_a_cpu_isa_typo_fails_the_config_before_any_process_starts(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("CONVEYOR_CPU_ISA", "avx512")
     with pytest.raises(ConfigError, match="CONVEYOR_CPU_ISA='avx512' is not one of native, avx2"):

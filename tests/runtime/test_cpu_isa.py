@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from runtime import cpu_isa
+from tests.devices import x86_only
 
 
 def test_native_by_default_sets_nothing(monkeypatch):
@@ -20,6 +21,7 @@ def test_native_by_default_sets_nothing(monkeypatch):
     assert cpu_isa.requested() == "native"
 
 
+@x86_only
 def test_avx2_names_haswell_and_the_libraries_limits(monkeypatch):
     monkeypatch.setenv(cpu_isa.ENV, "AVX2")
     assert cpu_isa.requested() == "avx2"
@@ -37,6 +39,18 @@ def test_an_unknown_value_is_refused_by_name(monkeypatch):
         cpu_isa.requested()
 
 
+def test_avx2_is_refused_on_a_cpu_that_is_not_x86(monkeypatch):
+    monkeypatch.setenv(cpu_isa.ENV, "avx2")
+    monkeypatch.setattr(cpu_isa.platform, "machine", lambda: "aarch64")
+    with pytest.raises(
+        ValueError, match="CONVEYOR_CPU_ISA=avx2 holds an x86 CPU; this one is aarch64"
+    ):
+        cpu_isa.requested()
+    monkeypatch.setenv(cpu_isa.ENV, "native")
+    assert cpu_isa.requested() == "native"
+
+
+@x86_only
 def test_apply_sets_what_the_user_left_unset(monkeypatch):
     monkeypatch.setenv(cpu_isa.ENV, "avx2")
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "SSE4_2")  # the user's own limit wins
@@ -57,6 +71,7 @@ def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     )
 
 
+@x86_only
 def test_the_command_applies_it_before_running_the_subcommand(monkeypatch):
     from entrypoints import cli
 
@@ -70,6 +85,7 @@ def test_the_command_applies_it_before_running_the_subcommand(monkeypatch):
     assert seen["ATEN_CPU_CAPABILITY"] == "avx2" and seen["ONEDNN_MAX_CPU_ISA"] == "AVX2"
 
 
+@x86_only
 def test_torch_reads_the_limit_when_it_is_set_before_import():
     # What apply() relies on: torch decides its kernels' width at first use, from the environment.
     env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
