@@ -36,7 +36,9 @@ def huge_pages_enabled() -> bool:
     return value in _ON
 
 
-def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype, device: torch.device):
+def resolve_kv_cache_dtype(
+    cache_dtype: str, model_dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
     """The KV cache's torch dtype for ``--kv-cache-dtype``: "auto" is the model's. A cache of
     another dtype than the model's runs on CPU only (the GPU backends read their own dtype)."""
     if cache_dtype == "auto":
