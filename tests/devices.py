@@ -22,6 +22,8 @@ import platform
 
 import pytest
 
+from runtime import cpu_isa
+
 DEVICE_VARIABLE = "CONVEYOR_TEST_DEVICE"
 DEVICES = ("cpu", "cuda")
 TEST_DEVICE = os.environ.get(DEVICE_VARIABLE) or "cpu"
@@ -31,7 +33,7 @@ MODEL_TEST_DTYPE = "float32"
 # CONVEYOR_CPU_ISA=avx2 is an x86 setting: elsewhere it is refused, so tests that run with it
 # run on x86 only.
 x86_only = pytest.mark.skipif(
-    platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"),
+    platform.machine().lower() not in cpu_isa.X86_MACHINES,
     reason="CONVEYOR_CPU_ISA=avx2 holds an x86 CPU",
 )
 # Largest |ours - reference| of a token's logprob, by the dtype the engine ran in. bfloat16

@@ -33,6 +33,7 @@ from worker.kv_cache import (
 )
 from worker.loader import load_model, resolve_dtype
 from worker.memory_profile import profile_num_blocks
+from worker.native import warn_if_torch_runs_above_the_isa
 from worker.sampler import Sampler, SamplerOutput, logprobs_to_wire
 from worker.sampling_metadata import (
     SamplingMetadata,
@@ -54,6 +55,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.dtype = resolve_dtype(config.model.dtype, device, config.model.model)
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype, device)
+        if device.type == "cpu":
+            warn_if_torch_runs_above_the_isa()
         # CUDA: where this engine's memory accounting starts (before its weights), and a clear
         # error now if its share of the device is not free.
         self.memory_baseline: CudaMemory | None = None

@@ -111,6 +111,26 @@ def load_optional(
     return library
 
 
+@functools.cache
+def warn_if_torch_runs_above_the_isa() -> bool:
+    """Under CONVEYOR_CPU_ISA=avx2, whether torch runs wider kernels all the same (it read its
+    limits before they were set: an in-process engine in a program that set only
+    CONVEYOR_CPU_ISA); says so once, since then only conveyor's own kernels are held."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if cpu_isa.requested() != "avx2" or not capability.startswith("AVX512"):
+        return False
+    logger.warning(
+        "%s=avx2 holds conveyor's kernels, but torch already runs %s kernels in this process: "
+        "set %s before torch is imported (runtime.cpu_isa.library_env) to hold it too",
+        cpu_isa.ENV,
+        capability,
+        ", ".join(f"{k}={v}" for k, v in cpu_isa.library_env().items()),
+    )
+    return True
+
+
 def status_function(library: ctypes.CDLL, name: str, argtypes: list) -> Callable[..., int]:
     """``library``'s C function ``name`` with its argument types, returning an int status."""
     function = getattr(library, name)

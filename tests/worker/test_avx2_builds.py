@@ -9,7 +9,6 @@ holds everything to AVX2, and checks that what it built touches no AVX-512 regis
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.devices import x86_only
 from worker.native import find_compiler
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ KERNEL_TESTS = [
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="an x86 build")
+@x86_only
 @pytest.mark.skipif(find_compiler() is None, reason="no C compiler on this machine")
 def test_the_avx2_builds_pass_the_kernel_tests(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY",)}

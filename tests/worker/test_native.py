@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.devices import x86_only
 from worker import native
 
 LOG = logging.getLogger("tests.native")
@@ -48,3 +49,24 @@ def test_no_compiler_is_logged_at_the_callers_level_and_off_is_silent(
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.INFO, "test library unavailable (no C compiler; set CC), doing without")
     ]
+
+
+@x86_only
+def test_a_torch_that_runs_wider_kernels_than_the_hold_is_reported(monkeypatch, caplog):
+    # This process imported torch without the limits: under CONVEYOR_CPU_ISA=avx2 an AVX-512
+    # torch is said once (on an AVX2 host torch already runs AVX2 and nothing is said).
+    import torch
+
+    wider = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    native.warn_if_torch_runs_above_the_isa.cache_clear()
+    try:
+        monkeypatch.setenv("CONVEYOR_CPU_ISA", "avx2")
+        with caplog.at_level(logging.WARNING, logger="worker.native"):
+            assert native.warn_if_torch_runs_above_the_isa() == wider
+            native.warn_if_torch_runs_above_the_isa()
+        assert caplog.text.count("torch already runs") == (1 if wider else 0)
+        monkeypatch.setenv("CONVEYOR_CPU_ISA", "native")
+        native.warn_if_torch_runs_above_the_isa.cache_clear()
+        assert native.warn_if_torch_runs_above_the_isa() is False
+    finally:
+        native.warn_if_torch_runs_above_the_isa.cache_clear()
