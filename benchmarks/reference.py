@@ -69,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quantization is not None:
         # The reference engine would run the checkpoint's float weights: not the same model.
         parser.error("--quantization: the reference engine runs the same weights unquantized")
+    for flag in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
+        # The reference engine runs one worker on this host; more on conveyor's side only
+        # would not be a side-by-side.
+        if getattr(args, flag) != 1:
+            parser.error(f"--{flag.replace('_', '-')}: the reference engine runs one worker here")
     unknown = set(args.workloads.split(",")) - set(WORKLOADS)
     if unknown:
         parser.error(f"unknown workloads {sorted(unknown)}; choose from {sorted(WORKLOADS)}")

@@ -107,6 +107,13 @@ def test_int8_is_refused_since_the_reference_would_run_float_weights(capsys):
     assert "reference engine runs the same weights unquantized" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--data-parallel-size", "--nnodes"])
+def test_more_than_one_worker_is_refused_since_the_reference_runs_one(flag, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", "m", flag, "2"])
+    assert f"{flag}: the reference engine runs one worker here" in capsys.readouterr().err
+
+
 class FakeReference:
     pid = 0
     version = "stub"
