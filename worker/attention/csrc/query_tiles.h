@@ -33,21 +33,35 @@
 #define WIDE_TILE_KEYS 32
 /* Register blocking of the two products: accumulators held in registers. On 8 floats, with 32
  * vector registers (AVX-512VL, NEON) 4 keys x up to 4 row vectors for the scores and 24 for the
- * values fit, leaving room for the operands, with 16 (AVX2) half as many; on 16 floats (AVX-512,
+ * values fit, leaving room for the operands, with 16 (AVX2) fewer (below); on 16 floats (AVX-512,
  * 32 registers) 16 keys x 1 or 8 keys x 2 row vectors, and 24. SCORE_KEYS_<lanes>(row vectors):
- * keys scored per step; VALUE_ACCUMULATORS_<lanes>: output vectors held per pass. */
+ * keys scored per step; VALUE_DIMS_<lanes>(row vectors): output dims held per pass. */
 #if defined(__AVX512VL__) || defined(__aarch64__)
 #define SCORE_KEYS_8(NRV) 4
-#define VALUE_ACCUMULATORS_8 24
+#define VALUE_DIMS_8(NRV) (24 / (NRV) > VALUE_MAX_DIMS ? VALUE_MAX_DIMS : 24 / (NRV))
 #else
-#define SCORE_KEYS_8(NRV) 2
-#define VALUE_ACCUMULATORS_8 12
+/* AVX2's 16 registers hold the accumulators, the NRV operand row vectors (query or weight rows,
+ * loaded once and reused by every key or dim) and a broadcast: keys x NRV + NRV + 1 <= 16. Left
+ * to itself the compiler folds the row vectors into the multiply-adds as memory operands, 5 loads
+ * per 4 multiply-adds, more than the 2 loads per cycle beside 2 multiply-adds; in registers it is
+ * 3 loads per 4. Powers of two so that a 32-key tile leaves no remainder keys. */
+#define SCORE_KEYS_8(NRV) ((NRV) >= 3 ? 2 : (NRV) == 2 ? 4 : 8)
+#define VALUE_DIMS_8(NRV) ((NRV) >= 4 ? 2 : (NRV) == 3 ? 3 : (NRV) == 2 ? 6 : 8)
 #endif
 #define SCORE_KEYS_16(NRV) (16 / (NRV))
-#define VALUE_ACCUMULATORS_16 24
+#define VALUE_DIMS_16(NRV) (24 / (NRV) > VALUE_MAX_DIMS ? VALUE_MAX_DIMS : 24 / (NRV))
 #define SCORE_MAX_KEYS 16
 /* Value dims per pass over a tile's keys: more gained nothing on AVX-512. */
 #define VALUE_MAX_DIMS 8
+
+/* Keep a row vector in a register for every use that follows, rather than let the compiler fold
+ * it into each multiply-add as a memory operand (on x86: an empty asm that needs it in one; a
+ * build without AVX has no register an 8-float vector fits in). */
+#if defined(__x86_64__) && defined(__AVX__)
+#define HOLD_IN_REGISTER(x) __asm__("" : "+v"(x))
+#else
+#define HOLD_IN_REGISTER(x) ((void)0)
+#endif
 
 #endif /* the part shared by every width */
 
@@ -130,9 +144,14 @@ static inline __attribute__((always_inline)) void QT_FN(score_tile)(
             for (int v = 0; v < NRV; v++) acc[i][v] = QT_OP(splat)(0.0f);
         }
         for (int d = 0; d < D; d++) {
+            QT_VF q[QT_MAX_NRV];
+            for (int v = 0; v < NRV; v++) {
+                q[v] = st->qt[d][v];
+                HOLD_IN_REGISTER(q[v]);
+            }
             for (int i = 0; i < KEYS; i++) {
                 const QT_VF key = QT_OP(splat)(kv_to_float(k[i][d]));
-                for (int v = 0; v < NRV; v++) acc[i][v] += key * st->qt[d][v];
+                for (int v = 0; v < NRV; v++) acc[i][v] += key * q[v];
             }
         }
         for (int i = 0; i < KEYS; i++)
@@ -192,22 +211,26 @@ static inline __attribute__((always_inline)) void QT_FN(accumulate_dims)(
         for (int v = 0; v < NRV; v++) acc[i][v] = st->ot[d0 + i][v];
     for (int t = 0; t < n; t++) {
         const kv_t *value = st->values[t] + d0;
+        QT_VF w[QT_MAX_NRV];
+        for (int v = 0; v < NRV; v++) {
+            w[v] = st->s[t][v];
+            HOLD_IN_REGISTER(w[v]);
+        }
         for (int i = 0; i < DIMS; i++) {
             const QT_VF element = QT_OP(splat)(kv_to_float(value[i]));
-            for (int v = 0; v < NRV; v++) acc[i][v] += element * st->s[t][v];
+            for (int v = 0; v < NRV; v++) acc[i][v] += element * w[v];
         }
     }
     for (int i = 0; i < DIMS; i++)
         for (int v = 0; v < NRV; v++) st->ot[d0 + i][v] = acc[i][v];
 }
 
-/* ot += values^T . s. VALUE_ACCUMULATORS_<lanes> of ot in registers per pass: each key's
- * weights (NRV loads) and value elements (one broadcast per dim) then feed dims x NRV
- * multiply-adds. */
+/* ot += values^T . s. VALUE_DIMS_<lanes>(NRV) dims x NRV row vectors of ot in registers per
+ * pass: each key's weights (NRV loads) and value elements (one broadcast per dim) then feed
+ * dims x NRV multiply-adds. */
 static inline __attribute__((always_inline)) void QT_FN(accumulate_tile)(
     QT_FN(query_tile) *st, int n, const int NRV, const int D) {
-    const int accumulators = QT_JOIN(VALUE_ACCUMULATORS_, QT_LANES);
-    const int dims = accumulators / NRV > VALUE_MAX_DIMS ? VALUE_MAX_DIMS : accumulators / NRV;
+    const int dims = QT_JOIN(VALUE_DIMS_, QT_LANES)(NRV);
     int d = 0;
     for (; d + dims <= D; d += dims) QT_FN(accumulate_dims)(st, n, d, dims, NRV);
     if (d < D) QT_FN(accumulate_dims)(st, n, d, D - d, NRV);
