@@ -12,7 +12,10 @@ machine state). --engine inprocess runs everything in this process.
 Workloads (greedy, ignore_eos, so every request produces exactly its output length):
   equal  N requests of 128 prompt tokens and 128 output tokens;
   mix    N requests alternating (32 prompt, 32 output) and (512 prompt, 128 output);
-  long   N requests cycling through prompts of 2000, 4000, 3000, 2500, 3500 tokens, 64 outputs.
+  long   N requests cycling through prompts of 2000, 4000, 3000, 2500, 3500 tokens, 64 outputs;
+  uneven N requests of long-tailed prompt and output lengths (log-normal: medians 200 and 60
+         tokens, a few requests ten times that), the same lengths on every run: most requests
+         finish early and a few long ones decode on in small batches, as served traffic does.
 A short warm-up with different prompts runs first, so the timing excludes one-off costs (and the
 timed prompts cannot hit the prefix cache). --profile prints where the time went (cProfile).
 """
@@ -36,11 +39,24 @@ from frontend import LLM
 from frontend.engine_args import EngineArgs, add_engine_args
 from protocol import SamplingParams
 
+
+def long_tailed_shapes(count: int, seed: int = 20261126) -> list[tuple[int, int]]:
+    """(prompt, output) lengths, log-normal (sigma 1): medians 200 and 60 tokens, clipped to
+    16-3,000 and 4-800, so that prompt and output fit a 4,096-token context. Seeded: every run
+    and both engines of `bench reference` get the same lengths."""
+    rng = np.random.default_rng(seed)
+    prompts = np.clip(np.rint(rng.lognormal(np.log(200), 1.0, count)), 16, 3000)
+    outputs = np.clip(np.rint(rng.lognormal(np.log(60), 1.0, count)), 4, 800)
+    return [(int(p), int(o)) for p, o in zip(prompts, outputs, strict=True)]
+
+
 WORKLOADS: dict[str, list[tuple[int, int]]] = {
     "equal": [(128, 128)],
     "mix": [(32, 32), (512, 128)],
     # Prompt-heavy: prefill dominates (use --num-requests 16).
     "long": [(2000, 64), (4000, 64), (3000, 64), (2500, 64), (3500, 64)],
+    # Requests take these in order (the warm-up the first few, with other tokens).
+    "uneven": long_tailed_shapes(256),
 }
 
 

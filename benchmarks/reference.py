@@ -53,7 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="conveyor bench reference", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--workloads", default="equal,mix,long", help="comma-separated")
+    parser.add_argument(
+        "--workloads", default="equal,mix,long", help="comma-separated (also: uneven)"
+    )
     parser.add_argument("--pairs", type=int, default=3, help="(conveyor, reference) runs each")
     parser.add_argument("--num-requests", type=int, help="default: 64, long 16")
     parser.add_argument("--num-warmup-requests", type=int, help="default: 8, long 2")

@@ -47,7 +47,7 @@ CUDA_TEST_FILES = (
 # Kept here, not imported from protocol/benchmarks: only the standard library is imported before
 # the install step (tests/entrypoints/test_gpu_check.py checks both against their sources).
 ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch", "cpu-kernel")
-OFFLINE_WORKLOADS = ("equal", "long", "mix")
+OFFLINE_WORKLOADS = ("equal", "long", "mix", "uneven")
 
 
 def _workloads(text: str) -> list[str]:

@@ -24,6 +24,20 @@ def test_workloads_have_the_promised_shapes_and_are_seeded():
     assert [len(p) for p in equal] == [128] * 3
 
 
+def test_uneven_lengths_are_long_tailed_fixed_and_fit_the_context():
+    shapes = bench.WORKLOADS["uneven"]
+    # The same lengths in every process (both engines of bench reference, every pair).
+    assert shapes == bench.long_tailed_shapes(len(shapes))
+    prompts = sorted(p for p, _ in shapes[:64])
+    outputs = sorted(o for _, o in shapes[:64])
+    # Long-tailed: the longest are several times the median, the median well above the floor.
+    assert prompts[-1] > 5 * prompts[32] and outputs[-1] > 5 * outputs[32]
+    assert prompts[32] > 100 and outputs[32] > 30
+    assert all(16 <= p <= 3000 and 4 <= o <= 800 for p, o in shapes)
+    requests, params = bench.make_requests("uneven", 5, 1000, seed=3)
+    assert [(len(r), q.max_tokens) for r, q in zip(requests, params, strict=True)] == shapes[:5]
+
+
 def test_json_report(tiny_model_dir, capsys):
     argv = ["--model", str(tiny_model_dir), "--workload", "equal"]
     argv += ["--num-requests", "4", "--num-warmup-requests", "1", "--json"]
