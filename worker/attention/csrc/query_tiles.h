@@ -38,7 +38,7 @@
  * keys scored per step; VALUE_DIMS_<lanes>(row vectors): output dims held per pass. */
 #if defined(__AVX512VL__) || defined(__aarch64__)
 #define SCORE_KEYS_8(NRV) 4
-#define VALUE_DIMS_8(NRV) (24 / (NRV) > VALUE_MAX_DIMS ? VALUE_MAX_DIMS : 24 / (NRV))
+#define VALUE_DIMS_8(NRV) VALUE_DIMS_OF_24(NRV)
 #else
 /* AVX2's 16 registers hold the accumulators, the NRV operand row vectors (query or weight rows,
  * loaded once and reused by every key or dim) and a broadcast: keys x NRV + NRV + 1 <= 16. Left
@@ -49,10 +49,12 @@
 #define VALUE_DIMS_8(NRV) ((NRV) >= 4 ? 2 : (NRV) == 3 ? 3 : (NRV) == 2 ? 6 : 8)
 #endif
 #define SCORE_KEYS_16(NRV) (16 / (NRV))
-#define VALUE_DIMS_16(NRV) (24 / (NRV) > VALUE_MAX_DIMS ? VALUE_MAX_DIMS : 24 / (NRV))
+#define VALUE_DIMS_16(NRV) VALUE_DIMS_OF_24(NRV)
 #define SCORE_MAX_KEYS 16
 /* Value dims per pass over a tile's keys: more gained nothing on AVX-512. */
 #define VALUE_MAX_DIMS 8
+/* With 32 registers: 24 output vectors per pass, at most VALUE_MAX_DIMS dims. */
+#define VALUE_DIMS_OF_24(NRV) (24 / (NRV) > VALUE_MAX_DIMS ? VALUE_MAX_DIMS : 24 / (NRV))
 
 /* Keep a row vector in a register for every use that follows, rather than let the compiler fold
  * it into each multiply-add as a memory operand (on x86: an empty asm that needs it in one; a
