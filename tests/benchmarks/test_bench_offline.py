@@ -33,6 +33,9 @@ def test_uneven_lengths_are_long_tailed_fixed_and_fit_the_context():
     # Long-tailed: the longest are several times the median, the median well above the floor.
     assert prompts[-1] > 5 * prompts[32] and outputs[-1] > 5 * outputs[32]
     assert prompts[32] > 100 and outputs[32] > 30
+    # The lengths docs/performance.md's `uneven` figures were measured on: a change to the draw
+    # would make new runs incomparable with them.
+    assert (sum(prompts), max(prompts), sum(outputs), max(outputs)) == (18784, 1310, 6992, 800)
     assert all(16 <= p <= 3000 and 4 <= o <= 800 for p, o in shapes)
     requests, params = bench.make_requests("uneven", 5, 1000, seed=3)
     assert [(len(r), q.max_tokens) for r, q in zip(requests, params, strict=True)] == shapes[:5]
