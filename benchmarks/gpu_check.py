@@ -34,8 +34,9 @@ class CheckPlan:
     decode_steps: int
     prefill_lens: tuple[int, ...]
     gpu_memory_utilization: float = 0.9
-    # CPU only: the KV cache's bytes (on CUDA the profiled free memory decides).
-    kv_cache_memory: int = 256 << 20
+    # The KV cache's bytes; None: the engine's default (1 GiB on CPU, on CUDA what
+    # gpu_memory_utilization leaves after profiling).
+    kv_cache_memory: int | None = None
     attention_backend: str = "auto"
 
 

@@ -263,7 +263,7 @@ def run_offline(plan, workload: str, num_requests: int) -> dict:
     command += ["--workload", workload, "--num-requests", str(num_requests)]
     command += ["--max-num-seqs", str(num_requests), "--attention-backend", plan.attention_backend]
     command += ["--max-num-batched-tokens", "8192"]
-    if plan.device == "cpu":
+    if plan.kv_cache_memory is not None:
         command += ["--kv-cache-memory", str(plan.kv_cache_memory)]
     print(f"offline: {' '.join(command[3:])}", flush=True)
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)

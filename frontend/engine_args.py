@@ -72,7 +72,8 @@ class EngineArgs:
     attention_backend: str = "auto"
     # On CUDA: no decode CUDA graphs, every step eager (slower; for debugging and comparison).
     enforce_eager: bool = False
-    kv_cache_memory: int = 1 << 30
+    # Bytes of KV cache per worker; None: 1 GiB on CPU, on CUDA what gpu_memory_utilization leaves.
+    kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     # "auto": the model's dtype; "bfloat16": keys and values rounded to bfloat16 as they are cached.
     kv_cache_dtype: str = "auto"
@@ -284,7 +285,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="on CUDA, capture no CUDA graphs: every decode step runs eagerly (CPU never uses them)",
     )
     group.add_argument(
-        "--kv-cache-memory", type=_parse_bytes, default=d.kv_cache_memory, help="CPU KV bytes"
+        "--kv-cache-memory",
+        type=_parse_bytes,
+        default=d.kv_cache_memory,
+        help="KV cache bytes per worker, e.g. 512M (default: 1G on CPU; on CUDA what "
+        "--gpu-memory-utilization leaves after profiling, a set value must fit there)",
     )
     group.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     group.add_argument(

@@ -62,8 +62,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
 class CacheConfig(msgspec.Struct, frozen=True):
     block_size: int = 16
     enable_prefix_caching: bool = True
-    # CPU: bytes of KV cache per worker. CUDA: fraction of free memory after profiling.
-    kv_cache_memory: int = 1 << 30
+    # Bytes of KV cache per worker. None: 1 GiB on CPU; on CUDA what gpu_memory_utilization
+    # leaves after the profiling pass (a set value there is the cache's size, checked to fit).
+    kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     # One of KV_CACHE_DTYPES.
     cache_dtype: str = "auto"

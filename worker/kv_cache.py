@@ -2,8 +2,9 @@
 
 Runs in worker processes. The engine core owns block accounting; a worker only reports how many
 blocks it can hold (the engine takes the minimum over workers) and then allocates them. On CPU the
-budget is a byte count from the config; on CUDA it is a fraction of the device memory left after
-the model runner's profiling pass (a forward of the largest batch, so activations are counted).
+budget is a byte count from the config (1 GiB unless set); on CUDA it is what this engine's share
+of the device leaves after the model runner's profiling pass (a forward of the largest batch, so
+activations are counted), or the configured byte count where one is set, checked to fit there.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from worker.host_memory import zeros_on_huge_pages
 # Below this a server cannot hold even one short request plus the block it grows into; failing at
 # start-up with the numbers beats a scheduler that can never admit anything.
 MIN_NUM_BLOCKS = 2
+# A CPU worker's KV cache when kv_cache_memory is unset (CUDA sizes it from the device instead).
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 # CONVEYOR_KV_HUGE_PAGES=0 keeps the CPU cache on ordinary pages (worker.host_memory).
 HUGE_PAGES_ENV = "CONVEYOR_KV_HUGE_PAGES"
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -77,10 +80,16 @@ def num_blocks_for_memory(memory_bytes: int, bytes_per_block: int) -> int:
 
 
 def num_blocks_for_cuda(
-    total_bytes: int, peak_bytes: int, gpu_memory_utilization: float, bytes_per_block: int
+    total_bytes: int,
+    peak_bytes: int,
+    gpu_memory_utilization: float,
+    bytes_per_block: int,
+    kv_cache_memory: int | None = None,
 ) -> int:
     """Blocks that fit in ``total * utilization - peak``, the peak being this engine's own
-    (weights, the profiling pass, graphs; engine_peak_bytes)."""
+    (weights, the profiling pass, graphs; engine_peak_bytes). With ``kv_cache_memory`` (bytes)
+    the cache is that size instead, refused with the numbers when the share cannot hold it: a
+    fixed cache makes runs on different cards, or next to other engines, hold the same blocks."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     budget = int(total_bytes * gpu_memory_utilization) - int(peak_bytes)
@@ -91,7 +100,18 @@ def num_blocks_for_cuda(
             f"{_format_bytes(peak_bytes)}; {_format_bytes(MIN_NUM_BLOCKS * bytes_per_block)} more is needed for "
             f"{MIN_NUM_BLOCKS} blocks of {bytes_per_block} bytes"
         )
-    return num_blocks_for_memory(budget, bytes_per_block)
+    if kv_cache_memory is None:
+        return num_blocks_for_memory(budget, bytes_per_block)
+    num_blocks = num_blocks_for_memory(kv_cache_memory, bytes_per_block)
+    if num_blocks * bytes_per_block > budget:
+        raise ConfigError(
+            f"kv_cache_memory {_format_bytes(kv_cache_memory)} does not fit: "
+            f"{gpu_memory_utilization:.0%} of {_format_bytes(total_bytes)} is "
+            f"{_format_bytes(total_bytes * gpu_memory_utilization)}, the weights and profiling pass peaked at "
+            f"{_format_bytes(peak_bytes)}, which leaves {_format_bytes(budget)}; lower kv_cache_memory or "
+            f"raise gpu_memory_utilization"
+        )
+    return num_blocks
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,8 @@ def run_worst_case_step(runner: ModelRunner) -> None:
 
 def profile_num_blocks(runner: ModelRunner, utilization: float) -> int:
     """Run the worst-case step once, capture the decode graphs; the KV blocks that fit in what
-    both leave of this engine's share of the device (CUDA)."""
+    both leave of this engine's share of the device, or those of ``kv_cache_memory`` bytes
+    where it is set and fits there (CUDA)."""
     torch.cuda.synchronize(runner.device)
     torch.cuda.reset_peak_memory_stats(runner.device)
     run_worst_case_step(runner)
@@ -78,4 +79,10 @@ def profile_num_blocks(runner: ModelRunner, utilization: float) -> int:
     # step's activations need, so the two add up.
     graph_bytes = runner.capture_cuda_graphs()
     total = runner.memory_baseline.total
-    return num_blocks_for_cuda(total, peak + graph_bytes, utilization, runner.bytes_per_block())
+    return num_blocks_for_cuda(
+        total,
+        peak + graph_bytes,
+        utilization,
+        runner.bytes_per_block(),
+        runner.config.cache.kv_cache_memory,
+    )

@@ -24,6 +24,7 @@ from worker.cuda_graphs import DecodeGraphs, capture_decode_graphs, capture_size
 from worker.device_buffers import HostCopier
 from worker.input_batch import InputBatch
 from worker.kv_cache import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
     CudaMemory,
     allocate_kv_caches,
     claim_cuda_memory,
@@ -111,10 +112,14 @@ class ModelRunner:
         )
 
     def determine_num_blocks(self) -> int:
-        """Blocks this rank can hold: a byte budget on CPU, measured free memory on CUDA."""
+        """Blocks this rank can hold: a byte budget on CPU, measured free memory on CUDA (or the
+        byte budget where one is set, checked against it)."""
         if self.device.type == "cuda":
             return profile_num_blocks(self, self.config.cache.gpu_memory_utilization)
-        return num_blocks_for_memory(self.config.cache.kv_cache_memory, self.bytes_per_block())
+        memory = self.config.cache.kv_cache_memory
+        if memory is None:
+            memory = DEFAULT_CPU_KV_CACHE_MEMORY
+        return num_blocks_for_memory(memory, self.bytes_per_block())
 
     def capture_cuda_graphs(self) -> int:
         """Capture the decode graphs (CUDA, unless enforce_eager); the device bytes they keep.

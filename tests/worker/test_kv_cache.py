@@ -46,6 +46,20 @@ def test_cuda_blocks_are_utilization_of_total_minus_profiled_peak():
     assert num_blocks_for_cuda(80 * GIB, 20 * GIB, 0.5, 2 << 20) == 20 * 512
 
 
+def test_a_set_kv_cache_memory_is_the_cuda_cache_size_when_the_share_holds_it():
+    # The share leaves 52 GiB; 1 GiB asked for is 512 blocks of 2 MiB, not 52 GiB's worth.
+    assert num_blocks_for_cuda(80 * GIB, 20 * GIB, 0.9, 2 << 20, kv_cache_memory=GIB) == 512
+    assert num_blocks_for_cuda(80 * GIB, 20 * GIB, 0.9, 2 << 20, kv_cache_memory=52 * GIB) == (
+        52 * 512
+    )
+    with pytest.raises(
+        ConfigError, match=r"kv_cache_memory 53\.00 GiB does not fit.*leaves 52\.00 GiB"
+    ):
+        num_blocks_for_cuda(80 * GIB, 20 * GIB, 0.9, 2 << 20, kv_cache_memory=53 * GIB)
+    with pytest.raises(ConfigError, match="holds 0 blocks"):
+        num_blocks_for_cuda(80 * GIB, 20 * GIB, 0.9, 2 << 20, kv_cache_memory=GIB >> 12)
+
+
 def test_cuda_errors_when_the_peak_leaves_no_room():
     with pytest.raises(ConfigError, match="profiling pass peaked at 75.00 GiB"):
         num_blocks_for_cuda(80 * GIB, 75 * GIB, 0.9, 2 << 20)

@@ -72,6 +72,15 @@ def test_cpu_kv_budget_sets_the_number_of_blocks(runner, config):
     assert runner.determine_num_blocks() == config.cache.kv_cache_memory // runner.bytes_per_block()
 
 
+def test_an_unset_cpu_kv_budget_is_one_gib(tiny_model_dir):
+    # None in the config (so CUDA can tell "unset" from a size it must honour); 1 GiB on CPU.
+    args = EngineArgs(model=str(tiny_model_dir), max_model_len=256, device="cpu")
+    config = args.create_engine_config()
+    assert config.cache.kv_cache_memory is None
+    runner = ModelRunner(config, torch.device("cpu"))
+    assert runner.determine_num_blocks() == (1 << 30) // runner.bytes_per_block()
+
+
 def test_chunked_prefill_samples_only_when_the_prompt_is_complete(runner, config):
     expected = _greedy_alone(config, PROMPT, 4)
     first = runner.execute_model(SchedulerOutput(1, [_new(0, PROMPT, [1], 8)]))
