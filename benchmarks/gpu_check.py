@@ -72,6 +72,8 @@ class CheckReport:
     kv_cache_bytes: int = 0
     graph_bytes: int | None = None
     tests: str = "not run"
+    # The parity tests against transformers with the engines on CUDA (test_parity_hf.py).
+    parity: str = "not run"
     # The same measurement with another attention backend (gpu-check --compare-backend).
     comparison: CheckReport | None = None
     # bench offline's JSON per workload, or {"workload": ..., "error": ...}.
@@ -244,6 +246,7 @@ def format_report(report: CheckReport) -> str:
         f"peak GPU memory: {_gib(report.peak_memory)} (KV cache {_gib(report.kv_cache_bytes)}, "
         f"CUDA graphs {_gib(report.graph_bytes)})",
         f"CUDA tests: {report.tests}",
+        f"parity with transformers on CUDA: {report.parity}",
     ]
     return "\n".join(lines)
 

@@ -6,7 +6,9 @@
 1. ``--wheels DIR``: install what this checkout needs and the machine lacks from wheels carried
    there (pip, no index: such a machine may reach no registry; docs/performance.md#gpu says how to
    download them for its Python);
-2. the CUDA tests (``pytest -m "cuda or gpu_kernel"``, with ``CONVEYOR_TEST_DEVICE=cuda``);
+2. the CUDA tests (``pytest -m "cuda or gpu_kernel"``, with ``CONVEYOR_TEST_DEVICE=cuda``), then
+   greedy parity with transformers on CUDA (``tests/frontend/test_parity_hf.py``, float32), each
+   bounded in time so that the measurement always runs;
 3. a random-weight model with Qwen3-0.6B's shapes in bfloat16, generated once into the model cache;
 4. decode step time and output tok/s at batch 1, 16, 64 and 256 with CUDA graphs and eagerly,
    prefill tok/s at 2k, 8k and 32k-token prompts, peak GPU memory, launches per decode step, and
@@ -42,6 +44,10 @@ CUDA_TEST_FILES = (
     "tests/worker/test_attention.py",
     "tests/worker/test_triton_attention.py",
 )
+CUDA_MARKERS = "cuda or gpu_kernel"
+# The model tests against transformers, run on the GPU (every engine there on CUDA, in float32):
+# scheduling, chunked prompts, prefix hits, preemption and async steps through the CUDA runner.
+PARITY_TEST_FILES = ("tests/frontend/test_parity_hf.py",)
 
 
 # Kept here, not imported from protocol/benchmarks: only the standard library is imported before
@@ -75,6 +81,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--tests-timeout", type=float, default=300.0, help="seconds all the CUDA tests may take"
+    )
+    parser.add_argument(
+        "--skip-parity", action="store_true", help="do not run the parity tests on CUDA"
+    )
+    parser.add_argument(
+        "--parity-timeout",
+        type=float,
+        default=150.0,
+        help="seconds the parity tests on CUDA may take (they stop there, the rest is reported)",
     )
     parser.add_argument("--model", type=Path, help="measure this model directory instead")
     parser.add_argument(
@@ -145,24 +160,62 @@ def install_from_wheels(wheels: Path) -> None:
 
 
 def run_cuda_tests(dry_run: bool, per_test_timeout: float, timeout: float) -> tuple[str, bool]:
-    """(pytest's summary line, whether it passed). The dry run only collects them.
+    """The CUDA tests: (pytest's summary line, whether they passed). The dry run only collects
+    them."""
+    return run_tests(CUDA_TEST_FILES, CUDA_MARKERS, dry_run, per_test_timeout, timeout)
+
+
+def run_parity_tests(dry_run: bool, per_test_timeout: float, timeout: float) -> tuple[str, bool]:
+    """The parity tests with every engine on CUDA: (a summary, whether none failed). Stopped at
+    ``timeout``, the summary counts what ran by then."""
+    return run_tests(PARITY_TEST_FILES, None, dry_run, per_test_timeout, timeout)
+
+
+# One line per test with pytest -v: "tests/...::name[param] PASSED [ 12%]".
+_OUTCOME = re.compile(r"::\S+ (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
+def summarize_stopped_run(lines: list[str], timeout: float) -> str:
+    """What a test run stopped at ``timeout`` got through: counts by outcome, failures named."""
+    counts: dict[str, int] = {}
+    failed = []
+    for line in lines:
+        match = _OUTCOME.search(line)
+        if match is None:
+            continue
+        outcome = match.group(1).lower()
+        counts[outcome] = counts.get(outcome, 0) + 1
+        if outcome in ("failed", "error"):
+            failed.append(line.split(" ", 1)[0])
+    done = ", ".join(f"{n} {outcome}" for outcome, n in counts.items()) or "no test finished"
+    summary = f"stopped after {timeout:g} s: {done}"
+    return summary + (f" ({', '.join(failed)})" if failed else "")
+
+
+def run_tests(
+    files: tuple[str, ...], markers: str | None, dry_run: bool, per_test_timeout: float,
+    timeout: float,
+) -> tuple[str, bool]:  # fmt: skip
+    """(pytest's summary line, whether it passed). The dry run only collects the tests.
 
     pytest's output is streamed as it comes (a lent machine's call can end mid-run; what was
-    printed by then is what comes back). A test that hangs (a graph capture waiting on a stream,
-    say) is stopped after ``per_test_timeout`` seconds and the whole run after ``timeout``, so
-    the measurement still runs.
+    printed by then is what comes back), one line per test. A test that hangs (a graph capture
+    waiting on a stream, say) is stopped after ``per_test_timeout`` seconds and the whole run
+    after ``timeout``, so the measurement still runs; a run stopped so passed if nothing it
+    finished failed.
     """
-    files = [f for f in CUDA_TEST_FILES if Path(f).is_file()]
+    files = [f for f in files if Path(f).is_file()]
     if not files:
         return "not run: no tests/ in the current directory (run from a checkout)", True
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda or gpu_kernel"]
-    command += ["-p", "no:cacheprovider"]
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+    if markers is not None:
+        command += ["-m", markers]
     if dry_run:
-        command += ["--collect-only", *files]
+        command += ["-q", "--collect-only", *files]
     else:
         if importlib.util.find_spec("pytest_timeout") is not None:
             command += [f"--timeout={per_test_timeout:g}"]
-        command += ["-rs", *files]
+        command += ["-v", "-rs", *files]
     env = os.environ | {"CONVEYOR_TEST_DEVICE": "cpu" if dry_run else "cuda"}
     print(f"tests: {' '.join(command[1:])}", flush=True)
     process = subprocess.Popen(
@@ -181,7 +234,8 @@ def run_cuda_tests(dry_run: bool, per_test_timeout: float, timeout: float) -> tu
     finally:
         timer.cancel()
     if returncode < 0:
-        return f"stopped after {timeout:g} s ({len(lines)} lines of output)", False
+        summary = summarize_stopped_run(lines, timeout)
+        return summary, "failed" not in summary and "error" not in summary
     if returncode != 0 and dry_run:
         print("\n".join(lines[-40:]), flush=True)
     summary = lines[-1].strip("= ") if lines else f"pytest exited {returncode}"
@@ -237,11 +291,17 @@ def main(argv: list[str] | None = None) -> int:
     tests, passed = ("skipped (--skip-tests)", True)
     if not args.skip_tests:
         tests, passed = run_cuda_tests(args.dry_run, args.test_timeout, args.tests_timeout)
+    parity, parity_passed = ("skipped (--skip-parity)", True)
+    if not args.skip_parity:
+        parity, parity_passed = run_parity_tests(
+            args.dry_run, args.test_timeout, args.parity_timeout
+        )
     from benchmarks.gpu_check import format_report, measure, report_as_dict
 
     plan = make_plan(args)
     report = measure(plan)
     report.tests = tests
+    report.parity = parity
     if args.compare_backend:
         report.comparison = measure(
             dataclasses.replace(plan, attention_backend=args.compare_backend)
@@ -252,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(report), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(report_as_dict(report), indent=2) + "\n")
-    return 0 if passed else 1
+    return 0 if passed and parity_passed else 1
 
 
 def run_offline(plan, workload: str, num_requests: int) -> dict:

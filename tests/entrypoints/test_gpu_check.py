@@ -45,8 +45,28 @@ def test_the_dry_run_goes_end_to_end_on_cpu(tmp_path):
     for run in report["offline"]:
         assert "error" not in run and run["num_requests"] == 4 and run["output_tok_s"] > 0
     assert "| offline workload | requests | output tok/s |" in result.stdout
-    # The CUDA tests are collected (they would skip here), not run.
+    # The CUDA tests are collected (they would skip here), not run; so are the parity tests.
     assert "collected" in report["tests"] and "error" not in report["tests"]
+    assert "collected" in report["parity"] and "error" not in report["parity"]
+    assert "parity with transformers on CUDA: " in result.stdout
+
+
+def test_a_test_run_stopped_at_its_time_limit_says_what_it_got_through():
+    from entrypoints.gpu_check import summarize_stopped_run
+
+    lines = [
+        "tests/frontend/test_parity_hf.py::test_batch_of_mixed_lengths_matches_hf[qwen3] PASSED [  6%]",
+        "tests/frontend/test_parity_hf.py::test_chunked_prefill_matches_hf[qwen3] PASSED [ 12%]",
+        "tests/frontend/test_parity_hf.py::test_preemption_under_a_tiny_kv_pool_matches_hf[qwen3] "
+        "FAILED [ 18%]",
+        "tests/worker/test_cuda.py::test_two_gpus SKIPPED (needs two GPUs) [ 25%]",
+        "some other output naming PASSED",
+    ]
+    assert summarize_stopped_run(lines, 150.0) == (
+        "stopped after 150 s: 2 passed, 1 failed, 1 skipped "
+        "(tests/frontend/test_parity_hf.py::test_preemption_under_a_tiny_kv_pool_matches_hf[qwen3])"
+    )
+    assert summarize_stopped_run(["collecting ..."], 5.0) == "stopped after 5 s: no test finished"
 
 
 def test_its_flag_choices_are_the_engines_and_unknown_ones_are_refused():
