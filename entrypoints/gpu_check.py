@@ -27,6 +27,7 @@ current directory. Only the standard library is imported before the install step
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import importlib.metadata
@@ -34,6 +35,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -171,25 +173,34 @@ def run_parity_tests(dry_run: bool, per_test_timeout: float, timeout: float) -> 
     return run_tests(PARITY_TEST_FILES, None, dry_run, per_test_timeout, timeout)
 
 
-# One line per test with pytest -v: "tests/...::name[param] PASSED [ 12%]".
-_OUTCOME = re.compile(r"::\S+ (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+# One line per test with pytest -v: "tests/...::name[param] PASSED [ 12%]" (an id may hold spaces).
+_OUTCOME = re.compile(r"^(\S+::.*?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 
 
-def summarize_stopped_run(lines: list[str], timeout: float) -> str:
-    """What a test run stopped at ``timeout`` got through: counts by outcome, failures named."""
+def summarize_stopped_run(lines: list[str], timeout: float) -> tuple[str, bool]:
+    """What a test run stopped at ``timeout`` got through: counts by outcome, failures named;
+    and whether that passes: something passed and nothing failed (a run that finished no test
+    may have hung in its first)."""
     counts: dict[str, int] = {}
     failed = []
     for line in lines:
-        match = _OUTCOME.search(line)
+        match = _OUTCOME.match(line)
         if match is None:
             continue
-        outcome = match.group(1).lower()
+        outcome = match.group(2).lower()
         counts[outcome] = counts.get(outcome, 0) + 1
         if outcome in ("failed", "error"):
-            failed.append(line.split(" ", 1)[0])
+            failed.append(match.group(1))
     done = ", ".join(f"{n} {outcome}" for outcome, n in counts.items()) or "no test finished"
     summary = f"stopped after {timeout:g} s: {done}"
-    return summary + (f" ({', '.join(failed)})" if failed else "")
+    if failed:
+        summary += f" ({', '.join(failed)})"
+    return summary, counts.get("passed", 0) > 0 and not failed
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it ended as the limit came
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def run_tests(
@@ -201,8 +212,8 @@ def run_tests(
     pytest's output is streamed as it comes (a lent machine's call can end mid-run; what was
     printed by then is what comes back), one line per test. A test that hangs (a graph capture
     waiting on a stream, say) is stopped after ``per_test_timeout`` seconds and the whole run
-    after ``timeout``, so the measurement still runs; a run stopped so passed if nothing it
-    finished failed.
+    after ``timeout``, so the measurement still runs; a run stopped so passed if some test passed
+    and none failed.
     """
     files = [f for f in files if Path(f).is_file()]
     if not files:
@@ -218,10 +229,17 @@ def run_tests(
         command += ["-v", "-rs", *files]
     env = os.environ | {"CONVEYOR_TEST_DEVICE": "cpu" if dry_run else "cuda"}
     print(f"tests: {' '.join(command[1:])}", flush=True)
+    # A process group of its own, so that the time limit also stops what the tests started
+    # (helpers that hold the output pipe open would otherwise keep the read below waiting).
     process = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
-    timer = threading.Timer(timeout, process.kill)
+    timer = threading.Timer(timeout, _kill_group, (process,))
     timer.start()
     lines: list[str] = []
     try:
@@ -234,8 +252,7 @@ def run_tests(
     finally:
         timer.cancel()
     if returncode < 0:
-        summary = summarize_stopped_run(lines, timeout)
-        return summary, "failed" not in summary and "error" not in summary
+        return summarize_stopped_run(lines, timeout)
     if returncode != 0 and dry_run:
         print("\n".join(lines[-40:]), flush=True)
     summary = lines[-1].strip("= ") if lines else f"pytest exited {returncode}"

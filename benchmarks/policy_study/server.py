@@ -92,9 +92,11 @@ def engine_flags(args: EngineArgs) -> list[str]:
         *("--max-model-len", str(args.max_model_len)),
         *("--max-num-batched-tokens", str(args.max_num_batched_tokens)),
         *("--max-num-seqs", str(args.max_num_seqs)),
-        *("--kv-cache-memory", str(args.kv_cache_memory), "--seed", str(args.seed)),
+        *("--seed", str(args.seed)),
         "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
     ]
+    if args.kv_cache_memory is not None:
+        flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
     if args.tbt_slo_ms is not None:
         flags += ["--tbt-slo-ms", f"{args.tbt_slo_ms:g}"]
     if args.trace_steps is not None:

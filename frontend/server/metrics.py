@@ -237,6 +237,8 @@ class _EngineGauges:
             "enable_prefix_caching": str(cache.enable_prefix_caching),
             "num_gpu_blocks": str(cache.num_blocks),
             "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+            # "None" when unset, as vLLM labels its kv_cache_memory_bytes: the size then follows
+            # from the device (1 GiB on CPU, the rest of gpu_memory_utilization on CUDA).
             "kv_cache_memory_bytes": str(cache.kv_cache_memory),
         }
         doc = "The KV cache's configuration."

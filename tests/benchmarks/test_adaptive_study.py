@@ -9,6 +9,7 @@ from pathlib import Path
 from benchmarks.policy_study.adaptive import PRESETS_ADAPTIVE, setup_args
 from benchmarks.policy_study.adaptive_report import write_adaptive_report
 from benchmarks.policy_study.server import engine_flags
+from frontend.engine_args import EngineArgs, _parse_bytes
 
 
 def found(capacity: float, lower_bound: bool = False) -> dict:
@@ -77,3 +78,7 @@ def test_adaptive_servers_get_the_slo_and_fixed_ones_a_budget(tiny_model_dir):
     fixed = engine_flags(setup_args(config, str(tiny_model_dir), "64", 50.0))
     assert "--tbt-slo-ms" not in fixed
     assert fixed[fixed.index("--max-num-batched-tokens") + 1] == "64"
+    # The study's KV budget reaches the server; an unset one is left to the server's default.
+    expected = str(_parse_bytes(config.study.kv_cache_memory))
+    assert fixed[fixed.index("--kv-cache-memory") + 1] == expected
+    assert "--kv-cache-memory" not in engine_flags(EngineArgs(model=str(tiny_model_dir)))

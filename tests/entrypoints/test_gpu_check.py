@@ -64,9 +64,20 @@ def test_a_test_run_stopped_at_its_time_limit_says_what_it_got_through():
     ]
     assert summarize_stopped_run(lines, 150.0) == (
         "stopped after 150 s: 2 passed, 1 failed, 1 skipped "
-        "(tests/frontend/test_parity_hf.py::test_preemption_under_a_tiny_kv_pool_matches_hf[qwen3])"
+        "(tests/frontend/test_parity_hf.py::test_preemption_under_a_tiny_kv_pool_matches_hf[qwen3])",
+        False,
     )
-    assert summarize_stopped_run(["collecting ..."], 5.0) == "stopped after 5 s: no test finished"
+    assert summarize_stopped_run(lines[:2] + lines[3:], 150.0) == (
+        "stopped after 150 s: 2 passed, 1 skipped",
+        True,
+    )
+    # An id with a space in it still counts; a run that finished nothing may have hung: not passed.
+    spaced = ["tests/a.py::test_x[a b] PASSED [ 50%]"]
+    assert summarize_stopped_run(spaced, 9.0) == ("stopped after 9 s: 1 passed", True)
+    assert summarize_stopped_run(["collecting ..."], 5.0) == (
+        "stopped after 5 s: no test finished",
+        False,
+    )
 
 
 def test_its_flag_choices_are_the_engines_and_unknown_ones_are_refused():
