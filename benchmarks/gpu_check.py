@@ -33,7 +33,8 @@ class CheckPlan:
     decode_context: int
     decode_steps: int
     prefill_lens: tuple[int, ...]
-    gpu_memory_utilization: float = 0.9
+    # CUDA only; None: the engine's default.
+    gpu_memory_utilization: float | None = None
     # The KV cache's bytes; None: the engine's default (1 GiB on CPU, on CUDA what
     # gpu_memory_utilization leaves after profiling).
     kv_cache_memory: int | None = None

@@ -74,7 +74,8 @@ class EngineArgs:
     enforce_eager: bool = False
     # Bytes of KV cache per worker; None: 1 GiB on CPU, on CUDA what gpu_memory_utilization leaves.
     kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
+    # CUDA only (None: 0.9); a CPU engine refuses it rather than ignore it.
+    gpu_memory_utilization: float | None = None
     # "auto": the model's dtype; "bfloat16": keys and values rounded to bfloat16 as they are cached.
     kv_cache_dtype: str = "auto"
     policy: str = "stall-free"
@@ -291,7 +292,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="KV cache bytes per worker, e.g. 512M (default: 1G on CPU; on CUDA what "
         "--gpu-memory-utilization leaves after profiling, a set value must fit there)",
     )
-    group.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="CUDA: this engine's share of the device (default 0.9); refused on CPU",
+    )
     group.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,

@@ -65,7 +65,8 @@ class CacheConfig(msgspec.Struct, frozen=True):
     # Bytes of KV cache per worker. None: 1 GiB on CPU; on CUDA what gpu_memory_utilization
     # leaves after the profiling pass (a set value there is the cache's size, checked to fit).
     kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
+    # CUDA: this engine's share of the device; None: 0.9. Refused on CPU, which has no share.
+    gpu_memory_utilization: float | None = None
     # One of KV_CACHE_DTYPES.
     cache_dtype: str = "auto"
     # Learned from the workers at start-up; None until then.

@@ -23,6 +23,24 @@ from worker.host_memory import zeros_on_huge_pages
 MIN_NUM_BLOCKS = 2
 # A CPU worker's KV cache when kv_cache_memory is unset (CUDA sizes it from the device instead).
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+# A CUDA engine's share of its device when gpu_memory_utilization is unset (vLLM's default).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+def gpu_memory_utilization(configured: float | None, device: torch.device) -> float | None:
+    """The share of the device this engine plans with: the configured one or the default on
+    CUDA; None on CPU, where a configured share is refused (it would be silently ignored: the
+    CPU cache's size is kv_cache_memory)."""
+    if device.type == "cuda":
+        return DEFAULT_GPU_MEMORY_UTILIZATION if configured is None else configured
+    if configured is not None:
+        raise ConfigError(
+            f"gpu_memory_utilization {configured:g} applies to CUDA devices, this engine runs on "
+            f"{device.type}: size the KV cache with kv_cache_memory (--kv-cache-memory) instead"
+        )
+    return None
+
+
 # CONVEYOR_KV_HUGE_PAGES=0 keeps the CPU cache on ordinary pages (worker.host_memory).
 HUGE_PAGES_ENV = "CONVEYOR_KV_HUGE_PAGES"
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

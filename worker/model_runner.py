@@ -28,6 +28,7 @@ from worker.kv_cache import (
     CudaMemory,
     allocate_kv_caches,
     claim_cuda_memory,
+    gpu_memory_utilization,
     kv_bytes_per_block,
     num_blocks_for_memory,
     resolve_kv_cache_dtype,
@@ -61,8 +62,11 @@ class ModelRunner:
         # CUDA: where this engine's memory accounting starts (before its weights), and a clear
         # error now if its share of the device is not free.
         self.memory_baseline: CudaMemory | None = None
-        if device.type == "cuda":
-            self.memory_baseline = claim_cuda_memory(device, config.cache.gpu_memory_utilization)
+        self.gpu_memory_utilization = gpu_memory_utilization(
+            config.cache.gpu_memory_utilization, device
+        )
+        if self.gpu_memory_utilization is not None:
+            self.memory_baseline = claim_cuda_memory(device, self.gpu_memory_utilization)
         self.model = load_model(
             config.model.model, self.dtype, device, tp_rank, tp_size, config.model.quantization
         )
@@ -115,7 +119,7 @@ class ModelRunner:
         """Blocks this rank can hold: a byte budget on CPU, measured free memory on CUDA (or the
         byte budget where one is set, checked against it)."""
         if self.device.type == "cuda":
-            return profile_num_blocks(self, self.config.cache.gpu_memory_utilization)
+            return profile_num_blocks(self, self.gpu_memory_utilization)
         memory = self.config.cache.kv_cache_memory
         if memory is None:
             memory = DEFAULT_CPU_KV_CACHE_MEMORY

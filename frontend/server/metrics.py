@@ -236,9 +236,9 @@ class _EngineGauges:
             "block_size": str(cache.block_size),
             "enable_prefix_caching": str(cache.enable_prefix_caching),
             "num_gpu_blocks": str(cache.num_blocks),
+            # Both "None" when unset, as vLLM labels an unset kv_cache_memory_bytes: they then
+            # follow from the device (CUDA: a 0.9 share and the rest of it; CPU: 1 GiB).
             "gpu_memory_utilization": str(cache.gpu_memory_utilization),
-            # "None" when unset, as vLLM labels its kv_cache_memory_bytes: the size then follows
-            # from the device (1 GiB on CPU, the rest of gpu_memory_utilization on CUDA).
             "kv_cache_memory_bytes": str(cache.kv_cache_memory),
         }
         doc = "The KV cache's configuration."

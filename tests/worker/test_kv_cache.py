@@ -12,6 +12,7 @@ from worker.kv_cache import (
     allocate_kv_caches,
     claim_cuda_memory,
     engine_peak_bytes,
+    gpu_memory_utilization,
     kv_bytes_per_block,
     num_blocks_for_cuda,
     num_blocks_for_memory,
@@ -58,6 +59,17 @@ def test_a_set_kv_cache_memory_is_the_cuda_cache_size_when_the_share_holds_it():
         num_blocks_for_cuda(80 * GIB, 20 * GIB, 0.9, 2 << 20, kv_cache_memory=53 * GIB)
     with pytest.raises(ConfigError, match="holds 0 blocks"):
         num_blocks_for_cuda(80 * GIB, 20 * GIB, 0.9, 2 << 20, kv_cache_memory=GIB >> 12)
+
+
+def test_gpu_memory_utilization_is_a_cuda_share_and_refused_on_cpu():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert gpu_memory_utilization(None, cuda) == 0.9
+    assert gpu_memory_utilization(0.4, cuda) == 0.4
+    assert gpu_memory_utilization(None, cpu) is None
+    with pytest.raises(
+        ConfigError, match=r"gpu_memory_utilization 0\.5 applies to CUDA.*--kv-cache-memory"
+    ):
+        gpu_memory_utilization(0.5, cpu)
 
 
 def test_cuda_errors_when_the_peak_leaves_no_room():

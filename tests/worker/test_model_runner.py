@@ -7,6 +7,7 @@ import torch
 
 from frontend.engine_args import EngineArgs
 from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from protocol.config import ConfigError
 from worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -79,6 +80,13 @@ def test_an_unset_cpu_kv_budget_is_one_gib(tiny_model_dir):
     assert config.cache.kv_cache_memory is None
     runner = ModelRunner(config, torch.device("cpu"))
     assert runner.determine_num_blocks() == (1 << 30) // runner.bytes_per_block()
+
+
+def test_a_cpu_runner_refuses_a_gpu_memory_share(tiny_model_dir):
+    # Nothing on CPU reads it: set, it is refused at start rather than silently ignored.
+    args = EngineArgs(model=str(tiny_model_dir), max_model_len=256, gpu_memory_utilization=0.5)
+    with pytest.raises(ConfigError, match="applies to CUDA devices, this engine runs on cpu"):
+        ModelRunner(args.create_engine_config(), torch.device("cpu"))
 
 
 def test_chunked_prefill_samples_only_when_the_prompt_is_complete(runner, config):
