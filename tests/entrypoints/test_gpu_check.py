@@ -8,7 +8,9 @@ hand, the timings, the table and its JSON) runs for real.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,44 @@ def test_its_flag_choices_are_the_engines_and_unknown_ones_are_refused():
         with pytest.raises(SystemExit) as exit_info:
             gpu_check.parse_args(flags)
         assert exit_info.value.code == 2
+
+
+def test_the_time_limit_stops_a_hung_test_and_what_it_started(tmp_path):
+    """A test that hangs (and started a child that holds pytest's output open) is stopped at
+    the limit with its whole process group; the stopped CUDA tests fail the check, a stopped
+    sample of the parity file passes on what it got through."""
+    from entrypoints.gpu_check import run_tests
+
+    marker = tmp_path / "child.pid"
+    test_file = tmp_path / "test_hangs.py"
+    test_file.write_text(
+        "import subprocess, time\n"
+        "def test_fast():\n    pass\n"
+        "def test_hangs():\n"
+        f"    child = subprocess.Popen(['sleep', '300'])\n"
+        f"    open({str(marker)!r}, 'w').write(str(child.pid))\n"
+        "    time.sleep(300)\n"
+    )
+    for stopped_may_pass in (False, True):
+        start = time.monotonic()
+        summary, passed = run_tests((str(test_file),), None, False, 600, 4.0, stopped_may_pass)
+        assert time.monotonic() - start < 30
+        assert summary == "stopped after 4 s: 1 passed" and passed is stopped_may_pass
+        child = int(marker.read_text())
+        deadline = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (killed, not yet reaped by its dead parent's reaper) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:  # reaped in between
+        return False
