@@ -187,7 +187,8 @@ def test_an_engine_on_the_triton_backend_gives_the_torch_backends_tokens(tiny_mo
             attention_backend=backend,
             max_num_batched_tokens=32,
             enable_prefix_caching=True,
-            gpu_memory_utilization=0.3,
+            # A share of the GPU beside the test's own tensors; a CPU engine takes none.
+            **({"gpu_memory_utilization": 0.3} if DEVICE.type == "cuda" else {}),
         ) as llm:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             tokens[backend] = [o.outputs[0].token_ids for o in outputs]
