@@ -48,7 +48,8 @@ def _prompts(num: int, vocab: int = 2000, seed: int = 0) -> list[list[int]]:
 
 def _generate(model_dir, prompts, **engine_args) -> list:
     engine_args.setdefault("kv_cache_memory", 64 << 20)
-    engine_args.setdefault("gpu_memory_utilization", 0.3)
+    if engine_args["device"] == "cuda":  # a CPU engine refuses a GPU memory share
+        engine_args.setdefault("gpu_memory_utilization", 0.3)
     with LLM(str(model_dir), engine="inprocess", seed=0, **engine_args) as llm:
         return [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
