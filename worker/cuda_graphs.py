@@ -16,6 +16,14 @@ captured during memory profiling, before the cache exists, and their memory is c
 A step of n decodes replays the graphs of the smallest captured size B >= n. Rows n .. B-1 are
 padding: they compute throwaway values from whatever the input buffers hold past n (earlier
 steps' tokens and positions, always valid), attention gives them zeros, and nobody reads them.
+
+Whole-forward graphs: with a backend whose decode attention launches from fixed device buffers
+alone (``full_decode_graphs``: the Triton kernel, one program per request), the pieces and the
+attention calls between them, 88 launches a step for a 28-layer model, become one graph (vLLM's
+"full decode-only" graphs). Such a graph bakes in the KV cache's address, so it is captured once
+the cache exists, replacing the piecewise graphs the memory profile measured (the same sizes, the
+same activations); the runner pads each replayed step in the fixed buffers (padding requests have
+no query token, no context and slot -1, so they read and write nothing).
 """
 
 from __future__ import annotations
@@ -97,12 +105,30 @@ class PiecewiseGraph:
         return self.output
 
 
-class DecodeGraphs:
-    """The captured batch sizes of one runner."""
+class WholeGraph:
+    """One batch size's whole forward, attention included, in one graph: its attention reads the
+    step from the runner's fixed buffers (``StepInputBuffers.prepare`` pads them), so replay
+    takes no metadata."""
 
-    def __init__(self, graphs: dict[int, PiecewiseGraph]) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> None:
+        self.graph = graph
+        self.output = output
+
+    def replay(self, metadata: AttentionMetadata) -> torch.Tensor:
+        self.graph.replay()
+        return self.output
+
+
+class DecodeGraphs:
+    """The captured batch sizes of one runner; ``whole``: one graph per size, attention in it
+    (else pieces around eager attention calls)."""
+
+    def __init__(
+        self, graphs: dict[int, PiecewiseGraph] | dict[int, WholeGraph], whole: bool = False
+    ) -> None:
         self.graphs = graphs
         self.sizes = sorted(graphs)
+        self.whole = whole
 
     def padded_size(self, num_tokens: int) -> int | None:
         return padded_size(num_tokens, self.sizes)
@@ -256,3 +282,37 @@ def capture_pieces(
     finally:
         _set_split(layers, None)
     return PiecewiseGraph(splitter.graphs, splitter.calls, output)
+
+
+@torch.inference_mode()
+def capture_whole_decode_graphs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    sizes: list[int],
+    graph_metadata: Callable[[int], AttentionMetadata],
+) -> DecodeGraphs:
+    """Capture ``model.forward`` for each B, attention included (a backend with
+    ``full_decode_graphs``, the KV cache bound): one launch replays a decode step.
+
+    ``graph_metadata(B)`` is a step of B padding requests on the runner's fixed buffers (nothing
+    read or written in the cache); the warm-up runs it for real, then the capture records it.
+    """
+    stream = torch.cuda.Stream(device=input_ids.device)
+    pool = torch.cuda.graph_pool_handle()
+    graphs = {}
+    for size in sorted(sizes, reverse=True):
+        metadata = graph_metadata(size)
+        ids, pos = input_ids[:size], positions[:size]
+        # Lazy set-up (cuBLAS workspaces, Triton compiles, the backend's decode tiles) happens
+        # here, on the capture stream, not inside the capture.
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            model.forward(ids, pos, metadata)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            output = model.forward(ids, pos, metadata)
+        graphs[size] = WholeGraph(graph, output)
+    torch.cuda.synchronize(input_ids.device)
+    return DecodeGraphs(graphs, whole=True)

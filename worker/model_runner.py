@@ -20,7 +20,12 @@ import torch
 
 from protocol import EngineConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from worker.attention.selector import select_backend
-from worker.cuda_graphs import DecodeGraphs, capture_decode_graphs, capture_sizes
+from worker.cuda_graphs import (
+    DecodeGraphs,
+    capture_decode_graphs,
+    capture_sizes,
+    capture_whole_decode_graphs,
+)
 from worker.device_buffers import HostCopier
 from worker.input_batch import InputBatch
 from worker.kv_cache import (
@@ -190,6 +195,56 @@ class ModelRunner:
             layer.kv_cache = cache
             layer.backend = self.backend
         self.num_blocks = num_blocks
+        if self.decode_graphs is not None and self.backend.full_decode_graphs:
+            self._capture_whole_decode_graphs()
+
+    def _capture_whole_decode_graphs(self) -> None:
+        """Replace the piecewise graphs with whole-forward ones, attention inside.
+
+        They bake in the KV cache's address, so they are captured once the cache exists; the
+        piecewise ones, captured while profiling, measured the memory that graphs of these
+        sizes keep and are let go first, so these take that room back. If the capture fails,
+        the piecewise graphs come back (they need nothing the cache changed).
+        """
+        sizes = self.decode_graphs.sizes
+        piecewise_bytes = self.cuda_graph_bytes
+        self.decode_graphs = None
+        gc.collect()  # the pieces' records hold the attention output buffers
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved(self.device)
+        start = time.perf_counter()
+        try:
+            self.decode_graphs = capture_whole_decode_graphs(
+                self.model,
+                self.inputs.input_ids.device_tensor,
+                self.inputs.positions.device_tensor,
+                sizes,
+                self.inputs.graph_metadata,
+            )
+        except Exception as error:  # noqa: BLE001 - any capture failure leaves the pieces
+            logger.warning(
+                "whole-forward decode graphs failed (%s: %s): attention runs between graph "
+                "pieces instead",
+                type(error).__name__,
+                error,
+            )
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            self.capture_cuda_graphs()
+            return
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        self.cuda_graph_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        logger.info(
+            "captured whole-forward decode CUDA graphs (attention inside) for %d batch sizes "
+            "(1 .. %d) in %.1f s, %.0f MiB (the piecewise ones kept %.0f MiB)",
+            len(sizes),
+            sizes[-1],
+            time.perf_counter() - start,
+            self.cuda_graph_bytes / (1 << 20),
+            piecewise_bytes / (1 << 20),
+        )
 
     def release(self) -> None:
         """Let go of every device tensor: the KV cache, the graphs and their pool, the weights.
@@ -221,7 +276,10 @@ class ModelRunner:
         rows = batch.scheduled_rows()
         if len(rows) == 0:
             return ModelRunnerOutput(step_id=scheduler_output.step_id)
-        inputs = self.inputs.prepare(batch, rows, self.block_size)
+        graphs = self.decode_graphs
+        inputs = self.inputs.prepare(
+            batch, rows, self.block_size, graphs.padded_size if graphs and graphs.whole else None
+        )
         row_list = inputs.sampling_rows.tolist()
         params = [batch.row_states[row].sampling_params for row in row_list]
         # The sampling inputs are built before the forward is launched: their uploads queue

@@ -12,13 +12,14 @@ written into. On CPU the host buffers are the inputs and the table is the batch'
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from worker.attention.backend import AttentionMetadata
-from worker.attention.metadata_builder import step_layout
+from worker.attention.metadata_builder import StepLayout, step_layout
 from worker.device_buffers import StagingBuffer, StepUploads
 from worker.input_batch import InputBatch
 
@@ -105,10 +106,25 @@ class StepInputBuffers:
         self.seq_lens = StagingBuffer(max_num_reqs, torch.int32, device)
         self.logits_indices = StagingBuffer(max_num_reqs, torch.int64, device)
         self.block_table = DeviceBlockTable(batch, device, mirror_block_table)
+        # [max_num_seqs, max_blocks] int32: the rows a whole-forward decode graph reads (its
+        # attention reads the table at a fixed address); made with the first such graph.
+        self.graph_block_table: torch.Tensor | None = None
         self._uploads = StepUploads(device)
 
-    def prepare(self, batch: InputBatch, rows: np.ndarray, block_size: int) -> StepInputs:
-        """Inputs for the scheduled ``rows`` (in that order) of ``batch``, on the device."""
+    def prepare(
+        self,
+        batch: InputBatch,
+        rows: np.ndarray,
+        block_size: int,
+        decode_graph_size: Callable[[int], int | None] | None = None,
+    ) -> StepInputs:
+        """Inputs for the scheduled ``rows`` (in that order) of ``batch``, on the device.
+
+        ``decode_graph_size`` (the runner's, while it has whole-forward decode graphs): a
+        decode-only step that one replays, of n requests padded to its size B, also gets its
+        padding in the fixed buffers (rows n .. B-1: no query token, no context, slot -1) and
+        its block table rows in ``graph_block_table``. The metadata still covers the n.
+        """
         # The host buffers are about to be rewritten: the previous step's copies must have run.
         self._uploads.wait()
         self.block_table.apply_changes(batch.take_changed_block_rows())
@@ -120,12 +136,22 @@ class StepInputBuffers:
         # chunk that stops short of the end produces no token (its logits would be thrown away).
         samples = num_computed + num_scheduled >= batch.num_tokens[rows]
         last_token = layout.query_start_loc[1:] - 1
+        num_reqs = len(rows)
+        graph_size = None
+        if decode_graph_size is not None and layout.max_query_len == 1:
+            graph_size = decode_graph_size(layout.num_tokens)
+        block_table = self.block_table.rows_of(rows)
+        if graph_size is None:
+            slots, starts, seq_lens = layout.slot_mapping, layout.query_start_loc, layout.seq_lens
+        else:
+            slots, starts, seq_lens = _padded_decode(layout, graph_size)
+            self._graph_table()[:num_reqs].copy_(block_table)
         metadata = AttentionMetadata(
             num_actual_tokens=layout.num_tokens,
-            slot_mapping=self.slot_mapping.stage(layout.slot_mapping),
-            query_start_loc=self.query_start_loc.stage(layout.query_start_loc),
-            seq_lens=self.seq_lens.stage(layout.seq_lens),
-            block_table=self.block_table.rows_of(rows),
+            slot_mapping=self.slot_mapping.stage(slots)[: layout.num_tokens],
+            query_start_loc=self.query_start_loc.stage(starts)[: num_reqs + 1],
+            seq_lens=self.seq_lens.stage(seq_lens)[:num_reqs],
+            block_table=block_table,
             max_query_len=layout.max_query_len,
             max_seq_len=layout.max_seq_len,
             query_start_loc_cpu=layout.query_start_loc,
@@ -140,3 +166,52 @@ class StepInputBuffers:
         )
         self._uploads.uploaded()
         return inputs
+
+    def graph_metadata(self, size: int) -> AttentionMetadata:
+        """A decode step of ``size`` padding requests on the fixed buffers, which a
+        whole-forward decode graph of that size is captured on: its attention reads and writes
+        nothing, whatever the cache holds; at replay ``prepare`` has put the step's values
+        where it reads."""
+        self._uploads.wait()
+        empty = StepLayout(
+            query_start_loc=np.zeros(1, dtype=np.int32),
+            positions=np.zeros(0, dtype=np.int64),
+            slot_mapping=np.zeros(0, dtype=np.int64),
+            seq_lens=np.zeros(0, dtype=np.int32),
+            max_query_len=1,
+            max_seq_len=0,
+        )
+        slots, starts, seq_lens = _padded_decode(empty, size)
+        metadata = AttentionMetadata(
+            num_actual_tokens=size,
+            slot_mapping=self.slot_mapping.stage(slots),
+            query_start_loc=self.query_start_loc.stage(starts),
+            seq_lens=self.seq_lens.stage(seq_lens),
+            block_table=self._graph_table()[:size],
+            max_query_len=1,
+            max_seq_len=0,
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=seq_lens,
+        )
+        self._uploads.uploaded()
+        return metadata
+
+    def _graph_table(self) -> torch.Tensor:
+        if self.graph_block_table is None:
+            shape = self.block_table.table.shape
+            self.graph_block_table = torch.zeros(
+                shape, dtype=torch.int32, device=self.block_table.device
+            )
+        return self.graph_block_table
+
+
+def _padded_decode(layout: StepLayout, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Slots, query starts and context lengths of a decode step padded to ``size`` requests:
+    the padding has no query token (its start repeats the end), no context and slot -1."""
+    num_reqs = len(layout.seq_lens)
+    pad = size - num_reqs
+    slots = np.concatenate([layout.slot_mapping, np.full(pad, -1, dtype=np.int64)])
+    end = layout.query_start_loc[-1]
+    starts = np.concatenate([layout.query_start_loc, np.full(pad, end, dtype=np.int32)])
+    seq_lens = np.concatenate([layout.seq_lens, np.zeros(pad, dtype=np.int32)])
+    return slots, starts, seq_lens

@@ -14,6 +14,7 @@ from frontend.engine_args import EngineArgs
 from worker.attention.metadata_builder import build_attention_metadata
 from worker.cuda_graphs import (
     AttentionOutputs,
+    DecodeGraphs,
     PieceSplitter,
     PiecewiseGraph,
     capture_pieces,
@@ -119,3 +120,75 @@ def test_a_cpu_runner_never_captures_graphs(tiny_model_dir):
     assert not config.enforce_eager
     runner = ModelRunner(config, CPU)
     assert runner.capture_cuda_graphs() == 0 and runner.decode_graphs is None
+
+
+class ForwardOnFixedBuffers:
+    """Stands in for a whole-forward graph on CPU: its replay reruns the forward on exactly what
+    a capture bakes in (the fixed input buffers' first B rows and the capture's metadata over
+    the fixed buffers) and ignores the step's metadata, as a replay does."""
+
+    def __init__(self, runner: ModelRunner, size: int, replays: list[int]) -> None:
+        self.runner, self.size, self.replays = runner, size, replays
+        self.metadata = runner.inputs.graph_metadata(size)
+        self.ids = runner.inputs.input_ids.device_tensor[:size]
+        self.positions = runner.inputs.positions.device_tensor[:size]
+
+    def replay(self, metadata) -> torch.Tensor:
+        self.replays.append(self.size)
+        return self.runner.model.forward(self.ids, self.positions, self.metadata)
+
+
+@pytest.mark.gpu_kernel
+def test_a_whole_graph_reads_every_step_it_replays_from_the_fixed_buffers(tiny_model_dir):
+    # The contract whole-forward graphs rest on (the capture itself runs on a GPU,
+    # tests/worker/test_cuda.py): with the step padded into the fixed buffers, the forward the
+    # graph recorded gives the eager runner's tokens, batch after batch, padding included.
+    from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+    from worker.attention.triton_backend import triton_import_error
+
+    if triton_import_error() is not None:
+        pytest.skip(f"needs triton ({triton_import_error()})")
+    greedy = SamplingParams(temperature=0.0)
+    runners, replays = [], []
+    for whole in (False, True):
+        config = EngineArgs(
+            model=str(tiny_model_dir),
+            max_num_seqs=8,
+            max_model_len=64,
+            kv_cache_memory=4 << 20,
+            device="cpu",
+            dtype="float32",
+            attention_backend="triton",
+        ).create_engine_config()
+        runner = ModelRunner(config, CPU)
+        assert runner.backend.full_decode_graphs
+        runner.initialize_cache(runner.determine_num_blocks())
+        if whole:
+            graphs = {size: ForwardOnFixedBuffers(runner, size, replays) for size in (2, 4, 8)}
+            runner.decode_graphs = DecodeGraphs(graphs, whole=True)
+        runners.append(runner)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 200, n).tolist() for n in (5, 9, 3, 14, 7)]
+    blocks = [[1 + 4 * i + j for j in range(4)] for i in range(len(prompts))]
+    new = [NewRequestData(i, p, greedy, blocks[i], 0, len(p)) for i, p in enumerate(prompts)]
+    tokens = [[] for _ in runners]
+    computed = {i: len(p) for i, p in enumerate(prompts)}
+    steps = [SchedulerOutput(1, new)]
+    for step, live in enumerate([[0, 1, 2, 3, 4]] * 3 + [[0, 2, 3]] * 3 + [[1]] * 2, start=2):
+        cached = CachedRequestData(
+            req_ids=live,
+            new_block_ids=[[] for _ in live],
+            num_computed_tokens=[computed[r] for r in live],
+            num_scheduled_tokens=[1] * len(live),
+            resumed_token_ids={},
+        )
+        steps.append(SchedulerOutput(step, scheduled_cached_reqs=cached))
+        for r in live:
+            computed[r] += 1
+    for step in steps:
+        for runner, got in zip(runners, tokens):
+            output = runner.execute_model(step)
+            got.append(dict(zip(output.req_ids, output.sampled_token_ids)))
+    assert tokens[1] == tokens[0]
+    # 5 decodes pad to 8, 3 to 4, 1 to 2: each step replayed the smallest graph that holds it.
+    assert replays == [8] * 3 + [4] * 3 + [2] * 2

@@ -211,3 +211,55 @@ def test_the_output_lands_in_a_buffer_the_caller_gives():
     assert out.data_ptr() == buffer.data_ptr()
     expected = torch.cat([reference_attention(r, HEAD_DIM**-0.5) for r in requests]).float()
     assert_close(buffer, expected)
+
+
+def test_a_decode_step_padded_for_a_whole_graph_matches_and_writes_only_its_slots():
+    # A whole-forward CUDA graph of 8 replays a step of 4 decodes with 4 padding requests
+    # (worker/step_inputs.py pads the fixed buffers): the real rows must come out as without the
+    # padding, and the cache must change at the real slots alone.
+    from worker.attention.backend import AttentionMetadata
+    from worker.attention.metadata_builder import StepLayout
+    from worker.step_inputs import _padded_decode
+
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(n, 1) for n in (0, 15, 16, 40)]
+    pool = np.random.default_rng(5).permutation(20).tolist()
+    requests = make_requests(gen, pool, shapes, 16, 8, 2, torch.float32)
+    kv_cache = torch.zeros(TorchAttentionBackend.kv_cache_shape(20, 16, 2, HEAD_DIM))
+    for r in requests:
+        store_prefix(kv_cache, r, 16)
+    metadata, positions, query, key, value = step_inputs(requests, 16, DEVICE)
+    layout = StepLayout(
+        query_start_loc=metadata.query_start_loc_cpu,
+        positions=positions,
+        slot_mapping=metadata.slot_mapping.cpu().numpy(),
+        seq_lens=metadata.seq_lens_cpu,
+        max_query_len=1,
+        max_seq_len=metadata.max_seq_len,
+    )
+    slots, starts, seq_lens = _padded_decode(layout, 8)
+    table = metadata.block_table.cpu()
+    # Stale rows from earlier steps: blocks the padding must not read.
+    stale = torch.from_numpy(np.random.default_rng(1).integers(0, 20, (4, table.shape[1])))
+    padded = AttentionMetadata(
+        num_actual_tokens=8,
+        slot_mapping=torch.from_numpy(slots).to(DEVICE),
+        query_start_loc=torch.from_numpy(starts).to(DEVICE),
+        seq_lens=torch.from_numpy(seq_lens).to(DEVICE),
+        block_table=torch.cat([table, stale.to(table.dtype)]).to(DEVICE),
+        max_query_len=1,
+        max_seq_len=metadata.max_seq_len,
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+    noise = [torch.randn(4, *x.shape[1:]) * 100 for x in (query, key, value)]
+    q8, k8, v8 = (torch.cat([x.cpu(), n]).to(DEVICE) for x, n in zip((query, key, value), noise))
+    backend = TritonAttentionBackend()
+    cache_padded, cache_plain = kv_cache.to(DEVICE), kv_cache.to(DEVICE)
+    out8 = backend.forward(q8, k8, v8, cache_padded, padded, HEAD_DIM**-0.5)
+    out4 = backend.forward(query, key, value, cache_plain, metadata, HEAD_DIM**-0.5)
+    assert out8.shape[0] == 8
+    torch.testing.assert_close(out8[:4], out4, atol=0, rtol=0)
+    assert torch.equal(cache_padded, cache_plain)
+    expected = torch.cat([reference_attention(r, HEAD_DIM**-0.5) for r in requests]).float()
+    assert_close(out4, expected)

@@ -50,6 +50,11 @@ class AttentionBackend(ABC):
     # Whether forward takes ``out=``, a dense [num_tokens, num_heads, head_dim] buffer to write
     # the output into (CUDA graph pieces read attention's output from fixed buffers).
     accepts_out: bool = False
+    # Whether a decode-only step's attention may be captured in a CUDA graph with the whole
+    # forward (worker/cuda_graphs.py): it launches from fixed device buffers alone, and a
+    # padding request (query length 0, context 0, slot -1) writes nothing. Else the graphs are
+    # cut at every attention call, which runs eagerly between them.
+    full_decode_graphs: bool = False
     # Whether forward takes attention sinks (models with them cannot use a backend without).
     supports_sinks: bool = True
 

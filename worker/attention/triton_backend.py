@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from worker.attention.backend import AttentionBackend, AttentionMetadata
-from worker.attention.torch_backend import TorchAttentionBackend, write_kv
+from worker.attention.torch_backend import TorchAttentionBackend
+from worker.cuda_graphs import MAX_CAPTURE_SIZE
 from worker.device_buffers import array_to_device
 
 # Score-matrix rows per program: a decode-only step has one token per request, so its tiles are
@@ -86,9 +87,17 @@ class TritonAttentionBackend(AttentionBackend):
     # forward(..., out=buffer) writes the output there (a dense [tokens, heads, head_dim]).
     accepts_out = True
 
+    # A decode-only step's attention reads nothing the host plans per step (one tile per
+    # request, from fixed buffers), so it can run inside a CUDA graph with the rest of the
+    # forward; a padding request (no query tokens, slot -1) costs one empty program.
+    full_decode_graphs = True
+
     def __init__(self) -> None:
         self._plan_key: tuple[object, ...] | None = None
         self._plan: _TilePlan | None = None
+        # 0, 1, 2, ... and zeros: a decode step's tiles, request i's one token in tile i. Grown,
+        # never replaced while smaller, so a captured graph's addresses stay valid.
+        self._decode_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # The torch backend's layout, from its one definition: the two read and write the same cache.
     kv_cache_shape = staticmethod(TorchAttentionBackend.kv_cache_shape)
@@ -99,6 +108,18 @@ class TritonAttentionBackend(AttentionBackend):
             self._plan = _TilePlan(metadata.query_start_loc_cpu, rows, group, device)
             self._plan_key = key
         return self._plan
+
+    def _decode_tiles_for(self, num_reqs: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        tiles = self._decode_tiles
+        if tiles is None or len(tiles[0]) < num_reqs or tiles[0].device != torch.device(device):
+            # At least the largest captured batch: the graphs' warm-up allocates it, not a capture.
+            size = max(MAX_CAPTURE_SIZE, 1 << (num_reqs - 1).bit_length())
+            tiles = (
+                torch.arange(size, dtype=torch.int32, device=device),
+                torch.zeros(size, dtype=torch.int32, device=device),
+            )
+            self._decode_tiles = tiles
+        return tiles[0][:num_reqs], tiles[1][:num_reqs]
 
     def forward(
         self,
@@ -118,7 +139,10 @@ class TritonAttentionBackend(AttentionBackend):
         head_dim_pad = max(16, 1 << (head_dim - 1).bit_length())
         kernels = _kernels()
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        if num_tokens and key.stride(-1) == value.stride(-1) == 1:
+        if num_tokens:
+            # The kernel reads a head's dims contiguously (a view into a fused qkv output is).
+            key = key if key.stride(-1) == 1 else key.contiguous()
+            value = value if value.stride(-1) == 1 else value.contiguous()
             kernels.store_kv[(num_tokens, num_kv_heads)](
                 key,
                 value,
@@ -136,9 +160,6 @@ class TritonAttentionBackend(AttentionBackend):
                 HEAD_DIM_PAD=head_dim_pad,
                 BLOCK_SIZE=block_size,
             )
-        else:
-            slots = metadata.slot_mapping[:num_tokens]
-            write_kv(kv_cache, key[:num_tokens], value[:num_tokens], slots)
         # Into the caller's buffer when it has one (a graph piece's input: no copy after).
         if out is None:
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -151,8 +172,13 @@ class TritonAttentionBackend(AttentionBackend):
         group = query.shape[1] // num_kv_heads
         base_rows = _DECODE_ROWS if metadata.max_query_len <= 1 else _PREFILL_ROWS
         rows = max(base_rows, 1 << (group - 1).bit_length())
-        plan = self._plan_for(metadata, rows, group, query.device)
-        kernels.paged_attention[(plan.num_tiles, num_kv_heads)](
+        if metadata.max_query_len <= 1:
+            num_tiles = metadata.num_reqs
+            tile_req, tile_start = self._decode_tiles_for(num_tiles, query.device)
+        else:
+            plan = self._plan_for(metadata, rows, group, query.device)
+            num_tiles, tile_req, tile_start = plan.num_tiles, plan.tile_req_dev, plan.tile_start_dev
+        kernels.paged_attention[(num_tiles, num_kv_heads)](
             query,
             k_cache,
             v_cache,
@@ -160,8 +186,8 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.block_table,
             metadata.seq_lens,
             metadata.query_start_loc,
-            plan.tile_req_dev,
-            plan.tile_start_dev,
+            tile_req,
+            tile_start,
             sinks if sinks is not None else query,  # unread without USE_SINKS
             scale,
             float(softcap or 0.0),

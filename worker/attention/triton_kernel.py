@@ -142,12 +142,14 @@ def store_kv(
     BLOCK_SIZE: tl.constexpr,
 ):
     """One token's key and value for one KV head into the cache at its slot (block * size +
-    offset): K and V in one launch, where two index copies took two."""
+    offset): K and V in one launch, where two index copies took two. A negative slot writes
+    nothing: the padding rows of a CUDA graph's decode step."""
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_ok = dims < HEAD_DIM
+    # No dims stored for a negative slot (a scalar-by-vector mask, as the interpreter takes it).
+    dim_ok = dims < HEAD_DIM * (slot >= 0).to(tl.int32)
     key = tl.load(key_ptr + token * stride_kt + kv_head * stride_kh + dims, mask=dim_ok)
     value = tl.load(value_ptr + token * stride_vt + kv_head * stride_vh + dims, mask=dim_ok)
     where = (
