@@ -38,6 +38,14 @@ def test_the_dry_run_goes_end_to_end_on_cpu(tmp_path):
         assert row["graphs_s"] is row["eager_launches"] is row["graphs_launches"] is None
     assert [row["prompt_len"] for row in report["prefill"]] == [128, 512, 2048]
     assert report["peak_memory"] is None and report["weight_read_s"] > 0
+    # A step's read limit: the weights once, and each request's context K/V (2 x layers x KV
+    # heads x head dim floats a token; the tiny model: 2 layers, 2 KV heads of 16).
+    assert report["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    per_request = 32 * report["kv_bytes_per_token"] / report["bandwidth"]
+    for batch in (1, 256):
+        expected = report["weight_read_s"] + batch * per_request
+        assert report["read_limit_s"][str(batch)] == pytest.approx(expected)
+    assert "| read limit ms | best / read limit |" in result.stdout
     # The same measurement with the other backend, and the offline runs through the engine.
     comparison = report["comparison"]
     assert [row["batch"] for row in comparison["decode"]] == [1, 16, 64, 256]
