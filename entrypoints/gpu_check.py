@@ -45,6 +45,8 @@ CUDA_TEST_FILES = (
     "tests/worker/test_cuda.py",
     "tests/worker/test_attention.py",
     "tests/worker/test_triton_attention.py",
+    "tests/worker/test_triton_ops.py",
+    "tests/worker/test_cuda_graphs.py",
 )
 CUDA_MARKERS = "cuda or gpu_kernel"
 # The model tests against transformers, run on the GPU (every engine there on CUDA, in float32):

@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers import triton_ops
 from worker.layers.cpu_ops import DTYPES as COMPILED_DTYPES
 from worker.layers.cpu_ops import TokenOps, load_token_ops
 from worker.layers.linear import default_weight_loader
+from worker.layers.triton_ops import use_triton_ops
 
 
 def rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,6 +68,16 @@ class RMSNorm(nn.Module):
                 # One compiled pass instead of five ops (worker/layers/cpu_ops.py).
                 normed, summed = ops.add_rms_norm(x, residual, self.weight, self.eps)
                 return normed if summed is None else (normed, summed)
+        if (
+            use_triton_ops(x)
+            and x.shape[-1] == self.weight.shape[0]
+            and x.dtype == self.weight.dtype
+            and x.stride(-1) == 1
+            and (residual is None or residual.stride(-1) == 1)
+        ):
+            # One kernel instead of five torch ops (worker/layers/triton_ops.py).
+            normed, summed = triton_ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return normed if summed is None else (normed, summed)
         if residual is None:
             return rms_normalize(x, self.weight, self.eps)
         x = x + residual

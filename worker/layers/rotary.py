@@ -24,8 +24,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from worker.layers import triton_ops
 from worker.layers.cpu_ops import TokenOps, load_token_ops
 from worker.layers.norm import rms_normalize
+from worker.layers.triton_ops import use_triton_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -278,6 +280,23 @@ def normalize_and_rotate(
     ops = load_token_ops() if qk.is_cpu else None
     if ops is not None and TokenOps.takes_heads(qk, weight, *angles):
         return ops.qk_norm_rope_(qk, weight, eps, *angles)
+    if use_triton_ops(qk) and qk.stride(-1) == 1 and _triton_takes(qk, weight, angles):
+        # One kernel for what took about nine torch ops (worker/layers/triton_ops.py).
+        return triton_ops.qk_norm_rope_(qk, weight, eps, *angles)
     if weight is not None:
         qk = rms_normalize(qk, weight, eps)
     return rotate_(qk, angles)
+
+
+def _triton_takes(qk: torch.Tensor, weight: torch.Tensor | None, angles: RotaryAngles) -> bool:
+    """The kernel's layout: a [heads, head_dim] weight in one block, angles [T, 1, half] whose
+    rows are contiguous, all in the activations' dtype (else torch promotes, and so do we)."""
+    cos, sin = angles
+    if weight is not None and (
+        weight.shape != qk.shape[1:] or not weight.is_contiguous() or weight.dtype != qk.dtype
+    ):
+        return False
+    return all(
+        a.dim() == 3 and a.shape[1] == 1 and a.stride(-1) == 1 and a.dtype == qk.dtype
+        for a in (cos, sin)
+    )

@@ -1,0 +1,171 @@
+"""The Triton token ops (worker/layers/triton_ops.py) against the torch ops they replace on CUDA.
+
+On the CPU they run under Triton's interpreter (TRITON_INTERPRET=1, set by tests/devices.py): the
+same kernel source, each program executed with numpy; with CONVEYOR_TEST_DEVICE=cuda they are
+compiled and run on the GPU. float32 and bfloat16: each kernel rounds where the torch ops round.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.devices import TEST_DEVICE
+from worker.attention.triton_backend import triton_import_error
+from worker.layers import triton_ops
+from worker.layers.activation import SiluAndMul
+from worker.layers.norm import rms_normalize
+from worker.layers.rotary import RotaryAngles, rotate_
+
+pytestmark = [
+    pytest.mark.gpu_kernel,
+    pytest.mark.skipif(
+        triton_import_error() is not None, reason=f"needs triton ({triton_import_error()})"
+    ),
+]
+DEVICE = torch.device("cuda" if TEST_DEVICE == "cuda" else "cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32: within a few ulp (the reductions' order differs). bfloat16: the same roundings
+    as the torch ops, so nearly every value bit for bit; the rest, where a float32 sum of
+    squares (or an exp) came out an ulp apart and a rounding flipped, within two ulp of the
+    values' scale (rounding in the wrong places differs in about a quarter of them)."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        return
+    torch.testing.assert_close(got.float(), expected.float(), atol=2**-6, rtol=2**-7)
+    same = (got == expected).float().mean().item()
+    assert same >= 0.99, f"only {same:.1%} of the bfloat16 values equal the torch ops'"
+
+
+def _rows(num_rows: int, size: int, dtype, seed: int, spare: int = 0) -> torch.Tensor:
+    """[num_rows, size] values of a few scales; with ``spare``, a view into wider rows."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.logspace(-2, 1, num_rows).unsqueeze(1)
+    wide = torch.randn(num_rows, size + spare, generator=gen) * scale
+    return wide.to(DEVICE, dtype)[:, :size]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [64, 100, 1024])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_the_torch_ops(dtype, size, with_residual):
+    x = _rows(7, size, dtype, seed=size, spare=5)  # rows strided like a slice of a wider output
+    residual = _rows(7, size, dtype, seed=size + 1) if with_residual else None
+    weight = (1.0 + 0.1 * torch.randn(size, generator=torch.Generator().manual_seed(3))).to(
+        DEVICE, dtype
+    )
+    normed, summed = triton_ops.add_rms_norm(x, residual, weight, 1e-6)
+    if residual is None:
+        assert summed is None
+        expected = rms_normalize(x, weight, 1e-6)
+    else:
+        expected_sum = x + residual
+        assert torch.equal(summed, expected_sum)  # one rounding of an exact sum
+        expected = rms_normalize(expected_sum, weight, 1e-6)
+    assert normed.shape == x.shape and normed.dtype == dtype
+    _close(normed, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("head_dim", "half"),
+    [(128, 64), (64, 32), (80, 40), (128, 32)],  # the last: partial rotary, 64 dims left as is
+)
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_qk_norm_rope_matches_the_torch_ops_in_place(dtype, head_dim, half, with_weight):
+    num_tokens, num_heads, num_kv_heads = 5, 4, 2
+    heads = num_heads + num_kv_heads
+    gen = torch.Generator().manual_seed(head_dim + half)
+    # Queries and keys as the model has them: a view into the fused qkv projection's output.
+    qkv = (torch.randn(num_tokens, (heads + num_kv_heads) * head_dim, generator=gen) * 3).to(
+        DEVICE, dtype
+    )
+    qk = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    weight = None
+    if with_weight:
+        weight = (1.0 + 0.2 * torch.randn(heads, head_dim, generator=gen)).to(DEVICE, dtype)
+    angle = torch.rand(num_tokens, 1, half, generator=gen) * 6.0
+    angles = RotaryAngles(angle.cos().to(DEVICE, dtype), angle.sin().to(DEVICE, dtype))
+    reference = qk.clone()
+    if weight is not None:
+        reference = rms_normalize(reference, weight, 1e-6)
+    reference = rotate_(reference, angles)
+    values = qkv[:, heads * head_dim :].clone()
+    out = triton_ops.qk_norm_rope_(qk, weight, 1e-6, *angles)
+    assert out.data_ptr() == qk.data_ptr()
+    _close(qk, reference)
+    assert torch.equal(qkv[:, heads * head_dim :], values)  # the values' columns untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("size", [96, 3000])  # 3000: three column blocks, the last partial
+def test_silu_and_mul_matches_the_torch_ops(dtype, size):
+    x = _rows(3, 2 * size, dtype, seed=size) * 3
+    out = triton_ops.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate).mul_(up)
+    assert out.shape == (3, size)
+    # silu's exp may differ by an ulp between libraries: the rounding to bfloat16 then can too.
+    _close(out, expected)
+
+
+def test_the_layers_use_them_only_on_cuda_and_the_variable_turns_them_off(monkeypatch):
+    cpu = torch.zeros(2, 4)
+    assert not triton_ops.use_triton_ops(cpu)  # the CPU keeps its compiled ops
+    triton_ops.triton_ops_enabled.cache_clear()
+    try:
+        assert triton_ops.triton_ops_enabled()
+        monkeypatch.setenv("CONVEYOR_TRITON_OPS", "0")
+        triton_ops.triton_ops_enabled.cache_clear()
+        assert not triton_ops.triton_ops_enabled()
+    finally:
+        monkeypatch.delenv("CONVEYOR_TRITON_OPS")
+        triton_ops.triton_ops_enabled.cache_clear()
+    assert SiluAndMul()(torch.ones(1, 4)).shape == (1, 2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "phi3"])  # q/k norms; none; partial rotary
+def test_a_model_on_the_triton_ops_gives_the_torch_ops_tokens(arch, monkeypatch):
+    # Through the layers' own dispatch (shapes, strides, the fused qkv views), on CPU by letting
+    # the CPU take the Triton path in place of its compiled ops; the same tokens either way.
+    from frontend import LLM
+    from protocol import SamplingParams
+    from worker.layers import activation, norm, rotary
+    from worker.model_maker import ensure_model
+
+    calls = {"add_rms_norm": 0, "qk_norm_rope_": 0, "silu_and_mul": 0}
+    for name in calls:
+        original = getattr(triton_ops, name)
+
+        def counted(*args, _original=original, _name=name):
+            calls[_name] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(triton_ops, name, counted)
+    for module in (norm, rotary, activation):
+        monkeypatch.setattr(module, "load_token_ops", lambda: None)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 17, 33, 2, 9], list(range(3, 40)), [100, 7]]
+    tokens = {}
+    for fused in (False, True):
+        for module in (norm, rotary, activation):
+            monkeypatch.setattr(module, "use_triton_ops", lambda x, fused=fused: fused)
+        with LLM(
+            str(ensure_model("tiny", arch)),
+            engine="inprocess",
+            device=DEVICE.type,
+            dtype="float32",
+            enforce_eager=True,
+            **({"gpu_memory_utilization": 0.3} if DEVICE.type == "cuda" else {}),
+        ) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            tokens[fused] = [o.outputs[0].token_ids for o in outputs]
+        if not fused:
+            assert set(calls.values()) == {0}
+    assert tokens[True] == tokens[False]
+    assert calls["add_rms_norm"] > 0 and calls["silu_and_mul"] > 0
+    assert calls["qk_norm_rope_"] > 0

@@ -1,0 +1,138 @@
+"""The small token-wise ops of a decoder layer as one Triton kernel each, on CUDA.
+
+Runs in worker processes. Between its four matmuls and attention, a Qwen3 layer ran about twenty
+torch kernels on CUDA: the residual add and RMSNorm as five (add, cast up, norm, cast down,
+scale), twice, q/k norm and RoPE as nine, SiLU times up as two. Inside a whole-forward CUDA graph
+each still costs the GPU 1-3 us however little it does: measured on an H200, they were 44 % of a
+decode step's kernel time at batch 64 (docs/performance.md#gpu). Here each group is one kernel:
+
+- ``add_rms_norm``: (x + residual, norm of it) in one pass, or the norm alone;
+- ``qk_norm_rope_``: every query and key head of the step normalised and rotated in place;
+- ``silu_and_mul``: silu(gate) * up.
+
+Each rounds to the activation dtype where the torch ops do, so bfloat16 results match them (and
+transformers) rather than drifting. The layers call these on CUDA tensors when Triton imports and
+``CONVEYOR_TRITON_OPS`` is not ``0``; everything else keeps the torch ops (and the CPU its
+compiled ops, worker/layers/cpu_ops.py). The CPU tests run the same kernels through Triton's
+interpreter against the torch ops (tests/worker/test_triton_ops.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def triton_ops_enabled() -> bool:
+    """Whether CUDA layers use these kernels: Triton imports and they were not turned off."""
+    if os.environ.get("CONVEYOR_TRITON_OPS", "1") == "0":
+        return False
+    # Imported here: the attention package imports the layers.
+    from worker.attention.triton_backend import triton_import_error
+
+    return triton_import_error() is None
+
+
+def use_triton_ops(x: torch.Tensor) -> bool:
+    return x.is_cuda and triton_ops_enabled()
+
+
+def _kernels():
+    from worker.layers import triton_token_kernels
+
+    return triton_token_kernels
+
+
+def _block(size: int) -> int:
+    return max(16, 1 << (size - 1).bit_length())
+
+
+def _warps(block: int) -> int:
+    # About 8 elements a thread; 1 warp for a head, up to 16 for an 8k-wide row.
+    return min(16, max(1, block // 256))
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x, residual [..., size] (last dim contiguous) -> (norm(x + residual), x + residual), or
+    (norm(x), None) without a residual: RMSNorm.forward's contract, new tensors."""
+    size = x.shape[-1]
+    rows = x.reshape(-1, size)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    summed = None
+    res_rows = rows
+    if residual is not None:
+        res_rows = residual.reshape(-1, size)
+        summed = torch.empty_like(out)
+    block = _block(size)
+    if rows.shape[0]:
+        _kernels().add_rms_norm[(rows.shape[0],)](
+            rows,
+            res_rows,
+            weight,
+            out,
+            summed if summed is not None else out,
+            rows.stride(0),
+            res_rows.stride(0),
+            out.stride(0),
+            out.stride(0),
+            eps,
+            SIZE=size,
+            BLOCK=block,
+            HAS_RESIDUAL=residual is not None,
+            num_warps=_warps(block),
+        )
+    out = out.view(x.shape)
+    return out, None if summed is None else summed.view(x.shape)
+
+
+def qk_norm_rope_(
+    qk: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """qk [T, heads, head_dim] (each head contiguous; a view into the qkv output is fine): each
+    head normalised times its ``weight`` row [heads, head_dim] (skipped when None), then rotated
+    by cos, sin [T, 1, half] (neox style, the first 2 * half dims), in place; returns qk."""
+    num_tokens, num_heads, head_dim = qk.shape
+    half = cos.shape[-1]
+    rest = head_dim - 2 * half
+    if num_tokens:
+        _kernels().qk_norm_rope[(num_tokens, num_heads)](
+            qk,
+            weight if weight is not None else qk,
+            cos,
+            sin,
+            qk.stride(0),
+            qk.stride(1),
+            cos.stride(0),
+            sin.stride(0),
+            eps,
+            HEAD_DIM=head_dim,
+            HALF=half,
+            BLOCK_HALF=_block(half),
+            REST=rest,
+            BLOCK_REST=_block(max(rest, 1)),
+            HAS_WEIGHT=weight is not None,
+            num_warps=1,
+        )
+    return qk
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2 * size] = [gate | up] (last dim contiguous) -> silu(gate) * up [..., size]."""
+    size = x.shape[-1] // 2
+    rows = x.reshape(-1, 2 * size)
+    out = torch.empty((rows.shape[0], size), dtype=x.dtype, device=x.device)
+    block = min(_block(size), 1024)
+    if rows.shape[0]:
+        _kernels().silu_and_mul[(rows.shape[0], -(-size // block))](
+            rows, out, rows.stride(0), out.stride(0), SIZE=size, BLOCK=block, num_warps=4
+        )
+    return out.view(*x.shape[:-1], size)
