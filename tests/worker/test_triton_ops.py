@@ -166,6 +166,32 @@ def test_a_model_on_the_triton_ops_gives_the_torch_ops_tokens(arch, monkeypatch)
             tokens[fused] = [o.outputs[0].token_ids for o in outputs]
         if not fused:
             assert set(calls.values()) == {0}
+    assert triton_ops.failure is None
     assert tokens[True] == tokens[False]
     assert calls["add_rms_norm"] > 0 and calls["silu_and_mul"] > 0
     assert calls["qk_norm_rope_"] > 0
+
+
+def test_a_kernel_that_cannot_run_turns_them_off_and_the_layers_keep_the_torch_ops(
+    monkeypatch, caplog
+):
+    # A Triton that cannot compile them must cost a WARNING, not the engine: the first forward
+    # (the memory profile's, eager) finds out, and every layer falls back from then on.
+    from worker.layers import norm, triton_token_kernels
+
+    class Broken:
+        def __getitem__(self, grid):
+            raise RuntimeError("no compiler for this kernel")
+
+    monkeypatch.setattr(triton_token_kernels, "add_rms_norm", Broken())
+    monkeypatch.setattr(triton_ops, "failure", None)
+    monkeypatch.setattr(norm, "load_token_ops", lambda: None)
+    monkeypatch.setattr(norm, "use_triton_ops", lambda x: triton_ops.failure is None)
+    layer = norm.RMSNorm(8)
+    x, residual = torch.randn(3, 8), torch.randn(3, 8)
+    with caplog.at_level("WARNING"):
+        normed, summed = layer(x, residual)
+    assert torch.equal(summed, x + residual)
+    torch.testing.assert_close(normed, norm.rms_normalize(x + residual, layer.weight, 1e-6))
+    assert triton_ops.failure == "add_rms_norm: RuntimeError: no compiler for this kernel"
+    assert "Triton token ops off, using torch ops" in caplog.text

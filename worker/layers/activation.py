@@ -25,7 +25,9 @@ class SiluAndMul(nn.Module):
                 # 2-4x more per call between a served step's matmuls.
                 return ops.silu_and_mul(x)
         if use_triton_ops(x) and x.stride(-1) == 1:
-            return triton_ops.silu_and_mul(x)  # one kernel for two (worker/layers/triton_ops.py)
+            out = triton_ops.silu_and_mul(x)  # one kernel for two (worker/layers/triton_ops.py)
+            if out is not None:
+                return out
         gate, up = x.chunk(2, dim=-1)
         # Multiplying into silu's fresh output saves an allocation and a pass over memory
         # (~10% at prefill sizes); silu in place on the strided gate half measured slower.

@@ -76,8 +76,10 @@ class RMSNorm(nn.Module):
             and (residual is None or residual.stride(-1) == 1)
         ):
             # One kernel instead of five torch ops (worker/layers/triton_ops.py).
-            normed, summed = triton_ops.add_rms_norm(x, residual, self.weight, self.eps)
-            return normed if summed is None else (normed, summed)
+            result = triton_ops.add_rms_norm(x, residual, self.weight, self.eps)
+            if result is not None:
+                normed, summed = result
+                return normed if summed is None else (normed, summed)
         if residual is None:
             return rms_normalize(x, self.weight, self.eps)
         x = x + residual

@@ -282,7 +282,9 @@ def normalize_and_rotate(
         return ops.qk_norm_rope_(qk, weight, eps, *angles)
     if use_triton_ops(qk) and qk.stride(-1) == 1 and _triton_takes(qk, weight, angles):
         # One kernel for what took about nine torch ops (worker/layers/triton_ops.py).
-        return triton_ops.qk_norm_rope_(qk, weight, eps, *angles)
+        rotated = triton_ops.qk_norm_rope_(qk, weight, eps, *angles)
+        if rotated is not None:
+            return rotated
     if weight is not None:
         qk = rms_normalize(qk, weight, eps)
     return rotate_(qk, angles)
