@@ -19,6 +19,7 @@ import torch
 
 from benchmarks.step_driver import StepDriver, count_launches
 from frontend.engine_args import EngineArgs
+from worker.layers import triton_ops
 from worker.worker import Worker
 
 WARMUP_STEPS = 3
@@ -71,6 +72,8 @@ class CheckReport:
     prefill: list[PrefillRow] = field(default_factory=list)
     peak_memory: int | None = None
     kv_cache_bytes: int = 0
+    # What ran the small ops between the matmuls: "triton" or "torch" (and why).
+    token_ops: str = "torch"
     # K and V of one token in every layer: what a decode reads per context token.
     kv_bytes_per_token: int = 0
     graph_bytes: int | None = None
@@ -208,8 +211,20 @@ def measure(plan: CheckPlan) -> CheckReport:
             report.prefill.append(_time_prefill(driver, prompt_len))
     if device.type == "cuda":
         report.peak_memory = torch.cuda.max_memory_allocated(device)
+    report.token_ops = _token_ops(device)
     worker.shutdown()
     return report
+
+
+def _token_ops(device: torch.device) -> str:
+    """After the measurement: whether the Triton token ops ran it (worker/layers/triton_ops.py)."""
+    if device.type != "cuda":
+        return "torch (CPU: its compiled ops where built)"
+    if not triton_ops.triton_ops_enabled():
+        return "torch (Triton does not import, or CONVEYOR_TRITON_OPS=0)"
+    if triton_ops.failure is not None:
+        return f"torch (a Triton launch failed: {triton_ops.failure})"
+    return "triton"
 
 
 def report_as_dict(report: CheckReport) -> dict:
@@ -271,7 +286,8 @@ def _format_measurement(report: CheckReport) -> list[str]:
     per_request = report.decode_context * report.kv_bytes_per_token / report.bandwidth
     lines = [
         f"device: {report.device_name} (torch {report.torch_version}), {report.dtype}, "
-        f"attention backend {report.attention_backend}, block size {report.block_size}",
+        f"attention backend {report.attention_backend}, block size {report.block_size}, "
+        f"token ops {report.token_ops}",
         f"model: {report.num_params / 1e6:,.1f} M parameters, {report.weight_bytes / 1e6:,.1f} MB "
         f"of weights; copy bandwidth {report.bandwidth / 1e9:,.0f} GB/s, so a decode step's "
         f"read limit is {report.weight_read_s * 1e3:.3f} ms for the weights plus "

@@ -46,6 +46,7 @@ def test_the_dry_run_goes_end_to_end_on_cpu(tmp_path):
         expected = report["weight_read_s"] + batch * per_request
         assert report["read_limit_s"][str(batch)] == pytest.approx(expected)
     assert "| read limit ms | best / read limit |" in result.stdout
+    assert report["token_ops"].startswith("torch (CPU")  # what ran the small ops, named
     # The same measurement with the other backend, and the offline runs through the engine.
     comparison = report["comparison"]
     assert [row["batch"] for row in comparison["decode"]] == [1, 16, 64, 256]
