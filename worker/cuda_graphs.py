@@ -22,8 +22,9 @@ alone (``full_decode_graphs``: the Triton kernel, one program per request), the 
 attention calls between them, 88 launches a step for a 28-layer model, become one graph (vLLM's
 "full decode-only" graphs). Such a graph bakes in the KV cache's address, so it is captured once
 the cache exists, replacing the piecewise graphs the memory profile measured (the same sizes, the
-same activations); the runner pads each replayed step in the fixed buffers (padding requests have
-no query token, no context and slot -1, so they read and write nothing).
+same activations); the runner pads each replayed step in the fixed buffers (a padding row's
+request has no context and slot -1: its attention reads no key, writes nothing to the cache and
+gives zeros, as with the pieces).
 """
 
 from __future__ import annotations

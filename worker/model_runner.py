@@ -99,6 +99,9 @@ class ModelRunner:
         # Captured while profiling memory on CUDA (capture_cuda_graphs); None: every step eager.
         self.decode_graphs: DecodeGraphs | None = None
         self.cuda_graph_bytes = 0
+        # Set by a piecewise capture whose backend can run whole-forward graphs: the cache the
+        # next initialize_cache makes is the one they are captured on (not the profile's).
+        self._whole_graphs_due = False
         self.num_blocks: int | None = None
         # Structured outputs, made when the first structured request arrives: its tokenizer
         # then loads on a thread while that request's prompt is computed (and never, for a
@@ -165,6 +168,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         kept = max(0, torch.cuda.memory_reserved(self.device) - reserved)
         self.cuda_graph_bytes = kept
+        self._whole_graphs_due = self.decode_graphs is not None and self.backend.full_decode_graphs
         if self.decode_graphs is not None:
             logger.info(
                 "captured decode CUDA graphs for %d batch sizes (1 .. %d) in %.1f s, %.0f MiB",
@@ -195,7 +199,8 @@ class ModelRunner:
             layer.kv_cache = cache
             layer.backend = self.backend
         self.num_blocks = num_blocks
-        if self.decode_graphs is not None and self.backend.full_decode_graphs:
+        if self._whole_graphs_due:
+            self._whole_graphs_due = False
             self._capture_whole_decode_graphs()
 
     def _capture_whole_decode_graphs(self) -> None:
@@ -232,6 +237,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             self.capture_cuda_graphs()
+            self._whole_graphs_due = False  # the pieces stay
             return
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()

@@ -107,8 +107,11 @@ class StepInputBuffers:
         self.logits_indices = StagingBuffer(max_num_reqs, torch.int64, device)
         self.block_table = DeviceBlockTable(batch, device, mirror_block_table)
         # [max_num_seqs, max_blocks] int32: the rows a whole-forward decode graph reads (its
-        # attention reads the table at a fixed address); made with the first such graph.
+        # attention reads the table at a fixed address). Made now on CUDA, so the memory
+        # profile counts it (elsewhere when first asked for: the CPU tests).
         self.graph_block_table: torch.Tensor | None = None
+        if device.type == "cuda":
+            self._graph_table()
         self._uploads = StepUploads(device)
 
     def prepare(
@@ -122,7 +125,7 @@ class StepInputBuffers:
 
         ``decode_graph_size`` (the runner's, while it has whole-forward decode graphs): a
         decode-only step that one replays, of n requests padded to its size B, also gets its
-        padding in the fixed buffers (rows n .. B-1: no query token, no context, slot -1) and
+        padding in the fixed buffers (rows n .. B-1: no context, slot -1; worker/cuda_graphs.py) and
         its block table rows in ``graph_block_table``. The metadata still covers the n.
         """
         # The host buffers are about to be rewritten: the previous step's copies must have run.
@@ -145,7 +148,9 @@ class StepInputBuffers:
             slots, starts, seq_lens = layout.slot_mapping, layout.query_start_loc, layout.seq_lens
         else:
             slots, starts, seq_lens = _padded_decode(layout, graph_size)
-            self._graph_table()[:num_reqs].copy_(block_table)
+            # The columns the step's contexts reach: attention reads no block past seq_len.
+            columns = -(-layout.max_seq_len // block_size)
+            self._graph_table()[:num_reqs, :columns].copy_(block_table[:, :columns])
         metadata = AttentionMetadata(
             num_actual_tokens=layout.num_tokens,
             slot_mapping=self.slot_mapping.stage(slots)[: layout.num_tokens],
@@ -169,9 +174,9 @@ class StepInputBuffers:
 
     def graph_metadata(self, size: int) -> AttentionMetadata:
         """A decode step of ``size`` padding requests on the fixed buffers, which a
-        whole-forward decode graph of that size is captured on: its attention reads and writes
-        nothing, whatever the cache holds; at replay ``prepare`` has put the step's values
-        where it reads."""
+        whole-forward decode graph of that size is captured on: its attention reads nothing and
+        writes only zeros to its output, whatever the cache holds; at replay ``prepare`` has put
+        the step's values where it reads."""
         self._uploads.wait()
         empty = StepLayout(
             query_start_loc=np.zeros(1, dtype=np.int32),
@@ -207,11 +212,13 @@ class StepInputBuffers:
 
 def _padded_decode(layout: StepLayout, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Slots, query starts and context lengths of a decode step padded to ``size`` requests:
-    the padding has no query token (its start repeats the end), no context and slot -1."""
+    padding request i is row i's token with slot -1 (its K/V go nowhere) and a context of 0
+    (no key is visible to it), so attention reads nothing for it and writes zeros to its row."""
     num_reqs = len(layout.seq_lens)
     pad = size - num_reqs
     slots = np.concatenate([layout.slot_mapping, np.full(pad, -1, dtype=np.int64)])
-    end = layout.query_start_loc[-1]
-    starts = np.concatenate([layout.query_start_loc, np.full(pad, end, dtype=np.int32)])
+    end = int(layout.query_start_loc[-1])
+    padding_starts = np.arange(end + 1, end + pad + 1, dtype=np.int32)
+    starts = np.concatenate([layout.query_start_loc, padding_starts])
     seq_lens = np.concatenate([layout.seq_lens, np.zeros(pad, dtype=np.int32)])
     return slots, starts, seq_lens

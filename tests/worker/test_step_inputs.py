@@ -122,8 +122,9 @@ def test_a_staging_buffer_too_small_for_a_step_still_returns_the_values():
 
 
 def test_a_decode_step_a_whole_graph_replays_is_padded_in_the_fixed_buffers():
-    # What a whole-forward graph of 8 reads: the step's 3 requests, then 5 that read and write
-    # nothing (no query token, no context, slot -1), and the step's table rows in its own table.
+    # What a whole-forward graph of 8 reads: the step's requests, then padding requests that
+    # read no key and write nothing to the cache (one query token each, no context, slot -1),
+    # and the step's table rows in its own table.
     batch = InputBatch(max_num_seqs=8, max_model_len=32, max_blocks_per_req=8)
     buffers = StepInputBuffers(batch, max_num_tokens=64, device=CPU, mirror_block_table=True)
     batch.apply(SchedulerOutput(1, [_new(0, 5, [1, 2], 5), _new(1, 9, [3, 4, 5], 9), _new(2, 2, [6], 2)]))  # fmt: skip
@@ -134,6 +135,7 @@ def test_a_decode_step_a_whole_graph_replays_is_padded_in_the_fixed_buffers():
     assert captured.seq_lens.tolist() == [0] * 8 and captured.slot_mapping.tolist() == [-1] * 8
     batch.apply(SchedulerOutput(2, scheduled_cached_reqs=_cached([(0, [], 5, 1), (2, [], 2, 1)])))
     rows = batch.scheduled_rows()
+    buffers.graph_block_table.fill_(99)
     inputs = buffers.prepare(batch, rows, BLOCK, lambda n: 8 if n <= 8 else None)
     # The step's own metadata is the unpadded one: eager and piecewise steps read it.
     assert inputs.metadata.seq_lens.tolist() == [6, 3]
@@ -142,12 +144,14 @@ def test_a_decode_step_a_whole_graph_replays_is_padded_in_the_fixed_buffers():
     # The fixed buffers behind it, at the addresses the graph read when it was captured.
     assert buffers.seq_lens.host[:8].tolist() == [6, 3, 0, 0, 0, 0, 0, 0]
     assert buffers.slot_mapping.host[:8].tolist() == [9, 26, -1, -1, -1, -1, -1, -1]
-    assert buffers.query_start_loc.host[:9].tolist() == [0, 1, 2, 2, 2, 2, 2, 2, 2]
+    assert buffers.query_start_loc.host[:9].tolist() == list(range(9))
     assert captured.seq_lens.data_ptr() == buffers.seq_lens.device_tensor.data_ptr()
     assert captured.block_table.data_ptr() == buffers.graph_block_table.data_ptr()
     expected = torch.from_numpy(batch.block_table[rows])
-    assert torch.equal(buffers.graph_block_table[:2], expected)
     assert torch.equal(inputs.metadata.block_table, expected)
+    # Only the columns the contexts reach (6 tokens: 2 blocks of 4); the rest is never read.
+    assert torch.equal(buffers.graph_block_table[:2, :2], expected[:, :2])
+    assert (buffers.graph_block_table[:2, 2:] == 99).all()
     # Without whole graphs nothing past the step is touched.
     buffers.seq_lens.host[:8] = 99
     buffers.prepare(batch, rows, BLOCK)

@@ -260,6 +260,22 @@ def test_a_decode_step_padded_for_a_whole_graph_matches_and_writes_only_its_slot
     out4 = backend.forward(query, key, value, cache_plain, metadata, HEAD_DIM**-0.5)
     assert out8.shape[0] == 8
     torch.testing.assert_close(out8[:4], out4, atol=0, rtol=0)
+    assert torch.count_nonzero(out8[4:]) == 0  # the padding rows: zeros, as eager steps give
     assert torch.equal(cache_padded, cache_plain)
     expected = torch.cat([reference_attention(r, HEAD_DIM**-0.5) for r in requests]).float()
     assert_close(out4, expected)
+
+
+def test_an_eager_decode_larger_than_any_graph_leaves_the_graphs_tiles_in_place():
+    # The whole-forward graphs hold the decode tiles' address: a bigger eager step (more
+    # requests than the largest captured size) must not replace them.
+    from worker.cuda_graphs import MAX_CAPTURE_SIZE
+
+    backend = TritonAttentionBackend()
+    tiles, firsts = backend._decode_tiles_for(8, DEVICE)
+    address = tiles.data_ptr()
+    bigger, bigger_firsts = backend._decode_tiles_for(MAX_CAPTURE_SIZE + 100, DEVICE)
+    assert bigger.tolist() == list(range(MAX_CAPTURE_SIZE + 100))
+    assert not bigger_firsts.any()
+    assert backend._decode_tiles_for(8, DEVICE)[0].data_ptr() == address
+    assert tiles.tolist() == list(range(8)) and not firsts.any()

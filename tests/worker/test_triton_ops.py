@@ -24,6 +24,19 @@ pytestmark = [
     ),
 ]
 DEVICE = torch.device("cuda" if TEST_DEVICE == "cuda" else "cpu")
+
+if triton_import_error() is None:
+    import triton
+    import triton.language as tl
+
+    from worker.layers.triton_token_kernels import _to
+
+    @triton.jit
+    def _round_to_bfloat16(x_ptr, out_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(out_ptr + i, _to(tl.load(x_ptr + i), tl.bfloat16))
+
+
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -195,3 +208,34 @@ def test_a_kernel_that_cannot_run_turns_them_off_and_the_layers_keep_the_torch_o
     torch.testing.assert_close(normed, norm.rms_normalize(x + residual, layer.weight, 1e-6))
     assert triton_ops.failure == "add_rms_norm: RuntimeError: no compiler for this kernel"
     assert "Triton token ops off, using torch ops" in caplog.text
+
+
+def test_nan_and_inf_come_out_as_the_torch_ops_give_them():
+    # Hand-rounded bfloat16 must keep a NaN a NaN (its bits could carry into the sign).
+    x = torch.tensor([[1.0, float("nan"), 2.0, 3.0], [1.0, float("inf"), 0.5, 1.0]])
+    x = torch.cat([x, torch.ones(2, 12)], dim=1).to(DEVICE, torch.bfloat16)
+    weight = torch.ones(16, dtype=torch.bfloat16, device=DEVICE)
+    normed, _ = triton_ops.add_rms_norm(x, None, weight, 1e-6)
+    expected = rms_normalize(x, weight, 1e-6)
+    assert torch.equal(normed.isnan(), expected.isnan()) and normed.isnan().any()
+    gated = torch.cat([x, x], dim=1)
+    out = triton_ops.silu_and_mul(gated)
+    reference = torch.nn.functional.silu(x).mul_(x)
+    assert torch.equal(out.isnan(), reference.isnan())
+    assert torch.equal(out.isinf(), reference.isinf())
+
+
+def test_the_bfloat16_rounding_is_to_nearest_even_and_keeps_every_nan():
+    # A GPU's arithmetic makes the NaN 0x7FFFFFFF, whose bits plus half an ulp would carry into
+    # the sign and come out as -0.0 if rounded by hand; the interpreter's own NaNs would not show
+    # it, so the bit patterns go in directly.
+    patterns = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800001, 0x7F800000, 0xFF800000]
+    nans = torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    ties = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 0.28906, 3.0e38, 1e-30])
+    values = torch.cat([nans, ties, torch.randn(4, generator=gen) * 100]).to(DEVICE)
+    out = torch.empty(16, dtype=torch.bfloat16, device=DEVICE)
+    _round_to_bfloat16[(1,)](values, out, N=16)
+    expected = values.to(torch.bfloat16)
+    assert out[:4].isnan().all() and out.isnan().sum() == 4
+    assert torch.equal(out[4:], expected[4:])  # inf, -inf, ties to even, extremes, randoms

@@ -82,6 +82,14 @@ class _TilePlan:
         self.tile_start_dev = array_to_device(tile_start, device)
 
 
+def _decode_tiles(size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tile i takes request i's one token: requests 0, 1, 2, ... and first tokens 0."""
+    return (
+        torch.arange(size, dtype=torch.int32, device=device),
+        torch.zeros(size, dtype=torch.int32, device=device),
+    )
+
+
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     # forward(..., out=buffer) writes the output there (a dense [tokens, heads, head_dim]).
@@ -89,14 +97,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     # A decode-only step's attention reads nothing the host plans per step (one tile per
     # request, from fixed buffers), so it can run inside a CUDA graph with the rest of the
-    # forward; a padding request (no query tokens, slot -1) costs one empty program.
+    # forward; a padding request (no context, slot -1) writes zeros to its row and nothing else.
     full_decode_graphs = True
 
     def __init__(self) -> None:
         self._plan_key: tuple[object, ...] | None = None
         self._plan: _TilePlan | None = None
-        # 0, 1, 2, ... and zeros: a decode step's tiles, request i's one token in tile i. Grown,
-        # never replaced while smaller, so a captured graph's addresses stay valid.
+        # 0, 1, 2, ... and zeros: a decode step's tiles, request i's one token in tile i.
         self._decode_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # The torch backend's layout, from its one definition: the two read and write the same cache.
@@ -111,14 +118,14 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _decode_tiles_for(self, num_reqs: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         tiles = self._decode_tiles
-        if tiles is None or len(tiles[0]) < num_reqs or tiles[0].device != torch.device(device):
-            # At least the largest captured batch: the graphs' warm-up allocates it, not a capture.
-            size = max(MAX_CAPTURE_SIZE, 1 << (num_reqs - 1).bit_length())
-            tiles = (
-                torch.arange(size, dtype=torch.int32, device=device),
-                torch.zeros(size, dtype=torch.int32, device=device),
-            )
+        if tiles is None or tiles[0].device != torch.device(device):
+            # The largest captured batch: the graphs' warm-up allocates it, not a capture. Made
+            # once and never replaced, because the whole-forward graphs hold its address.
+            tiles = _decode_tiles(MAX_CAPTURE_SIZE, device)
             self._decode_tiles = tiles
+        if num_reqs > len(tiles[0]):
+            # An eager step larger than any graph: tiles of its own, the graphs' left alone.
+            tiles = _decode_tiles(num_reqs, device)
         return tiles[0][:num_reqs], tiles[1][:num_reqs]
 
     def forward(

@@ -73,7 +73,11 @@ class RMSNorm(nn.Module):
             and x.shape[-1] == self.weight.shape[0]
             and x.dtype == self.weight.dtype
             and x.stride(-1) == 1
-            and (residual is None or residual.stride(-1) == 1)
+            and (
+                residual is None
+                or (residual.shape == x.shape and residual.dtype == x.dtype)
+                and residual.stride(-1) == 1
+            )
         ):
             # One kernel instead of five torch ops (worker/layers/triton_ops.py).
             result = triton_ops.add_rms_norm(x, residual, self.weight, self.eps)

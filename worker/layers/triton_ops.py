@@ -58,7 +58,13 @@ def _launch(name: str, grid: tuple[int, ...], *args, **meta) -> bool:
         from worker.layers import triton_token_kernels
 
         getattr(triton_token_kernels, name)[grid](*args, **meta)
-    except Exception as error:  # noqa: BLE001 - any failure means "use the torch ops"
+    except Exception as error:  # noqa: BLE001 - a kernel that cannot be built or launched
+        # A CUDA error is the device's, not the kernel's build (the next op would fail too),
+        # and a capture in progress is broken by any failure: those are raised as they are.
+        if "CUDA error" in str(error) or (
+            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        ):
+            raise
         failure = f"{name}: {type(error).__name__}: {error}"
         logger.warning("Triton token ops off, using torch ops: %s", failure)
         return False
