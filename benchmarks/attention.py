@@ -15,6 +15,13 @@ twice, on its pure-torch path and with the compiled kernel (cpu_kernel.py), side
 attention GFLOP/s (causal: every query row against the keys it sees, two matmuls) per path.
 --compare-kernel DIR times two versions of the compiled kernel instead (DIR: another commit's
 worker/attention/csrc, from ``git worktree add``), interleaved on the same inputs.
+--triton-configs times the Triton kernel with other tile shapes and launch settings beside its
+defaults (on a GPU; on CPU it runs in Triton's interpreter, for the tests), each checked to give
+the defaults' output first:
+
+    conveyor bench attention --device cuda --dtype bfloat16 --backend triton \
+        --num-heads 16 --num-kv-heads 8 --head-dim 128 --chunk-lens 2048,8192 --contexts 0,8192 \
+        --triton-configs 64x32/w4,128x64/w8/s3,128x32/w8/s2
 --cold reads a buffer several times the last-level cache before every timed call, so the KV
 cache, queries and weights come from memory, as in a served step, where the other layers' caches
 and weights pass through between one layer's calls (warm, the 25 MB of `64 decodes, ctx 128-256`
@@ -40,6 +47,7 @@ from worker.attention.cpu_kernel import load_kernel, load_kernel_from
 from worker.attention.metadata_builder import build_attention_metadata
 from worker.attention.selector import select_backend
 from worker.attention.torch_backend import TorchAttentionBackend
+from worker.attention.triton_backend import KernelConfig, TritonAttentionBackend
 from worker.kv_cache import allocate_kv_caches
 
 
@@ -177,6 +185,15 @@ def bench_scenario(
     def attend(backend) -> Callable[[], object]:
         return lambda: backend.forward(query, key, value, kv_cache, metadata, scale)
 
+    if args.triton_configs:
+        # Every tile shape must compute the same attention before its time counts.
+        first = attend(backends[0])().float()
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        for backend in backends[1:]:
+            torch.testing.assert_close(
+                attend(backend)().float(), first, atol=tolerance, rtol=tolerance
+            )
+
     # Interleaved rounds, so load from other processes hits every side alike.
     matmuls = layer_matmuls(args, num_tokens, dtype, device)
     attention_us: list[list[float]] = [[] for _ in backends]
@@ -201,6 +218,14 @@ def make_backends(args, device: torch.device, dtype: torch.dtype) -> dict[str, o
             f"--compare-kernel times the compiled CPU kernel; {device.type} with the "
             f"{backend.name} backend does not run it"
         )
+    if args.triton_configs:
+        if backend.name != "triton":
+            raise SystemExit(f"--triton-configs times the Triton kernel; this runs {backend.name}")
+        configs = [KernelConfig.parse(text) for text in args.triton_configs.split(",") if text]
+        backends = {"default": TritonAttentionBackend()}
+        for text, config in zip(args.triton_configs.split(","), configs):
+            backends[text] = TritonAttentionBackend(config)
+        return backends
     if not on_cpu_kernel:
         return {backend.name: backend}
     if args.compare_kernel:
@@ -265,6 +290,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CPU: time the kernel built from the sources in DIR (another commit's "
         "worker/attention/csrc) against this tree's instead of the torch ops; the speed-up "
         "column is then theirs over ours",
+    )
+    parser.add_argument(
+        "--triton-configs",
+        default="",
+        metavar="CONFIGS",
+        help="comma-separated ROWSxKEYS[/wWARPS][/sSTAGES] (e.g. 16x128/w4,64x64/w8/s3): time "
+        "the Triton kernel with each tile shape beside its defaults (needs --backend triton); "
+        "the speed-up column is the defaults' time over the last config's",
     )
     parser.add_argument(
         "--cold",

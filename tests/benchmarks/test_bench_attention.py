@@ -71,3 +71,23 @@ def test_the_last_level_cache_is_the_largest_size_linux_lists(tmp_path):
 def test_cold_is_refused_off_the_cpu():
     with pytest.raises(SystemExit, match="--cold evicts the CPU's caches"):
         bench.main(["--cold", "--device", "cuda", "--chunk-lens", "17"])
+
+
+def test_triton_configs_time_each_tile_shape_beside_the_defaults(capsys):
+    # In Triton's interpreter here (tests/devices.py), compiled on a GPU: each config must give
+    # the defaults' output before its time is printed.
+    argv = ["--backend", "triton", "--triton-configs", "16x32,32x16/w2", "--chunk-lens", "20"]
+    argv += ["--contexts", "40", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "32"]
+    assert bench.main([*argv, "--rounds", "1", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "config: default, 16x32, 32x16/w2," in out
+    row = next(line for line in out.splitlines() if line.startswith("chunk 20, ctx 40"))
+    # tokens, three configs' us, matmuls us, attn/mm, three configs' GF/s, speed-up
+    assert len(row.split()[4:]) == 10
+
+
+def test_triton_configs_are_refused_for_another_backend_or_a_bad_shape():
+    with pytest.raises(SystemExit, match="--triton-configs times the Triton kernel"):
+        bench.main(["--triton-configs", "16x32", "--backend", "torch", "--chunk-lens", "17"])
+    with pytest.raises(ValueError, match="expected ROWSxKEYS"):
+        bench.main(["--triton-configs", "16by32", "--backend", "triton", "--chunk-lens", "17"])

@@ -39,7 +39,16 @@ pytestmark = [
 DEVICE = torch.device("cuda" if TEST_DEVICE == "cuda" else "cpu")
 
 
-def run(requests, num_blocks, block_size, num_kv_heads, dtype=torch.float32, scale=None, **kw):
+def run(
+    requests,
+    num_blocks,
+    block_size,
+    num_kv_heads,
+    dtype=torch.float32,
+    scale=None,
+    config=None,
+    **kw,
+):
     head_dim = requests[0].query.shape[-1]
     scale = head_dim**-0.5 if scale is None else scale
     kv_cache = torch.zeros(
@@ -50,7 +59,7 @@ def run(requests, num_blocks, block_size, num_kv_heads, dtype=torch.float32, sca
     metadata, _, query, key, value = step_inputs(requests, block_size, DEVICE)
     kv_cache = kv_cache.to(DEVICE, dtype)
     sinks = kw.get("sinks")
-    output = TritonAttentionBackend().forward(
+    output = TritonAttentionBackend(config).forward(
         query.to(dtype),
         key.to(dtype),
         value.to(dtype),
@@ -279,3 +288,30 @@ def test_an_eager_decode_larger_than_any_graph_leaves_the_graphs_tiles_in_place(
     assert not bigger_firsts.any()
     assert backend._decode_tiles_for(8, DEVICE)[0].data_ptr() == address
     assert tiles.tolist() == list(range(8)) and not firsts.any()
+
+
+@pytest.mark.parametrize(
+    "text", ["16x16", "32x128/w2", "128x32/w8/s1", "16x64/s3"], ids=lambda text: text
+)
+def test_every_tile_shape_bench_attention_can_try_computes_the_same_attention(text):
+    # conveyor bench attention --triton-configs times other shapes: each must stay correct, on
+    # prompt chunks (queries spanning several tiles) and decodes alike, with GQA.
+    from worker.attention.triton_backend import KernelConfig
+
+    config = KernelConfig.parse(text)
+    requests, num_blocks = random_mixed_batch(11, 16, 8, 2, num_reqs=6)
+    output, expected, *_ = run(requests, num_blocks, 16, 2, config=config)
+    assert_close(output, expected)
+
+
+def test_a_kernel_config_is_read_from_its_text_and_refused_when_malformed():
+    from worker.attention.triton_backend import KernelConfig
+
+    assert KernelConfig.parse("128x32/w8/s3") == KernelConfig(128, 32, 8, 3)
+    assert KernelConfig.parse("64x64").launch_options() == {}
+    assert KernelConfig(16, 16, num_warps=2).launch_options() == {"num_warps": 2}
+    for text in ("64", "64x64/q2", "axb"):
+        with pytest.raises(ValueError, match="expected ROWSxKEYS"):
+            KernelConfig.parse(text)
+    with pytest.raises(ValueError, match="power of two, at least 16"):
+        KernelConfig.parse("24x64")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,6 +38,46 @@ from worker.device_buffers import array_to_device
 _DECODE_ROWS = 16
 _PREFILL_ROWS = 64
 _KEYS_PER_TILE = 64
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """The paged-attention kernel's tile shape and launch settings, where the defaults are not
+    wanted (``conveyor bench attention --triton-configs`` times several side by side): score
+    rows per program, keys per step of its loop (powers of two, at least 16, the smallest
+    ``tl.dot`` takes), and Triton's warps and software-pipeline stages (None: Triton's)."""
+
+    rows: int | None = None
+    keys: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "keys"):
+            value = getattr(self, name)
+            if value is not None and (value < 16 or value & (value - 1)):
+                raise ValueError(f"{name} must be a power of two, at least 16; got {value}")
+
+    @classmethod
+    def parse(cls, text: str) -> KernelConfig:
+        """``ROWSxKEYS[/wWARPS][/sSTAGES]``, e.g. ``64x64`` or ``128x32/w8/s3``."""
+        shape, *settings = text.split("/")
+        try:
+            rows, keys = (int(n) for n in shape.split("x"))
+            launch = {"w": None, "s": None}
+            for setting in settings:
+                if setting[:1] not in launch:
+                    raise ValueError(setting)
+                launch[setting[0]] = int(setting[1:])
+        except ValueError:
+            raise ValueError(
+                f"kernel config {text!r}: expected ROWSxKEYS[/wWARPS][/sSTAGES], e.g. 128x32/w8/s3"
+            ) from None
+        return cls(rows, keys, launch["w"], launch["s"])
+
+    def launch_options(self) -> dict[str, int]:
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        return {name: value for name, value in options.items() if value is not None}
 
 
 @functools.cache
@@ -100,7 +141,9 @@ class TritonAttentionBackend(AttentionBackend):
     # forward; a padding request (no context, slot -1) writes zeros to its row and nothing else.
     full_decode_graphs = True
 
-    def __init__(self) -> None:
+    def __init__(self, config: KernelConfig | None = None) -> None:
+        # None: the defaults, decode and prompt steps each their own tile shape.
+        self.config = config
         self._plan_key: tuple[object, ...] | None = None
         self._plan: _TilePlan | None = None
         # 0, 1, 2, ... and zeros: a decode step's tiles, request i's one token in tile i.
@@ -177,7 +220,10 @@ class TritonAttentionBackend(AttentionBackend):
         if query.stride(-1) != 1:
             query = query.contiguous()
         group = query.shape[1] // num_kv_heads
+        config = self.config or KernelConfig()
         base_rows = _DECODE_ROWS if metadata.max_query_len <= 1 else _PREFILL_ROWS
+        base_rows = config.rows or base_rows
+        keys = config.keys or (_KEYS_PER_TILE if head_dim <= 128 else _KEYS_PER_TILE // 2)
         rows = max(base_rows, 1 << (group - 1).bit_length())
         if metadata.max_query_len <= 1:
             num_tiles = metadata.num_reqs
@@ -209,7 +255,7 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.block_table.stride(0),
             GROUP=group,
             ROWS=rows,
-            KEYS=_KEYS_PER_TILE if head_dim <= 128 else _KEYS_PER_TILE // 2,
+            KEYS=keys,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             BLOCK_SIZE=block_size,
@@ -217,5 +263,6 @@ class TritonAttentionBackend(AttentionBackend):
             USE_SOFTCAP=softcap is not None,
             USE_SINKS=sinks is not None,
             PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            **config.launch_options(),
         )
         return output
