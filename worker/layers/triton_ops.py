@@ -124,7 +124,7 @@ def qk_norm_rope_(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """qk [T, heads, head_dim] (each head contiguous; a view into the qkv output is fine): each
     head normalised times its ``weight`` row [heads, head_dim] (skipped when None), then rotated
     by cos, sin [T, 1, half] (neox style, the first 2 * half dims), in place; returns qk, or
