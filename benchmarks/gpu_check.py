@@ -84,6 +84,8 @@ class CheckReport:
     comparison: CheckReport | None = None
     # bench offline's JSON per workload, or {"workload": ..., "error": ...}.
     offline: list[dict] = field(default_factory=list)
+    # bench attention --triton-configs per kind of step ("decode", "prefill"): its table.
+    attention_sweeps: dict[str, str] = field(default_factory=dict)
 
     @property
     def weight_read_s(self) -> float:
@@ -271,6 +273,9 @@ def format_report(report: CheckReport) -> str:
                 f"| {run['workload']} | {run['num_requests']} | {run['output_tok_s']:,.0f} "
                 f"| {run['total_tok_s']:,.0f} | {run['seconds']:.2f} |"
             )
+    for phase, table in report.attention_sweeps.items():
+        lines += ["", f"Triton attention tile shapes, {phase} (bench attention --triton-configs):"]
+        lines.append(table)
     lines += [
         "",
         f"peak GPU memory: {_gib(report.peak_memory)} (KV cache {_gib(report.kv_cache_bytes)}, "

@@ -15,7 +15,10 @@
    the decode step against the weight-read limit (benchmarks/gpu_check.py); with
    ``--compare-backend`` the same again with another attention backend, in the same process;
 5. ``bench offline`` (``--offline``, default equal and mix, 256 requests) through the
-   multi-process engine on the same model.
+   multi-process engine on the same model;
+6. the Triton attention kernel's other tile shapes and launch settings beside its defaults, on
+   the model's attention shape, for decode steps and prompt chunks (``bench attention
+   --triton-configs``; ``--skip-sweep`` leaves it out).
 
 ``--dry-run`` does all of it on the CPU with the tiny test model and small shapes: the CUDA tests
 are only collected, and what only CUDA has reads "n/a". The test suite runs it.
@@ -53,6 +56,13 @@ CUDA_MARKERS = "cuda or gpu_kernel"
 # scheduling, chunked prompts, prefix hits, preemption and async steps through the CUDA runner.
 PARITY_TEST_FILES = ("tests/frontend/test_parity_hf.py",)
 
+
+# The Triton attention kernel's tile shapes and launch settings timed beside its defaults (bench
+# attention --triton-configs, worker/attention/triton_backend.py KernelConfig), per kind of step.
+SWEEP_CONFIGS = {
+    "decode": "16x32/w2,16x128/w4,16x64/w2/s2,16x128/w8/s3",
+    "prefill": "64x32/w4,128x64/w8/s3,128x32/w8/s2,128x128/w8/s3",
+}
 
 # Kept here, not imported from protocol/benchmarks: only the standard library is imported before
 # the install step (tests/entrypoints/test_gpu_check.py checks both against their sources).
@@ -94,6 +104,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=150.0,
         help="seconds the parity tests on CUDA may take (they stop there, the rest is reported)",
+    )
+    parser.add_argument(
+        "--skip-sweep",
+        action="store_true",
+        help="do not time the Triton attention kernel's other tile shapes",
     )
     parser.add_argument("--model", type=Path, help="measure this model directory instead")
     parser.add_argument(
@@ -323,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     workloads = args.offline
     requests = args.offline_requests or (8 if args.dry_run else 256)
     report.offline = [run_offline(plan, w, requests) for w in workloads]
+    if not args.skip_sweep:
+        report.attention_sweeps = {
+            phase: run_attention_sweep(plan, phase, args.dry_run) for phase in SWEEP_CONFIGS
+        }
     print(format_report(report), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(report_as_dict(report), indent=2) + "\n")
@@ -345,6 +364,46 @@ def run_offline(plan, workload: str, num_requests: int) -> dict:
     if result.returncode != 0 or not lines:
         return {"workload": workload, "error": (result.stderr or result.stdout)[-500:]}
     return json.loads(lines[-1])
+
+
+def attention_sweep_command(plan, phase: str, dry_run: bool) -> list[str]:
+    """``conveyor bench attention --triton-configs`` on the measured model's attention shape:
+    decode steps (its default scenarios) or prompt chunks of 2k and 8k after 0 and 8k cached
+    tokens; in a dry run one small chunk each, one config, one timed call."""
+    config = json.loads((plan.model_dir / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    command = [sys.executable, "-m", "entrypoints.cli", "bench", "attention"]
+    command += ["--device", plan.device, "--dtype", plan.dtype, "--backend", "triton"]
+    command += ["--num-heads", str(heads), "--num-kv-heads", str(kv_heads)]
+    command += ["--head-dim", str(head_dim), "--hidden-size", str(config["hidden_size"])]
+    command += ["--intermediate-size", str(config["intermediate_size"])]
+    if dry_run:
+        chunk = "1" if phase == "decode" else "24"
+        command += ["--chunk-lens", chunk, "--contexts", "40", "--rounds", "1", "--repeats", "1"]
+        return [*command, "--triton-configs", "16x32"]
+    if phase == "prefill":
+        command += ["--chunk-lens", "2048,8192", "--contexts", "0,8192"]
+    return [*command, "--triton-configs", SWEEP_CONFIGS[phase]]
+
+
+def run_attention_sweep(plan, phase: str, dry_run: bool) -> str:
+    """The sweep's table (bench attention's lines from its header on), or what went wrong. A
+    dry run on the CPU runs the kernel in Triton's interpreter."""
+    command = attention_sweep_command(plan, phase, dry_run)
+    print(f"sweep: {' '.join(command[3:])}", flush=True)
+    env = dict(os.environ)
+    if dry_run:
+        env["TRITON_INTERPRET"] = "1"
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    except subprocess.TimeoutExpired:
+        return "failed: still running after 600 s"
+    lines = result.stdout.splitlines()
+    header = next((i for i, line in enumerate(lines) if line.startswith("scenario")), None)
+    if result.returncode != 0 or header is None:
+        return "failed: " + (result.stderr or result.stdout)[-500:].strip()
+    return "\n".join([lines[header - 1], *lines[header:]])
 
 
 if __name__ == "__main__":

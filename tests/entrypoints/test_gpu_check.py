@@ -47,6 +47,11 @@ def test_the_dry_run_goes_end_to_end_on_cpu(tmp_path):
         assert report["read_limit_s"][str(batch)] == pytest.approx(expected)
     assert "| read limit ms | best / read limit |" in result.stdout
     assert report["token_ops"].startswith("torch (CPU")  # what ran the small ops, named
+    # The Triton attention kernel's tile shapes beside its defaults (the interpreter here).
+    for phase in ("decode", "prefill"):
+        table = report["attention_sweeps"][phase]
+        assert "config: default, 16x32," in table and "failed" not in table
+        assert f"Triton attention tile shapes, {phase}" in result.stdout
     # The same measurement with the other backend, and the offline runs through the engine.
     comparison = report["comparison"]
     assert [row["batch"] for row in comparison["decode"]] == [1, 16, 64, 256]
@@ -147,3 +152,32 @@ def _alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:  # reaped in between
         return False
+
+
+def test_the_attention_sweep_times_the_measured_models_shapes(tiny_model_dir):
+    from benchmarks.gpu_check import CheckPlan
+    from entrypoints.gpu_check import SWEEP_CONFIGS, attention_sweep_command
+
+    plan = CheckPlan(
+        model_dir=tiny_model_dir,
+        device="cuda",
+        dtype="bfloat16",
+        decode_batches=(1,),
+        decode_context=256,
+        decode_steps=1,
+        prefill_lens=(2048,),
+    )
+    decode = attention_sweep_command(plan, "decode", dry_run=False)
+    prefill = attention_sweep_command(plan, "prefill", dry_run=False)
+    for command in (decode, prefill):
+        flags = dict(zip(command[5::2], command[6::2]))
+        assert flags["--backend"] == "triton" and flags["--dtype"] == "bfloat16"
+        # The tiny model: 4 heads, 2 KV heads of 16 dims.
+        assert (flags["--num-heads"], flags["--num-kv-heads"], flags["--head-dim"]) == (
+            "4",
+            "2",
+            "16",
+        )
+    assert decode[-1] == SWEEP_CONFIGS["decode"] and "--chunk-lens" not in decode
+    assert prefill[-1] == SWEEP_CONFIGS["prefill"]
+    assert prefill[prefill.index("--chunk-lens") + 1] == "2048,8192"
