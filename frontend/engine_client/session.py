@@ -79,9 +79,15 @@ def decode_ready_config(ready: Ready) -> EngineConfig:
 def handshake(
     socket: zmq.Socket, liveness: EngineLiveness, timeout_s: float, client_name: str = ""
 ) -> Ready:
-    """Hello -> Ready on a freshly connected DEALER, bounded and watching the engine process."""
-    socket.send(CLIENT_TO_ENGINE.encode(Hello(client_name)))
+    """Hello -> Ready on a freshly connected DEALER, bounded and watching the engine process.
+
+    Sending Hello is bounded too: a DEALER with no connection to send on blocks, and under CURVE
+    an engine that refuses this client's key leaves it with none, for good (a plain blocking
+    send hung such a client forever where the refusal came before the send)."""
     deadline = time.monotonic() + timeout_s
+    while not socket.poll(int(LIVENESS_INTERVAL_S * 1000), zmq.POLLOUT):
+        _check_start(liveness, deadline, timeout_s)
+    socket.send(CLIENT_TO_ENGINE.encode(Hello(client_name)), zmq.NOBLOCK)
     while True:
         if socket.poll(int(LIVENESS_INTERVAL_S * 1000), zmq.POLLIN):
             try:
@@ -93,11 +99,15 @@ def handshake(
             if isinstance(message, EngineDead):
                 raise EngineStartError(f"the engine failed while starting: {message.reason}")
             continue  # outputs for an earlier session of this socket: not ours to keep
-        reason = liveness.death_reason()
-        if reason is not None:
-            raise EngineStartError(f"{reason} before it was ready")
-        if time.monotonic() > deadline:
-            raise EngineStartError(f"the engine was not ready within {timeout_s:.0f} s")
+        _check_start(liveness, deadline, timeout_s)
+
+
+def _check_start(liveness: EngineLiveness, deadline: float, timeout_s: float) -> None:
+    reason = liveness.death_reason()
+    if reason is not None:
+        raise EngineStartError(f"{reason} before it was ready")
+    if time.monotonic() > deadline:
+        raise EngineStartError(f"the engine was not ready within {timeout_s:.0f} s")
 
 
 def connect(

@@ -145,3 +145,35 @@ def test_only_an_authorized_client_gets_through(key_dirs):
         server.close()
         binder.close()
         context.term()
+
+
+def test_a_client_whose_key_the_engine_refuses_gets_an_error_in_time_not_a_hang(key_dirs):
+    # Its DEALER never gets a connection to send on: the handshake's Hello must not block.
+    import time
+
+    from frontend.engine_client.session import EngineLiveness, EngineStartError, handshake
+
+    context = zmq.Context()
+    binder = SecureBinder(context, load_keys(key_dirs["head"]))
+    server = context.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    client = context.socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    try:
+        binder.bind(server, "tcp://127.0.0.1:0")
+        address = server.getsockopt(zmq.LAST_ENDPOINT).decode()
+        connect(client, address, load_keys(key_dirs["stranger"]))
+        # Until the refusal has taken the connection away (the race a plain blocking send lost).
+        gone_by = time.monotonic() + 5.0
+        while client.poll(0, zmq.POLLOUT) and time.monotonic() < gone_by:
+            time.sleep(0.02)
+        assert not client.poll(0, zmq.POLLOUT), "the engine never refused the stranger's key"
+        started = time.monotonic()
+        with pytest.raises(EngineStartError, match="not ready within 1 s"):
+            handshake(client, EngineLiveness(address), 1.0)
+        assert time.monotonic() - started < 3.0
+    finally:
+        client.close()
+        server.close()
+        binder.close()
+        context.term()
