@@ -110,6 +110,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="do not time the Triton attention kernel's other tile shapes",
     )
+    parser.add_argument(
+        "--sweep-timeout",
+        type=float,
+        default=90.0,
+        help="seconds each tile-shape sweep (decode, prefill) may take",
+    )
     parser.add_argument("--model", type=Path, help="measure this model directory instead")
     parser.add_argument(
         "--attention-backend",
@@ -340,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     report.offline = [run_offline(plan, w, requests) for w in workloads]
     if not args.skip_sweep:
         report.attention_sweeps = {
-            phase: run_attention_sweep(plan, phase, args.dry_run) for phase in SWEEP_CONFIGS
+            phase: run_attention_sweep(plan, phase, args.dry_run, args.sweep_timeout)
+            for phase in SWEEP_CONFIGS
         }
     print(format_report(report), flush=True)
     if args.json is not None:
@@ -387,7 +394,7 @@ def attention_sweep_command(plan, phase: str, dry_run: bool) -> list[str]:
     return [*command, "--triton-configs", SWEEP_CONFIGS[phase]]
 
 
-def run_attention_sweep(plan, phase: str, dry_run: bool) -> str:
+def run_attention_sweep(plan, phase: str, dry_run: bool, timeout_s: float) -> str:
     """The sweep's table (bench attention's lines from its header on), or what went wrong. A
     dry run on the CPU runs the kernel in Triton's interpreter."""
     command = attention_sweep_command(plan, phase, dry_run)
@@ -396,9 +403,9 @@ def run_attention_sweep(plan, phase: str, dry_run: bool) -> str:
     if dry_run:
         env["TRITON_INTERPRET"] = "1"
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
-        return "failed: still running after 600 s"
+        return f"failed: still running after {timeout_s:g} s (--sweep-timeout)"
     lines = result.stdout.splitlines()
     header = next((i for i, line in enumerate(lines) if line.startswith("scenario")), None)
     if result.returncode != 0 or header is None:
