@@ -46,15 +46,18 @@ HUGE_PAGES_ENV = "CONVEYOR_KV_HUGE_PAGES"
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def huge_pages_enabled() -> bool:
-    """Whether the CPU KV cache asks for huge pages: CONVEYOR_KV_HUGE_PAGES, on unless set off
-    (the spellings CONVEYOR_CPU_KERNEL takes); any other value is refused, not read as on."""
-    value = os.environ.get(HUGE_PAGES_ENV, "1").strip().lower()
+def switch_from_env(name: str) -> bool:
+    """An on/off environment switch, on unless set off (the spellings CONVEYOR_CPU_KERNEL
+    takes); any other value is refused, not read as on."""
+    value = os.environ.get(name, "1").strip().lower()
     if value not in _ON + _OFF:
-        raise ConfigError(
-            f"{HUGE_PAGES_ENV}={os.environ[HUGE_PAGES_ENV]!r}: use one of {', '.join(_ON + _OFF)}"
-        )
+        raise ConfigError(f"{name}={os.environ[name]!r}: use one of {', '.join(_ON + _OFF)}")
     return value in _ON
+
+
+def huge_pages_enabled() -> bool:
+    """Whether the CPU KV cache asks for huge pages: CONVEYOR_KV_HUGE_PAGES."""
+    return switch_from_env(HUGE_PAGES_ENV)
 
 
 def resolve_kv_cache_dtype(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from protocol.config import ConfigError
 from tests.devices import TEST_DEVICE
 from worker.attention.triton_backend import triton_import_error
 from worker.layers import triton_ops
@@ -135,6 +136,11 @@ def test_the_layers_use_them_only_on_cuda_and_the_variable_turns_them_off(monkey
         monkeypatch.setenv("CONVEYOR_TRITON_OPS", "0")
         triton_ops.triton_ops_enabled.cache_clear()
         assert not triton_ops.triton_ops_enabled()
+        # A value that is neither on nor off is refused, not read as on.
+        monkeypatch.setenv("CONVEYOR_TRITON_OPS", "fasle")
+        triton_ops.triton_ops_enabled.cache_clear()
+        with pytest.raises(ConfigError, match="CONVEYOR_TRITON_OPS='fasle': use one of"):
+            triton_ops.triton_ops_enabled()
     finally:
         monkeypatch.delenv("CONVEYOR_TRITON_OPS")
         triton_ops.triton_ops_enabled.cache_clear()

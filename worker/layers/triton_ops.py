@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+TRITON_OPS_ENV = "CONVEYOR_TRITON_OPS"
 
 # Why the kernels stopped being used in this process (a launch raised: a Triton that cannot
 # compile them, say); None while they work. The first forward is the memory profile's, eager,
@@ -37,11 +38,15 @@ failure: str | None = None
 
 @functools.cache
 def triton_ops_enabled() -> bool:
-    """Whether CUDA layers use these kernels: Triton imports and they were not turned off."""
-    if os.environ.get("CONVEYOR_TRITON_OPS", "1") == "0":
-        return False
+    """Whether CUDA layers use these kernels: Triton imports and CONVEYOR_TRITON_OPS does not
+    turn them off (a value that is neither on nor off is refused, at the first CUDA forward:
+    the memory profile's, at start-up)."""
     # Imported here: the attention package imports the layers.
     from worker.attention.triton_backend import triton_import_error
+    from worker.kv_cache import switch_from_env
+
+    if not switch_from_env(TRITON_OPS_ENV):
+        return False
 
     return triton_import_error() is None
 
