@@ -145,9 +145,7 @@ class ModelRunner:
             return 0
         sched = self.config.scheduler
         sizes = capture_sizes(sched.max_num_seqs, sched.max_num_batched_tokens)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        reserved = torch.cuda.memory_reserved(self.device)
+        reserved = self._settled_reserved_bytes()
         start = time.perf_counter()
         try:
             self.decode_graphs = capture_decode_graphs(
@@ -164,9 +162,7 @@ class ModelRunner:
                 error,
             )
             self.decode_graphs = None
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        kept = max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        kept = max(0, self._settled_reserved_bytes() - reserved)
         self.cuda_graph_bytes = kept
         self._whole_graphs_due = self.decode_graphs is not None and self.backend.full_decode_graphs
         if self.decode_graphs is not None:
@@ -178,6 +174,13 @@ class ModelRunner:
                 kept / (1 << 20),
             )
         return kept
+
+    def _settled_reserved_bytes(self) -> int:
+        """The device bytes torch's allocator holds once queued work is done and its cache is
+        given back: before and after a capture, their difference is what the graphs keep."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(self.device)
 
     def kv_sliding_window(self) -> int | None:
         """How far back every layer attends (None: some layer sees the whole context)."""
@@ -215,9 +218,7 @@ class ModelRunner:
         piecewise_bytes = self.cuda_graph_bytes
         self.decode_graphs = None
         gc.collect()  # the pieces' records hold the attention output buffers
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        reserved = torch.cuda.memory_reserved(self.device)
+        reserved = self._settled_reserved_bytes()
         start = time.perf_counter()
         try:
             self.decode_graphs = capture_whole_decode_graphs(
@@ -234,14 +235,10 @@ class ModelRunner:
                 type(error).__name__,
                 error,
             )
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            self.capture_cuda_graphs()
+            self.capture_cuda_graphs()  # settles the device first
             self._whole_graphs_due = False  # the pieces stay
             return
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        self.cuda_graph_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        self.cuda_graph_bytes = max(0, self._settled_reserved_bytes() - reserved)
         logger.info(
             "captured whole-forward decode CUDA graphs (attention inside) for %d batch sizes "
             "(1 .. %d) in %.1f s, %.0f MiB (the piecewise ones kept %.0f MiB)",

@@ -52,8 +52,9 @@ class AttentionBackend(ABC):
     accepts_out: bool = False
     # Whether a decode-only step's attention may be captured in a CUDA graph with the whole
     # forward (worker/cuda_graphs.py): it launches from fixed device buffers alone, and a
-    # padding request (query length 0, context 0, slot -1) writes nothing. Else the graphs are
-    # cut at every attention call, which runs eagerly between them.
+    # padding request (one query token, context 0, slot -1) writes nothing to the cache and
+    # zeros to its row. Else the graphs are cut at every attention call, which runs eagerly
+    # between them.
     full_decode_graphs: bool = False
     # Whether forward takes attention sinks (models with them cannot use a backend without).
     supports_sinks: bool = True

@@ -80,6 +80,9 @@ class KernelConfig:
         return {name: value for name, value in options.items() if value is not None}
 
 
+_DEFAULT_CONFIG = KernelConfig()
+
+
 @functools.cache
 def triton_import_error() -> str | None:
     """Why Triton cannot be used here (None when it can)."""
@@ -220,7 +223,7 @@ class TritonAttentionBackend(AttentionBackend):
         if query.stride(-1) != 1:
             query = query.contiguous()
         group = query.shape[1] // num_kv_heads
-        config = self.config or KernelConfig()
+        config = self.config or _DEFAULT_CONFIG
         base_rows = _DECODE_ROWS if metadata.max_query_len <= 1 else _PREFILL_ROWS
         base_rows = config.rows or base_rows
         keys = config.keys or (_KEYS_PER_TILE if head_dim <= 128 else _KEYS_PER_TILE // 2)

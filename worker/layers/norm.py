@@ -75,8 +75,11 @@ class RMSNorm(nn.Module):
             and x.stride(-1) == 1
             and (
                 residual is None
-                or (residual.shape == x.shape and residual.dtype == x.dtype)
-                and residual.stride(-1) == 1
+                or (
+                    residual.shape == x.shape
+                    and residual.dtype == x.dtype
+                    and residual.stride(-1) == 1
+                )
             )
         ):
             # One kernel instead of five torch ops (worker/layers/triton_ops.py).
