@@ -71,6 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--result-json", default=None, metavar="PATH")
     parser.add_argument("--log", default=None, metavar="PATH", help="the server's log")
+    parser.add_argument(
+        "--work-dir",
+        default=None,
+        metavar="DIR",
+        help="where the run's files go (logs, load reports; made if missing); default: a new "
+        "conveyor-soak-* folder in the temporary directory, kept and printed at the end",
+    )
     return parser.parse_args(argv)
 
 
@@ -317,7 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.minutes <= 0 or args.sample_interval_s <= 0 or not 0 < args.fraction <= 1:
         print("--minutes, --sample-interval-s: > 0; --fraction: in (0, 1]", file=sys.stderr)
         return 2
-    work = Path(tempfile.mkdtemp(prefix="conveyor-soak-"))
+    if args.work_dir:
+        work = Path(args.work_dir)
+        work.mkdir(parents=True, exist_ok=True)
+    else:
+        work = Path(tempfile.mkdtemp(prefix="conveyor-soak-"))
     result = run(args, work)
     print(table(result["samples"]))
     load = result["load"]

@@ -26,6 +26,7 @@ def test_a_short_soak_passes_and_reports_every_process(tiny_model_dir, tmp_path)
     # A run this short is mostly warm-up: the worker's allocator grows with each new batch size.
     command += ["--warmup-fraction", "0.6"]
     command += ["--serve-args", "--kv-cache-memory 16M", "--result-json", str(result_json)]
+    command += ["--work-dir", str(tmp_path / "work")]  # not a folder left in the system's /tmp
     run = subprocess.run(command, capture_output=True, text=True, timeout=150, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(result_json.read_text())
@@ -40,3 +41,6 @@ def test_a_short_soak_passes_and_reports_every_process(tiny_model_dir, tmp_path)
     assert all(mib > 10 for mib in samples[-1]["rss_mib"].values())
     assert samples[-1]["free_blocks"] == result["num_kv_blocks"]
     assert "| t (s) |" in run.stdout and "PASS all_blocks_free_after" in run.stdout
+    work = tmp_path / "work"
+    assert f"files: {work}" in run.stdout and (work / "soak.log").exists()
+    assert result["server_log"] == str(work / "serve.log")
