@@ -17,6 +17,11 @@ Sections:
           call on the next of enough copies of the weight (4x the last-level cache in int8,
           16x in float32) that it comes from memory, as in a forward pass of a model larger
           than the caches.
+  small   every linear shape and the LM head at one and two rows (a decode step of one or two
+          requests), weights from memory (each call on the next of enough copies of the weight
+          to fill 16x the last-level cache): oneDNN's packed weight against the compiled
+          ``small_linear`` the layers use there. At one row a weight's float32 bytes are twice its
+          GFLOP, so GB/s read = 2x the GFLOP/s printed.
   model   one forward with a stub attention that only copies q (so the time is everything but
           attention), decode-sized and prefill-sized, with and without packed weights, and the
           LM head on 64 rows.
@@ -175,6 +180,39 @@ def bench_int8(config, rows: list[int], budget_s: float) -> None:
             variants = {"float32": in_turn(float32), "int8": in_turn(quantized)}
             times = best_of(variants, budget_s)
             print_row(f"M={num_rows:<5d} {name}", times, 2 * num_rows * k * n)
+
+
+def bench_small_linears(config, rows: list[int], budget_s: float) -> None:
+    from benchmarks.attention import last_level_cache_bytes
+    from worker.layers.cpu_ops import SMALL_LINEAR_MAX_ROWS, load_token_ops
+
+    ops = load_token_ops()
+    if ops is None:
+        print(
+            "\n== small: the compiled ops are unavailable (no C compiler, or CONVEYOR_CPU_KERNEL=0) =="
+        )
+        return
+    rows = [r for r in rows if r <= SMALL_LINEAR_MAX_ROWS] or list(
+        range(1, SMALL_LINEAR_MAX_ROWS + 1)
+    )
+    cache_bytes = last_level_cache_bytes() or 32 << 20  # where Linux reports none
+    print(
+        f"\n== one and two rows (weights from memory: copies of 16x the {cache_bytes >> 20} MiB "
+        "cache) =="
+    )
+    for name, (k, n) in linear_shapes(config).items():
+        copies = max(2, -(-16 * cache_bytes // (4 * n * k)))
+        weights = [torch.randn(n, k) / k**0.5 for _ in range(copies)]
+        packed = [pack_weight(w) for w in weights]
+        for num_rows in rows:
+            x = torch.randn(num_rows, k)
+            onednn = [
+                functools.partial(torch.ops.mkldnn._linear_pointwise, x, p, None, "none", [], "")
+                for p in packed
+            ]
+            compiled = [functools.partial(ops.small_linear, x, w, None) for w in weights]
+            variants = {"onednn": in_turn(onednn), "small_linear": in_turn(compiled)}
+            print_row(f"M={num_rows:<5d} {name}", best_of(variants, budget_s), 2 * num_rows * k * n)
 
 
 def reference_add_norm(x, residual, weight):
@@ -407,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="/tmp/bench2", help="a model directory (config.json)")
     parser.add_argument("--rows", default="1,16,64,256,2048", help="comma-separated row counts")
     parser.add_argument(
-        "--section", choices=("all", "matmul", "ops", "int8", "model"), default="all"
+        "--section", choices=("all", "matmul", "ops", "int8", "small", "model"), default="all"
     )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--budget", type=float, default=0.5, help="seconds per measurement")
@@ -430,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_ops(config, rows, args.budget, args.compile, args.device)
         if args.section in ("all", "int8"):
             bench_int8(config, rows, args.budget)
+        if args.section in ("all", "small"):
+            bench_small_linears(config, rows, args.budget)
         if args.section in ("all", "model"):
             bench_model(args.model, args.budget)
     return 0

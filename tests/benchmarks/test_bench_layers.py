@@ -1,10 +1,12 @@
-"""``conveyor bench layers --section int8``: float32 and int8 timed on every decoder linear."""
+"""``conveyor bench layers --section int8`` (float32 and int8 timed on every decoder linear) and
+``--section small`` (oneDNN and the one-or-two-row kernel)."""
 
 from __future__ import annotations
 
 import pytest
 
 from benchmarks import attention, layers
+from worker.layers.cpu_ops import load_token_ops
 from worker.layers.int8_linear import load_int8_gemm
 
 
@@ -18,3 +20,20 @@ def test_int8_section_times_both_on_every_decoder_linear(tiny_model_dirs, monkey
     names = [line.split()[1] for line in lines]
     assert names == ["qkv", "qkv", "o", "o", "gate_up", "gate_up", "down", "down"]
     assert all("float32" in line and "int8" in line and "GF" in line for line in lines)
+
+
+@pytest.mark.skipif(load_token_ops() is None, reason="no C compiler for the token ops")
+def test_small_section_times_onednn_and_small_linear_at_one_and_two_rows(
+    tiny_model_dirs, monkeypatch, capsys
+):
+    monkeypatch.setattr(attention, "last_level_cache_bytes", lambda: 1 << 20)
+    # Rows past what small_linear takes are left out, not timed on another kernel.
+    argv = ["--model", str(tiny_model_dirs["qwen3"]), "--section", "small", "--rows", "1,2,7"]
+    assert layers.main([*argv, "--budget", "0.01"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("M=")]
+    assert [(line.split()[0], line.split()[1]) for line in lines] == [
+        (f"M={rows}", name)
+        for name in ("qkv", "o", "gate_up", "down", "lm_head")
+        for rows in (1, 2)
+    ]
+    assert all("onednn" in line and "small_linear" in line for line in lines)

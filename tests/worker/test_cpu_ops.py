@@ -168,6 +168,8 @@ def test_fallback_builds_compute_the_same(tmp_path, monkeypatch, flags):
     gated = torch.randn(70, 2 * 100) * 4
     expected = torch.nn.functional.silu(gated[:, :100]) * gated[:, 100:]
     torch.testing.assert_close(ops.silu_and_mul(gated), expected, rtol=1e-6, atol=1e-6)
+    x, weight = torch.randn(2, 100), torch.randn(37, 100)
+    torch.testing.assert_close(ops.small_linear(x, weight, None), x @ weight.T, rtol=0, atol=2e-5)
 
 
 def norm_and_angles(num_tokens, num_heads, head_dim, half, seed=0):
@@ -283,3 +285,86 @@ def test_the_layers_take_the_compiled_ops_and_fall_back_to_torch(ops, monkeypatc
     torch.testing.assert_close(compiled, fallback, rtol=1e-6, atol=1e-6)
     assert not TokenOps.takes_gated(x.bfloat16()) and not TokenOps.takes_gated(x[:, :95])
     assert not TokenOps.takes_gated(x.t())
+
+
+def float64_linear(x, weight, bias):
+    y = x.double() @ weight.double().T
+    return y if bias is None else y + bias.double()
+
+
+# Output counts below, at and past a group of 8 and the 2-thread split; input sizes that are and
+# are not a whole number of 16- or 8-float vectors.
+@pytest.mark.parametrize("out_features,in_features", [(1, 3), (7, 16), (13, 40), (1024, 512),
+                                                      (517, 1536), (8192, 64)])  # fmt: skip
+@pytest.mark.parametrize("num_rows", [1, 2])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_small_linear_is_the_float64_product_within_float32_roundings(
+    ops, out_features, in_features, num_rows, with_bias
+):
+    generator = torch.Generator().manual_seed(out_features * 7 + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    # Rows of a wider tensor: read through their stride.
+    x = torch.randn(num_rows, in_features + 5, generator=generator)[:, :in_features]
+    assert TokenOps.takes_linear(x, weight, bias)
+    got = ops.small_linear(x, weight, bias)
+    assert got.shape == (num_rows, out_features) and got.dtype == torch.float32
+    expected = float64_linear(x, weight, bias)
+    # |error| <= in_features roundings of the running sum; the sums here are O(1).
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=in_features * 2e-7)
+
+
+def test_small_linear_gives_each_row_the_same_bits_alone_in_a_pair_and_on_any_thread_count(ops):
+    # Every output is summed in one order: a request's numbers do not depend on whether another
+    # request shares its step, nor on how many threads ran it.
+    weight, x = torch.randn(1000, 520), torch.randn(2, 520)
+    pair = ops.small_linear(x, weight, None)
+    assert torch.equal(ops.small_linear(x[:1], weight, None), pair[:1])
+    assert torch.equal(ops.small_linear(x[1:], weight, None), pair[1:])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(ops.small_linear(x, weight, None), pair)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_small_linear_takes_one_or_two_dense_float32_rows_only():
+    x, weight, bias = torch.randn(2, 64), torch.randn(32, 64), torch.randn(32)
+    assert TokenOps.takes_linear(x, weight, bias) and TokenOps.takes_linear(x[:1], weight, None)
+    assert not TokenOps.takes_linear(torch.randn(3, 64), weight, bias)  # oneDNN's from 3 rows
+    assert not TokenOps.takes_linear(x[:0], weight, bias)
+    assert not TokenOps.takes_linear(x.bfloat16(), weight.bfloat16(), None)
+    assert not TokenOps.takes_linear(torch.randn(64, 2).t(), weight, bias)  # columns not dense
+    assert not TokenOps.takes_linear(x, torch.randn(64, 32).t(), bias)  # weight not dense
+    assert not TokenOps.takes_linear(x, torch.randn(32, 63), bias)  # in sizes differ
+    assert not TokenOps.takes_linear(x, weight, torch.randn(31))
+    assert not TokenOps.takes_linear(x.view(2, 1, 64), weight, bias)
+
+
+def test_small_batches_take_the_small_linear_and_larger_ones_the_packed_weight(ops, monkeypatch):
+    from worker.layers.gemm import linear, pack_weight
+
+    weight, bias = torch.randn(96, 128), torch.randn(96)
+    packed = pack_weight(weight)
+    calls = []
+    original = TokenOps.small_linear
+
+    def counting(self, *args):
+        calls.append(args[0].shape[0])
+        return original(self, *args)
+
+    monkeypatch.setattr(TokenOps, "small_linear", counting)
+    for num_rows in (1, 2, 3, 64):
+        x = torch.randn(num_rows, 128)
+        torch.testing.assert_close(
+            linear(x, weight, bias, packed).double(),
+            float64_linear(x, weight, bias),
+            rtol=0,
+            atol=128 * 2e-7,
+        )
+    assert calls == [1, 2]
+    # Without the library (no compiler, CONVEYOR_CPU_KERNEL=0) the packed weight serves them.
+    monkeypatch.setattr("worker.layers.gemm.load_token_ops", lambda: None)
+    linear(torch.randn(1, 128), weight, bias, packed)
+    assert calls == [1, 2]

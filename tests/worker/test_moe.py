@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from worker.layers import fused_moe
 from worker.layers.fused_moe import FusedMoE, MoEExperts, select_experts
 from worker.loader import ModelLoadError, load_model
 from worker.models.checkpoint import param_name_of
@@ -82,13 +83,13 @@ def test_experts_run_only_on_their_tokens_and_idle_experts_cost_nothing(monkeypa
     ids = torch.tensor([[0, 2], [0, 4], [2, 0], [0, 2], [2, 0]])
     weights = torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.9, 0.1], [0.5, 0.5], [0.2, 0.8]])
     calls = []
-    original = F.linear
+    original = fused_moe.linear  # F.linear, the packed weight or the one-or-two-row kernel
 
     def counting_linear(x, weight, *args):
         calls.append((x.shape[0], weight.data_ptr()))
         return original(x, weight, *args)
 
-    monkeypatch.setattr(F, "linear", counting_linear)
+    monkeypatch.setattr(fused_moe, "linear", counting_linear)
     out = moe.experts(hidden, ids, weights)
     monkeypatch.undo()
     full = moe.full_weights  # type: ignore[attr-defined]

@@ -1,5 +1,6 @@
 """Compiled token-wise ops for float32 and bfloat16 on CPU (``csrc/token_ops.c``): the residual
-add fused into the RMSNorm that follows it.
+add fused into the RMSNorm that follows it, and more in float32 (below), among them the linears
+of one or two rows (``small_linear``, which worker/layers/gemm.py dispatches to).
 
 Runs in worker processes. Built and cached like the attention kernel (``worker.native``); where
 it cannot be built, or ``CONVEYOR_CPU_KERNEL=0``, the layers keep their torch ops. In the `bench`
@@ -26,7 +27,7 @@ SOURCE_PATH = Path(__file__).parent / "csrc" / "token_ops.c"
 # The attention kernel's vector helpers, which the source includes.
 VECTOR_MATH_PATH = Path(__file__).parent.parent / "attention" / "csrc" / "vector_math.h"
 # Must match CONVEYOR_TOKEN_OPS_ABI_VERSION in the source.
-ABI_VERSION = 3
+ABI_VERSION = 4
 # What the ops take: float32, and bfloat16 rounded where the torch ops round.
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -44,6 +45,15 @@ _QK_NORM_ROPE_ARGTYPES = [
     _i32,  # threads
 ]  # fmt: skip
 _SILU_AND_MUL_ARGTYPES = [_ptr, _i64, _i64, _i32, _ptr, _i64, _i32]
+_SMALL_LINEAR_ARGTYPES = [
+    _ptr, _i64, _i64,  # x, its row stride, rows
+    _ptr, _i64, _i64, _ptr,  # weight [out, in], out, in, bias (or NULL)
+    _ptr, _i64, _i32,  # y and its row stride, threads
+]  # fmt: skip
+# The most rows the compiled linear takes. At one and two rows it streams the weight faster than
+# oneDNN's packed copy; from three on the packed copy is as fast or faster (docs/performance.md,
+# "One and two rows"). Must not exceed SMALL_LINEAR_MAX_ROWS in the source.
+SMALL_LINEAR_MAX_ROWS = 2
 
 
 class TokenOps:
@@ -64,6 +74,9 @@ class TokenOps:
         )
         self._silu_and_mul = native.status_function(
             library, "conveyor_silu_and_mul", _SILU_AND_MUL_ARGTYPES
+        )
+        self._small_linear = native.status_function(
+            library, "conveyor_small_linear", _SMALL_LINEAR_ARGTYPES
         )
 
     @staticmethod
@@ -208,6 +221,48 @@ class TokenOps:
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"silu_and_mul failed with status {status}")
+        return out
+
+    @staticmethod
+    def takes_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether ``small_linear`` takes these: CPU float32 x [rows <= SMALL_LINEAR_MAX_ROWS,
+        in] with dense rows, weight [out, in] dense, bias [out] dense or None."""
+        return (
+            x.is_cpu
+            and x.dtype == torch.float32
+            and x.dim() == 2
+            and 0 < x.shape[0] <= SMALL_LINEAR_MAX_ROWS
+            and x.stride(1) == 1
+            and weight.is_cpu
+            and weight.dtype == torch.float32
+            and weight.dim() == 2
+            and weight.shape[1] == x.shape[1]
+            and weight.is_contiguous()
+            and (
+                bias is None
+                or (
+                    bias.is_cpu
+                    and bias.dtype == torch.float32
+                    and bias.shape == (weight.shape[0],)
+                    and bias.is_contiguous()
+                )
+            )
+        )
+
+    def small_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x W^T (+ bias), fresh [rows, out]. ``takes_linear`` must hold."""
+        num_rows, out_features = x.shape[0], weight.shape[0]
+        out = torch.empty((num_rows, out_features), dtype=x.dtype)
+        status = self._small_linear(
+            x.data_ptr(), x.stride(0), num_rows,
+            weight.data_ptr(), out_features, weight.shape[1],
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(), out_features, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"small_linear failed with status {status}")
         return out
 
 

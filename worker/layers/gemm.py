@@ -12,6 +12,10 @@ is. bfloat16 matmuls go through oneDNN at every
 size anyway (MKL has none), and the packed weight is faster at every size measured: 2.4-3.6x at
 one row, 1.2-1.3x at 64, 1.04-1.09x at 2,048 (2-core Zen 4 with AVX512_BF16, the `bench` model's
 shapes), so bfloat16 takes it for every batch.
+
+A float32 linear of one or two rows (a decode step of one or two requests) goes to the compiled
+token ops' ``small_linear`` instead, where they are built: it streams the plain weight at ~1.2x
+the packed copy's speed there (docs/performance.md, "One and two rows").
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
+
+from worker.layers.cpu_ops import SMALL_LINEAR_MAX_ROWS, load_token_ops
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +75,10 @@ def linear(
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., in] -> [..., out]; ``packed`` is ``pack_weight(weight)`` or None."""
+    if x.dim() == 2 and x.shape[0] <= SMALL_LINEAR_MAX_ROWS and x.dtype == torch.float32:
+        ops = load_token_ops() if x.is_cpu else None
+        if ops is not None and ops.takes_linear(x, weight, bias):
+            return ops.small_linear(x, weight, bias)
     if packed is not None and (
         _ROW_LIMIT is None or x.dtype == torch.bfloat16 or x.numel() <= _ROW_LIMIT * x.shape[-1]
     ):

@@ -1,7 +1,8 @@
 /*
  * Token-wise ops of the decoder layers for CPU worker processes: the residual add fused into the
  * RMSNorm that follows it (float32 and bfloat16), and, in float32, the per-head RMSNorm of queries
- * and keys fused with their rotary embedding, and SwiGLU's silu(gate) * up.
+ * and keys fused with their rotary embedding, SwiGLU's silu(gate) * up, and the linears of one or
+ * two rows (a decode step of one or two requests), bound by streaming the weight.
  *
  * Built on first use by worker/layers/cpu_ops.py (through worker/native.py) with the system C
  * compiler and loaded with ctypes; plain C, like the attention kernel, whose vector helpers it
@@ -13,10 +14,13 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include "../../attention/csrc/vector_math.h"
 
-#define CONVEYOR_TOKEN_OPS_ABI_VERSION 3
+#define CONVEYOR_TOKEN_OPS_ABI_VERSION 4
 /* Below this many elements the OpenMP fork costs more than the second thread saves (a decode
  * batch of a few rows). */
 #define PARALLEL_MIN_ELEMENTS 16384
@@ -263,6 +267,119 @@ int conveyor_silu_and_mul(const float *x, int64_t x_stride, int64_t num_rows, in
 #endif
         for (; i + LANES <= size; i += LANES) store(dst + i, silu_times(load(gate + i), load(up + i)));
         for (; i < size; i++) dst[i] = silu_times(splat(gate[i]), splat(up[i]))[0];
+    }
+    return 0;
+}
+
+/* ---- y = x W^T + b for one or two rows (a decode step of one or two requests) ----
+ *
+ * At so few rows a linear reads each weight once for one or two multiply-adds: it is bound by
+ * how fast the weight streams from memory, not by arithmetic. Each thread streams its own
+ * contiguous run of the weight's rows (output features) front to back, eight rows at a time,
+ * where the hardware prefetcher follows it; the inputs stay in L1. oneDNN's packed weight read
+ * at ~18-21 GB/s at one row where this reads ~23-27 and a plain sum ~32 (2-core Zen 4, the
+ * `bench` model's shapes; docs/performance.md).
+ *
+ * Every output is summed in one order whatever the thread count, the number of rows and where
+ * its weight row falls in a group: a vector of partial sums over the input in order, its lanes
+ * summed in a fixed tree, then the input's tail past the last whole vector, then the bias. */
+#if defined(__AVX512F__)
+typedef vf16 vrow;
+#define ROW_LANES 16
+static inline float sum_lanes(vrow v) {
+    vf8 low, high;
+    memcpy(&low, &v, sizeof low);
+    memcpy(&high, (const char *)&v + sizeof low, sizeof high);
+    return hsum(low + high);
+}
+#else
+typedef vf8 vrow;
+#define ROW_LANES LANES
+static inline float sum_lanes(vrow v) { return hsum(v); }
+#endif
+#define SMALL_LINEAR_MAX_ROWS 2
+#define WEIGHT_GROUP 8
+/* Below this many weight elements one thread streams the whole weight faster than two can be
+ * started (a few microseconds of OpenMP fork and join). */
+#define SMALL_LINEAR_PARALLEL_MIN 65536
+
+static inline vrow load_lanes(const float *p) {
+    vrow v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Finish one output: the lanes, the input's tail, the bias. */
+static inline float finish_output(vrow acc, const float *w_row, const float *x_row,
+                                  int64_t vector_end, int64_t in, const float *bias, int64_t n) {
+    float sum = sum_lanes(acc);
+    for (int64_t k = vector_end; k < in; k++) sum += w_row[k] * x_row[k];
+    return bias ? sum + bias[n] : sum;
+}
+
+/* Outputs n0 .. n1-1 of ROWS input rows (a constant where it is called, so each count gets its
+ * own unrolled loop). */
+static inline __attribute__((always_inline)) void small_linear_outputs(
+    const float *x, int64_t x_stride, const int rows, const float *w, int64_t in,
+    const float *bias, float *y, int64_t y_stride, int64_t n0, int64_t n1) {
+    const int64_t vector_end = in - in % ROW_LANES;
+    int64_t n = n0;
+    for (; n + WEIGHT_GROUP <= n1; n += WEIGHT_GROUP) {
+        const float *group = w + n * in;
+        vrow acc[SMALL_LINEAR_MAX_ROWS][WEIGHT_GROUP];
+        for (int m = 0; m < rows; m++)
+            for (int g = 0; g < WEIGHT_GROUP; g++) acc[m][g] = (vrow){0};
+        for (int64_t k = 0; k < vector_end; k += ROW_LANES) {
+            vrow weights[WEIGHT_GROUP];
+            for (int g = 0; g < WEIGHT_GROUP; g++) weights[g] = load_lanes(group + g * in + k);
+            for (int m = 0; m < rows; m++) {
+                vrow input = load_lanes(x + m * x_stride + k);
+                for (int g = 0; g < WEIGHT_GROUP; g++) acc[m][g] += weights[g] * input;
+            }
+        }
+        for (int m = 0; m < rows; m++)
+            for (int g = 0; g < WEIGHT_GROUP; g++)
+                y[m * y_stride + n + g] = finish_output(acc[m][g], group + g * in,
+                                                        x + m * x_stride, vector_end, in, bias,
+                                                        n + g);
+    }
+    for (; n < n1; n++) { /* the last few outputs, one weight row at a time */
+        const float *w_row = w + n * in;
+        for (int m = 0; m < rows; m++) {
+            const float *x_row = x + m * x_stride;
+            vrow acc = (vrow){0};
+            for (int64_t k = 0; k < vector_end; k += ROW_LANES)
+                acc += load_lanes(w_row + k) * load_lanes(x_row + k);
+            y[m * y_stride + n] = finish_output(acc, w_row, x_row, vector_end, in, bias, n);
+        }
+    }
+}
+
+/* y[m] = x[m] W^T (+ bias) for m < rows <= SMALL_LINEAR_MAX_ROWS; W is [out, in], dense. */
+int conveyor_small_linear(const float *x, int64_t x_stride, int64_t rows, const float *w,
+                          int64_t out, int64_t in, const float *bias, float *y,
+                          int64_t y_stride, int num_threads) {
+    if (rows < 0 || rows > SMALL_LINEAR_MAX_ROWS || out < 0 || in <= 0) return -1;
+    if (rows == 0 || out == 0) return 0;
+    const int parallel = out * in >= SMALL_LINEAR_PARALLEL_MIN && num_threads > 1;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    {
+#if defined(_OPENMP)
+        const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
+#else
+        const int64_t thread = 0, threads = 1;
+#endif
+        /* Contiguous runs of whole groups: each thread's weight rows are one stream. */
+        const int64_t groups = (out + WEIGHT_GROUP - 1) / WEIGHT_GROUP;
+        const int64_t per_thread = (groups + threads - 1) / threads * WEIGHT_GROUP;
+        const int64_t n0 = thread * per_thread;
+        const int64_t n1 = n0 + per_thread < out ? n0 + per_thread : out;
+        if (n0 < n1) {
+            if (rows == 1)
+                small_linear_outputs(x, x_stride, 1, w, in, bias, y, y_stride, n0, n1);
+            else
+                small_linear_outputs(x, x_stride, 2, w, in, bias, y, y_stride, n0, n1);
+        }
     }
     return 0;
 }
