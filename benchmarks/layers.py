@@ -24,7 +24,8 @@ Sections:
           GFLOP, so GB/s read = 2x the GFLOP/s printed.
   model   one forward with a stub attention that only copies q (so the time is everything but
           attention), decode-sized and prefill-sized, with and without packed weights, and the
-          LM head on 64 rows.
+          LM head on 64 rows. One decode row takes small_linear either way; "small_linear off"
+          is the packed weight there, what it replaced.
 
 Timings are the best of several interleaved rounds (variants alternate, so a burst of load from
 another process hits them alike); the machine's cores are shared, so compare within a table.
@@ -49,10 +50,12 @@ from worker.attention.metadata_builder import build_attention_metadata
 from worker.layers import (
     RotaryEmbedding,
     SiluAndMul,
+    gemm,
     normalize_and_rotate,
     rms_normalize,
     rotate_,
 )
+from worker.layers.cpu_ops import SMALL_LINEAR_MAX_ROWS
 from worker.layers.gemm import pack_weight, packed_row_limit
 from worker.layers.norm import RMSNorm
 from worker.loader import load_model, read_hf_config
@@ -184,7 +187,7 @@ def bench_int8(config, rows: list[int], budget_s: float) -> None:
 
 def bench_small_linears(config, rows: list[int], budget_s: float) -> None:
     from benchmarks.attention import last_level_cache_bytes
-    from worker.layers.cpu_ops import SMALL_LINEAR_MAX_ROWS, load_token_ops
+    from worker.layers.cpu_ops import load_token_ops
 
     ops = load_token_ops()
     if ops is None:
@@ -406,6 +409,16 @@ class StubbedModel:
         self.set_packed(packed)
         return self.model(*inputs, output_rows)
 
+    def forward_without_small_linear(self, inputs: tuple) -> torch.Tensor:
+        """The packed weight's forward where one or two rows would take small_linear."""
+        self.set_packed(True)
+        limit = gemm.SMALL_LINEAR_MAX_ROWS
+        gemm.SMALL_LINEAR_MAX_ROWS = 0
+        try:
+            return self.model(*inputs)
+        finally:
+            gemm.SMALL_LINEAR_MAX_ROWS = limit
+
     def logits(self, hidden: torch.Tensor, packed: bool) -> torch.Tensor:
         self.set_packed(packed)
         return self.model.compute_logits(hidden)
@@ -419,6 +432,8 @@ class StubbedModel:
             "packed off": lambda: self.forward(inputs, False),
             "packed on": lambda: self.forward(inputs, True),
         }
+        if num_tokens <= SMALL_LINEAR_MAX_ROWS:  # both above ran small_linear: what it replaced
+            variants["small_linear off"] = lambda: self.forward_without_small_linear(inputs)
         if num_tokens > num_reqs:  # rows that are not sampled: only the last of each request is
             variants["+output_rows"] = lambda: self.forward(inputs, True, last_rows)
         return variants
@@ -427,7 +442,11 @@ class StubbedModel:
 def bench_model(model_dir: str, budget_s: float) -> None:
     print("\n== model forward, attention stubbed out (copies q) ==")
     stubbed = StubbedModel(model_dir)
-    for label, num_tokens, num_reqs in (("decode 64x1", 64, 64), ("prefill 16x128", 2048, 16)):
+    for label, num_tokens, num_reqs in (
+        ("decode 1x1", 1, 1),
+        ("decode 64x1", 64, 64),
+        ("prefill 16x128", 2048, 16),
+    ):
         print_row(label, best_of(stubbed.step_variants(num_tokens, num_reqs), budget_s * 4))
     hidden = torch.randn(64, stubbed.model.config.hidden_size)
     variants = {

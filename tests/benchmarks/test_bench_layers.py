@@ -37,3 +37,12 @@ def test_small_section_times_onednn_and_small_linear_at_one_and_two_rows(
         for rows in (1, 2)
     ]
     assert all("onednn" in line and "small_linear" in line for line in lines)
+
+
+@pytest.mark.skipif(load_token_ops() is None, reason="no C compiler for the token ops")
+def test_model_section_times_one_decode_row_with_and_without_small_linear(tiny_model_dirs, capsys):
+    argv = ["--model", str(tiny_model_dirs["qwen3"]), "--section", "model", "--budget", "0.01"]
+    assert layers.main(argv) == 0
+    lines = {line.split("  ")[0].strip(): line for line in capsys.readouterr().out.splitlines()}
+    assert "small_linear off" in lines["decode 1x1"] and "packed on" in lines["decode 1x1"]
+    assert "small_linear off" not in lines["decode 64x1"]
