@@ -185,7 +185,7 @@ def bench_int8(config, rows: list[int], budget_s: float) -> None:
             print_row(f"M={num_rows:<5d} {name}", times, 2 * num_rows * k * n)
 
 
-def bench_small_linears(config, rows: list[int], budget_s: float) -> None:
+def bench_small_linears(config, budget_s: float) -> None:
     from benchmarks.attention import last_level_cache_bytes
     from worker.layers.cpu_ops import load_token_ops
 
@@ -195,9 +195,7 @@ def bench_small_linears(config, rows: list[int], budget_s: float) -> None:
             "\n== small: the compiled ops are unavailable (no C compiler, or CONVEYOR_CPU_KERNEL=0) =="
         )
         return
-    rows = [r for r in rows if r <= SMALL_LINEAR_MAX_ROWS] or list(
-        range(1, SMALL_LINEAR_MAX_ROWS + 1)
-    )
+    rows = list(range(1, SMALL_LINEAR_MAX_ROWS + 1))  # every size it takes; --rows is for the rest
     cache_bytes = last_level_cache_bytes() or 32 << 20  # where Linux reports none
     print(
         f"\n== one and two rows (weights from memory: copies of 16x the {cache_bytes >> 20} MiB "
@@ -488,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.section in ("all", "int8"):
             bench_int8(config, rows, args.budget)
         if args.section in ("all", "small"):
-            bench_small_linears(config, rows, args.budget)
+            bench_small_linears(config, args.budget)
         if args.section in ("all", "model"):
             bench_model(args.model, args.budget)
     return 0

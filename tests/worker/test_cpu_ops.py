@@ -170,6 +170,7 @@ def test_fallback_builds_compute_the_same(tmp_path, monkeypatch, flags):
     torch.testing.assert_close(ops.silu_and_mul(gated), expected, rtol=1e-6, atol=1e-6)
     x, weight = torch.randn(2, 100), torch.randn(37, 100)
     torch.testing.assert_close(ops.small_linear(x, weight, None), x @ weight.T, rtol=0, atol=2e-5)
+    assert ops.threaded == ("-fopenmp" in flags)
 
 
 def norm_and_angles(num_tokens, num_heads, head_dim, half, seed=0):
@@ -315,18 +316,20 @@ def test_small_linear_is_the_float64_product_within_float32_roundings(
 
 
 def test_small_linear_gives_each_row_the_same_bits_alone_in_a_pair_and_on_any_thread_count(ops):
-    # Every output is summed in one order: a request's numbers do not depend on whether another
-    # request shares its step, nor on how many threads ran it.
-    weight, x = torch.randn(1000, 520), torch.randn(2, 520)
+    # Every output is summed in one order: a request's numbers do not depend on whether a second
+    # request shares its step, nor on how many threads ran it. 1,003 outputs: the last three go
+    # through the one-row-at-a-time loop, and where each thread's run starts moves with the count.
+    weight, x = torch.randn(1003, 520), torch.randn(2, 520)
     pair = ops.small_linear(x, weight, None)
     assert torch.equal(ops.small_linear(x[:1], weight, None), pair[:1])
     assert torch.equal(ops.small_linear(x[1:], weight, None), pair[1:])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(ops.small_linear(x, weight, None), pair)
-    finally:
-        torch.set_num_threads(threads)
+    for threads in (1, 2, 3, 16, 64):
+        out = torch.empty(2, 1003)
+        status = ops._small_linear(
+            x.data_ptr(), x.stride(0), 2, weight.data_ptr(), 1003, 520, None,
+            out.data_ptr(), 1003, threads,
+        )  # fmt: skip
+        assert status == 0 and torch.equal(out, pair), threads
 
 
 def test_small_linear_takes_one_or_two_dense_float32_rows_only():
@@ -340,6 +343,12 @@ def test_small_linear_takes_one_or_two_dense_float32_rows_only():
     assert not TokenOps.takes_linear(x, torch.randn(32, 63), bias)  # in sizes differ
     assert not TokenOps.takes_linear(x, weight, torch.randn(31))
     assert not TokenOps.takes_linear(x.view(2, 1, 64), weight, bias)
+    assert not TokenOps.takes_linear(torch.randn(1, 0), torch.randn(32, 0), None)  # F.linear's
+    # Autograd must see what a trainable weight did; with gradients off the kernel may run.
+    trainable = torch.nn.Parameter(weight.clone())
+    assert not TokenOps.takes_linear(x, trainable, bias)
+    with torch.no_grad():
+        assert TokenOps.takes_linear(x, trainable, bias)
 
 
 def test_small_batches_take_the_small_linear_and_larger_ones_the_packed_weight(ops, monkeypatch):
@@ -364,6 +373,12 @@ def test_small_batches_take_the_small_linear_and_larger_ones_the_packed_weight(o
             atol=128 * 2e-7,
         )
     assert calls == [1, 2]
+    # A build without OpenMP would stream on one thread: the packed weight serves two.
+    monkeypatch.setattr(ops, "threaded", False)
+    if torch.get_num_threads() > 1:
+        linear(torch.randn(1, 128), weight, bias, packed)
+        assert calls == [1, 2]
+    monkeypatch.setattr(ops, "threaded", True)
     # Without the library (no compiler, CONVEYOR_CPU_KERNEL=0) the packed weight serves them.
     monkeypatch.setattr("worker.layers.gemm.load_token_ops", lambda: None)
     linear(torch.randn(1, 128), weight, bias, packed)

@@ -78,6 +78,9 @@ class TokenOps:
         self._small_linear = native.status_function(
             library, "conveyor_small_linear", _SMALL_LINEAR_ARGTYPES
         )
+        # A build without OpenMP runs small_linear on one thread: worth it only where torch
+        # runs one too.
+        self.threaded = bool(library.conveyor_token_ops_threaded())
 
     @staticmethod
     def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
@@ -226,12 +229,18 @@ class TokenOps:
     @staticmethod
     def takes_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether ``small_linear`` takes these: CPU float32 x [rows <= SMALL_LINEAR_MAX_ROWS,
-        in] with dense rows, weight [out, in] dense, bias [out] dense or None."""
+        in > 0] with dense rows, weight [out, in] dense, bias [out] dense or None, and nothing
+        that autograd must follow (the kernel's output has no history)."""
+        if torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        ):
+            return False
         return (
             x.is_cpu
             and x.dtype == torch.float32
             and x.dim() == 2
             and 0 < x.shape[0] <= SMALL_LINEAR_MAX_ROWS
+            and x.shape[1] > 0
             and x.stride(1) == 1
             and weight.is_cpu
             and weight.dtype == torch.float32

@@ -77,7 +77,11 @@ def linear(
     """x [..., in] -> [..., out]; ``packed`` is ``pack_weight(weight)`` or None."""
     if x.dim() == 2 and x.shape[0] <= SMALL_LINEAR_MAX_ROWS and x.dtype == torch.float32:
         ops = load_token_ops() if x.is_cpu else None
-        if ops is not None and ops.takes_linear(x, weight, bias):
+        if (
+            ops is not None
+            and (ops.threaded or torch.get_num_threads() == 1)
+            and ops.takes_linear(x, weight, bias)
+        ):
             return ops.small_linear(x, weight, bias)
     if packed is not None and (
         _ROW_LIMIT is None or x.dtype == torch.bfloat16 or x.numel() <= _ROW_LIMIT * x.shape[-1]

@@ -27,6 +27,16 @@
 
 int conveyor_token_ops_abi_version(void) { return CONVEYOR_TOKEN_OPS_ABI_VERSION; }
 
+/* Whether this build runs its loops on more than one thread (a compiler without OpenMP gets the
+ * fallback flag sets): one thread streaming a weight is slower than oneDNN on all of them. */
+int conveyor_token_ops_threaded(void) {
+#if defined(_OPENMP)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* The sum of squares of row[0:size], summed[0:size] = row + added (when added is not NULL). */
 static inline float add_and_square(const float *row, const float *added, float *summed,
                                    int size) {
