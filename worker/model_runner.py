@@ -38,6 +38,7 @@ from worker.kv_cache import (
     num_blocks_for_memory,
     resolve_kv_cache_dtype,
 )
+from worker.layers.cpu_ops import small_linear_enabled
 from worker.loader import load_model, resolve_dtype
 from worker.memory_profile import profile_num_blocks
 from worker.native import warn_if_torch_runs_above_the_isa
@@ -64,6 +65,7 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype, device)
         if device.type == "cpu":
             warn_if_torch_runs_above_the_isa()
+            small_linear_enabled()  # a bad CONVEYOR_SMALL_LINEAR fails the start, not a step
         # CUDA: where this engine's memory accounting starts (before its weights), and a clear
         # error now if its share of the device is not free.
         self.memory_baseline: CudaMemory | None = None

@@ -383,3 +383,32 @@ def test_small_batches_take_the_small_linear_and_larger_ones_the_packed_weight(o
     monkeypatch.setattr("worker.layers.gemm.load_token_ops", lambda: None)
     linear(torch.randn(1, 128), weight, bias, packed)
     assert calls == [1, 2]
+
+
+def test_conveyor_small_linear_off_keeps_the_packed_weight_and_other_values_are_refused(
+    ops, monkeypatch
+):
+    from protocol.config import ConfigError
+    from worker.layers.gemm import linear, pack_weight
+
+    weight = torch.randn(40, 64)
+    calls = []
+    original = TokenOps.small_linear
+    monkeypatch.setattr(
+        TokenOps, "small_linear", lambda self, *args: calls.append(1) or original(self, *args)
+    )
+    try:
+        monkeypatch.setenv("CONVEYOR_SMALL_LINEAR", "off")
+        cpu_ops.small_linear_enabled.cache_clear()
+        x = torch.randn(1, 64)
+        torch.testing.assert_close(linear(x, weight, None, pack_weight(weight)), x @ weight.T)
+        assert calls == []
+        monkeypatch.setenv("CONVEYOR_SMALL_LINEAR", "sometimes")
+        cpu_ops.small_linear_enabled.cache_clear()
+        with pytest.raises(ConfigError, match="CONVEYOR_SMALL_LINEAR='sometimes'"):
+            cpu_ops.small_linear_enabled()
+    finally:
+        monkeypatch.delenv("CONVEYOR_SMALL_LINEAR")
+        cpu_ops.small_linear_enabled.cache_clear()
+    linear(x, weight, None, pack_weight(weight))
+    assert calls == [1]

@@ -54,6 +54,8 @@ _SMALL_LINEAR_ARGTYPES = [
 # oneDNN's packed copy; from three on the packed copy is as fast or faster (docs/performance.md,
 # "One and two rows"). Must not exceed SMALL_LINEAR_MAX_ROWS in the source.
 SMALL_LINEAR_MAX_ROWS = 2
+# Off (0, false, no, off) keeps oneDNN's packed weight for one and two rows too.
+SMALL_LINEAR_ENV = "CONVEYOR_SMALL_LINEAR"
 
 
 class TokenOps:
@@ -273,6 +275,15 @@ class TokenOps:
         if status != 0:
             raise RuntimeError(f"small_linear failed with status {status}")
         return out
+
+
+@functools.cache
+def small_linear_enabled() -> bool:
+    """Whether linears of one or two rows take ``small_linear``: CONVEYOR_SMALL_LINEAR (a value
+    that is neither on nor off is refused; the CPU model runner asks at start-up)."""
+    from worker.kv_cache import switch_from_env  # imported here: kv_cache imports the layers
+
+    return switch_from_env(SMALL_LINEAR_ENV)
 
 
 @functools.cache

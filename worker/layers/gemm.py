@@ -15,7 +15,8 @@ shapes), so bfloat16 takes it for every batch.
 
 A float32 linear of one or two rows (a decode step of one or two requests) goes to the compiled
 token ops' ``small_linear`` instead, where they are built: it streams the plain weight at ~1.2x
-the packed copy's speed there (docs/performance.md, "One and two rows").
+the packed copy's speed there (docs/performance.md, "One and two rows");
+``CONVEYOR_SMALL_LINEAR=0`` keeps the packed copy for them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from worker.layers.cpu_ops import SMALL_LINEAR_MAX_ROWS, load_token_ops
+from worker.layers.cpu_ops import SMALL_LINEAR_MAX_ROWS, load_token_ops, small_linear_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def linear(
         ops = load_token_ops() if x.is_cpu else None
         if (
             ops is not None
+            and small_linear_enabled()
             and (ops.threaded or torch.get_num_threads() == 1)
             and ops.takes_linear(x, weight, bias)
         ):
