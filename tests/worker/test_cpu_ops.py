@@ -11,6 +11,7 @@ import ctypes
 import pytest
 import torch
 
+from tests.env_switches import assert_refused, switch_set
 from worker import native
 from worker.layers import cpu_ops
 from worker.layers.cpu_ops import TokenOps, load_token_ops
@@ -388,7 +389,6 @@ def test_small_batches_take_the_small_linear_and_larger_ones_the_packed_weight(o
 def test_conveyor_small_linear_off_keeps_the_packed_weight_and_other_values_are_refused(
     ops, monkeypatch
 ):
-    from protocol.config import ConfigError
     from worker.layers.gemm import linear, pack_weight
 
     weight = torch.randn(40, 64)
@@ -397,18 +397,10 @@ def test_conveyor_small_linear_off_keeps_the_packed_weight_and_other_values_are_
     monkeypatch.setattr(
         TokenOps, "small_linear", lambda self, *args: calls.append(1) or original(self, *args)
     )
-    try:
-        monkeypatch.setenv("CONVEYOR_SMALL_LINEAR", "off")
-        cpu_ops.small_linear_enabled.cache_clear()
-        x = torch.randn(1, 64)
+    x = torch.randn(1, 64)
+    with switch_set(monkeypatch, "CONVEYOR_SMALL_LINEAR", "off", cpu_ops.small_linear_enabled):
         torch.testing.assert_close(linear(x, weight, None, pack_weight(weight)), x @ weight.T)
         assert calls == []
-        monkeypatch.setenv("CONVEYOR_SMALL_LINEAR", "sometimes")
-        cpu_ops.small_linear_enabled.cache_clear()
-        with pytest.raises(ConfigError, match="CONVEYOR_SMALL_LINEAR='sometimes'"):
-            cpu_ops.small_linear_enabled()
-    finally:
-        monkeypatch.delenv("CONVEYOR_SMALL_LINEAR")
-        cpu_ops.small_linear_enabled.cache_clear()
+    assert_refused(monkeypatch, "CONVEYOR_SMALL_LINEAR", "sometimes", cpu_ops.small_linear_enabled)
     linear(x, weight, None, pack_weight(weight))
     assert calls == [1]

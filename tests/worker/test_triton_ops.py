@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocol.config import ConfigError
 from tests.devices import TEST_DEVICE
+from tests.env_switches import assert_refused, switch_set
 from worker.attention.triton_backend import triton_import_error
 from worker.layers import triton_ops
 from worker.layers.activation import SiluAndMul
@@ -131,19 +131,10 @@ def test_the_layers_use_them_only_on_cuda_and_the_variable_turns_them_off(monkey
     cpu = torch.zeros(2, 4)
     assert not triton_ops.use_triton_ops(cpu)  # the CPU keeps its compiled ops
     triton_ops.triton_ops_enabled.cache_clear()
-    try:
-        assert triton_ops.triton_ops_enabled()
-        monkeypatch.setenv("CONVEYOR_TRITON_OPS", "0")
-        triton_ops.triton_ops_enabled.cache_clear()
+    assert triton_ops.triton_ops_enabled()
+    with switch_set(monkeypatch, "CONVEYOR_TRITON_OPS", "0", triton_ops.triton_ops_enabled):
         assert not triton_ops.triton_ops_enabled()
-        # A value that is neither on nor off is refused, not read as on.
-        monkeypatch.setenv("CONVEYOR_TRITON_OPS", "fasle")
-        triton_ops.triton_ops_enabled.cache_clear()
-        with pytest.raises(ConfigError, match="CONVEYOR_TRITON_OPS='fasle': use one of"):
-            triton_ops.triton_ops_enabled()
-    finally:
-        monkeypatch.delenv("CONVEYOR_TRITON_OPS")
-        triton_ops.triton_ops_enabled.cache_clear()
+    assert_refused(monkeypatch, "CONVEYOR_TRITON_OPS", "fasle", triton_ops.triton_ops_enabled)
     assert SiluAndMul()(torch.ones(1, 4)).shape == (1, 2)
 
 
