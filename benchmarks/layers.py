@@ -185,7 +185,7 @@ def bench_int8(config, rows: list[int], budget_s: float) -> None:
             print_row(f"M={num_rows:<5d} {name}", times, 2 * num_rows * k * n)
 
 
-def bench_small_linears(config, budget_s: float) -> None:
+def bench_small_linears(config, rows: list[int], budget_s: float) -> None:
     from benchmarks.attention import last_level_cache_bytes
     from worker.layers.cpu_ops import load_token_ops
 
@@ -195,7 +195,6 @@ def bench_small_linears(config, budget_s: float) -> None:
             "\n== small: the compiled ops are unavailable (no C compiler, or CONVEYOR_CPU_KERNEL=0) =="
         )
         return
-    rows = list(range(1, SMALL_LINEAR_MAX_ROWS + 1))  # every size it takes; --rows is for the rest
     cache_bytes = last_level_cache_bytes() or 32 << 20  # where Linux reports none
     print(
         f"\n== one and two rows (weights from memory: copies of 16x the {cache_bytes >> 20} MiB "
@@ -460,7 +459,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="conveyor bench layers", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--model", default="/tmp/bench2", help="a model directory (config.json)")
-    parser.add_argument("--rows", default="1,16,64,256,2048", help="comma-separated row counts")
+    parser.add_argument(
+        "--rows",
+        default=None,
+        help="comma-separated row counts (default 1,16,64,256,2048; the small section: 1,2, and "
+        "it takes no other)",
+    )
     parser.add_argument(
         "--section", choices=("all", "matmul", "ops", "int8", "small", "model"), default="all"
     )
@@ -476,7 +480,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     keep_freed_memory_in_heap()  # as the worker does: no page faults on reused buffers
     config = read_hf_config(Path(args.model))
-    rows = [int(r) for r in args.rows.split(",")]
+    rows = [int(r) for r in (args.rows or "1,16,64,256,2048").split(",")]
+    small_rows = list(range(1, SMALL_LINEAR_MAX_ROWS + 1))
+    if args.section == "small" and args.rows:
+        small_rows = rows
+        if not all(1 <= r <= SMALL_LINEAR_MAX_ROWS for r in rows):
+            parser.error(
+                f"--section small times 1 to {SMALL_LINEAR_MAX_ROWS} rows (what small_linear "
+                f"takes), not --rows {args.rows}"
+            )
     print(f"torch {torch.__version__}, {args.threads} threads, model {args.model}")
     with torch.inference_mode():
         if args.section in ("all", "matmul"):
@@ -486,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.section in ("all", "int8"):
             bench_int8(config, rows, args.budget)
         if args.section in ("all", "small"):
-            bench_small_linears(config, args.budget)
+            bench_small_linears(config, small_rows, args.budget)
         if args.section in ("all", "model"):
             bench_model(args.model, args.budget)
     return 0

@@ -27,8 +27,11 @@ def test_small_section_times_onednn_and_small_linear_at_one_and_two_rows(
     tiny_model_dirs, monkeypatch, capsys
 ):
     monkeypatch.setattr(attention, "last_level_cache_bytes", lambda: 1 << 20)
-    # One and two rows whatever --rows says (the default times only one row of it).
-    argv = ["--model", str(tiny_model_dirs["qwen3"]), "--section", "small", "--rows", "1,7"]
+    # One and two rows by default; rows small_linear does not take are refused, not skipped.
+    argv = ["--model", str(tiny_model_dirs["qwen3"]), "--section", "small"]
+    with pytest.raises(SystemExit):
+        layers.main([*argv, "--rows", "1,7"])
+    assert "not --rows 1,7" in capsys.readouterr().err
     assert layers.main([*argv, "--budget", "0.01"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("M=")]
     assert [(line.split()[0], line.split()[1]) for line in lines] == [
