@@ -5,9 +5,11 @@ forward at the full token budget, split into as many requests as the width cap a
 logits for every request, shows the activation peak; whatever the weights and that peak leave of
 this engine's ``gpu_memory_utilization`` of the device goes to KV blocks. What other engines and
 processes hold is not counted, but that share must be free when the engine starts (kv_cache.py,
-as vLLM does). The decode CUDA graphs are captured right after that step (they never read the
-KV cache) and the memory they keep is subtracted too: graph memory is never available to
-anything else.
+as vLLM does). The decode CUDA graphs are captured right after that step and the memory they
+keep is subtracted too: graph memory is never available to anything else. Piecewise graphs never
+read the KV cache and stay; whole-forward graphs (attention inside) bake in the cache's address,
+so they are measured on a one-block stand-in cache and captured again once the real one exists
+(``ModelRunner.capture_cuda_graphs``).
 """
 
 from __future__ import annotations

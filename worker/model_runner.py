@@ -101,8 +101,10 @@ class ModelRunner:
         # Captured while profiling memory on CUDA (capture_cuda_graphs); None: every step eager.
         self.decode_graphs: DecodeGraphs | None = None
         self.cuda_graph_bytes = 0
-        # Set by a piecewise capture whose backend can run whole-forward graphs: the cache the
-        # next initialize_cache makes is the one they are captured on (not the profile's).
+        # What the memory profile set aside for graphs (whole graphs: measured on its stand-in).
+        self.profiled_graph_bytes = 0
+        # Set once the memory profile has measured whole-forward graphs on its stand-in cache:
+        # the cache the next initialize_cache makes is the one they are captured on.
         self._whole_graphs_due = False
         self.num_blocks: int | None = None
         # Structured outputs, made when the first structured request arrives: its tokenizer
@@ -138,15 +140,27 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> int:
         """Capture the decode graphs (CUDA, unless enforce_eager); the device bytes they keep.
 
-        Called by the memory profiler after its worst-case step and before the KV cache exists:
-        the graphs never read the cache, and the bytes returned are left out of its budget. A
-        model whose forward cannot be captured (an op that reads a device value on the host)
-        runs eagerly, with a warning saying why.
+        Called by the memory profiler after its worst-case step and before the KV cache exists,
+        so the bytes returned are left out of the cache's budget. Piecewise graphs never read
+        the cache and stay. Whole-forward graphs (a backend with ``full_decode_graphs``) bake in
+        the cache's address: they are captured here on a one-block stand-in cache to measure
+        what they keep, let go, and captured again on the real cache by ``initialize_cache``
+        (they keep ~66 MiB where the pieces keep ~1.7 GiB on Qwen3-0.6B, so budgeting the
+        pieces would leave that much of the share unused). Where the whole capture fails, the
+        pieces are captured and budgeted instead. A model whose forward cannot be captured at
+        all (an op that reads a device value on the host) runs eagerly, with a warning saying
+        why.
         """
-        if self.device.type != "cuda" or self.config.enforce_eager:
+        if not self._graphs_wanted():
             return 0
         sched = self.config.scheduler
         sizes = capture_sizes(sched.max_num_seqs, sched.max_num_batched_tokens)
+        if self.backend.full_decode_graphs:
+            kept = self._measure_whole_decode_graphs(sizes)
+            if kept is not None:
+                self._whole_graphs_due = True
+                self.cuda_graph_bytes = self.profiled_graph_bytes = kept
+                return kept
         reserved = self._settled_reserved_bytes()
         start = time.perf_counter()
         try:
@@ -165,8 +179,7 @@ class ModelRunner:
             )
             self.decode_graphs = None
         kept = max(0, self._settled_reserved_bytes() - reserved)
-        self.cuda_graph_bytes = kept
-        self._whole_graphs_due = self.decode_graphs is not None and self.backend.full_decode_graphs
+        self.cuda_graph_bytes = self.profiled_graph_bytes = kept
         if self.decode_graphs is not None:
             logger.info(
                 "captured decode CUDA graphs for %d batch sizes (1 .. %d) in %.1f s, %.0f MiB",
@@ -176,6 +189,44 @@ class ModelRunner:
                 kept / (1 << 20),
             )
         return kept
+
+    def _graphs_wanted(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager
+
+    def _measure_whole_decode_graphs(self, sizes: list[int]) -> int | None:
+        """Capture the whole-forward graphs on a one-block stand-in cache (a padded step reads
+        no block and writes none), note the bytes they keep, and let both go: what the real
+        capture will keep, or None where the capture failed (the pieces are measured then)."""
+        self.initialize_cache(1)
+        reserved = self._settled_reserved_bytes()
+        try:
+            self.decode_graphs = self._whole_graphs_on_bound_cache(sizes)
+        except Exception as error:  # noqa: BLE001 - any capture failure leaves the pieces
+            logger.warning(
+                "whole-forward decode graphs failed (%s: %s): attention runs between graph "
+                "pieces instead",
+                type(error).__name__,
+                error,
+            )
+            self.decode_graphs = None
+        kept = max(0, self._settled_reserved_bytes() - reserved)
+        captured = self.decode_graphs is not None
+        self.decode_graphs = None
+        for layer in self.attention_layers:
+            layer.kv_cache = None
+        self.num_blocks = None
+        gc.collect()  # a graph's output tensors and pool go with their last reference
+        self._settled_reserved_bytes()
+        return kept if captured else None
+
+    def _whole_graphs_on_bound_cache(self, sizes: list[int]) -> DecodeGraphs:
+        return capture_whole_decode_graphs(
+            self.model,
+            self.inputs.input_ids.device_tensor,
+            self.inputs.positions.device_tensor,
+            sizes,
+            self.inputs.graph_metadata,
+        )
 
     def _settled_reserved_bytes(self) -> int:
         """The device bytes torch's allocator holds once queued work is done and its cache is
@@ -209,46 +260,35 @@ class ModelRunner:
             self._capture_whole_decode_graphs()
 
     def _capture_whole_decode_graphs(self) -> None:
-        """Replace the piecewise graphs with whole-forward ones, attention inside.
-
-        They bake in the KV cache's address, so they are captured once the cache exists; the
-        piecewise ones, captured while profiling, measured the memory that graphs of these
-        sizes keep and are let go first, so these take that room back. If the capture fails,
-        the piecewise graphs come back (they need nothing the cache changed).
+        """Capture the whole-forward graphs on the KV cache just made (they bake in its
+        address), the sizes the profile measured on its stand-in cache. If this capture fails
+        where that one did not, decode steps run eagerly: the budget left no room for pieces.
         """
-        sizes = self.decode_graphs.sizes
-        piecewise_bytes = self.cuda_graph_bytes
-        self.decode_graphs = None
-        gc.collect()  # the pieces' records hold the attention output buffers
+        sizes = capture_sizes(
+            self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens
+        )
         reserved = self._settled_reserved_bytes()
         start = time.perf_counter()
         try:
-            self.decode_graphs = capture_whole_decode_graphs(
-                self.model,
-                self.inputs.input_ids.device_tensor,
-                self.inputs.positions.device_tensor,
-                sizes,
-                self.inputs.graph_metadata,
-            )
-        except Exception as error:  # noqa: BLE001 - any capture failure leaves the pieces
+            self.decode_graphs = self._whole_graphs_on_bound_cache(sizes)
+        except Exception as error:  # noqa: BLE001 - eager still works
             logger.warning(
-                "whole-forward decode graphs failed (%s: %s): attention runs between graph "
-                "pieces instead",
+                "CUDA graphs off, decode steps run eagerly: the whole-forward graphs failed on "
+                "the KV cache (%s: %s) after passing on the memory profile's stand-in",
                 type(error).__name__,
                 error,
             )
-            self.capture_cuda_graphs()  # settles the device first
-            self._whole_graphs_due = False  # the pieces stay
+            self.decode_graphs = None
             return
         self.cuda_graph_bytes = max(0, self._settled_reserved_bytes() - reserved)
         logger.info(
             "captured whole-forward decode CUDA graphs (attention inside) for %d batch sizes "
-            "(1 .. %d) in %.1f s, %.0f MiB (the piecewise ones kept %.0f MiB)",
+            "(1 .. %d) in %.1f s, %.0f MiB (the memory profile measured %.0f MiB)",
             len(sizes),
             sizes[-1],
             time.perf_counter() - start,
             self.cuda_graph_bytes / (1 << 20),
-            piecewise_bytes / (1 << 20),
+            self.profiled_graph_bytes / (1 << 20),
         )
 
     def release(self) -> None:

@@ -306,6 +306,14 @@ def test_memory_profiling_leaves_room_and_a_16k_prompt_chunk_never_holds_a_score
     assert torch.cuda.max_memory_allocated(CUDA) - baseline < (1 << 30)
 
 
+def test_the_memory_profile_sets_aside_what_the_whole_graphs_keep(make_runner, tiny_model_dir):
+    # Measured on the profile's one-block stand-in cache, captured again on the real one: the
+    # same graphs, so about the same bytes (a new capture stream's cuBLAS workspace aside).
+    runner = make_runner(tiny_model_dir, dtype="float32", attention_backend="triton")
+    assert runner.decode_graphs is not None and runner.decode_graphs.whole
+    assert abs(runner.cuda_graph_bytes - runner.profiled_graph_bytes) <= 64 << 20
+
+
 def test_engines_share_a_device_by_their_own_shares_and_a_closed_one_gives_its_memory_back(
     tiny_model_dir,
 ):

@@ -194,3 +194,86 @@ def test_a_whole_graph_reads_every_step_it_replays_from_the_fixed_buffers(tiny_m
     assert tokens[1] == tokens[0]
     # 5 decodes pad to 8, 3 to 4, 1 to 2: each step replayed the smallest graph that holds it.
     assert replays == [8] * 3 + [4] * 3 + [2] * 2
+
+
+class FakeCaptures:
+    """Stands in for the two CUDA captures on CPU: each notes how many KV blocks were bound when
+    it ran and grows the device's "reserved" bytes by what its graphs keep (whole: 66 MiB,
+    pieces: 1,700 MiB, as on Qwen3-0.6B); ``fail_whole`` lists which whole captures raise."""
+
+    WHOLE, PIECES = 66 << 20, 1700 << 20
+
+    def __init__(self, runner: ModelRunner, fail_whole: tuple[int, ...] = ()) -> None:
+        self.runner, self.fail_whole = runner, fail_whole
+        self.reserved = 1 << 30
+        self.calls: list[tuple[str, int | None]] = []
+
+    def whole(self, model, ids, positions, sizes, graph_metadata):
+        bound = {layer.kv_cache.shape for layer in self.runner.attention_layers}
+        assert len(bound) == 1, "every layer is bound to one cache before a whole capture"
+        self.calls.append(("whole", self.runner.num_blocks))
+        if len(self.calls) in self.fail_whole:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.reserved += self.WHOLE
+        return DecodeGraphs({size: object() for size in sizes}, whole=True)
+
+    def pieces(self, model, ids, positions, sizes, block_size):
+        self.calls.append(("pieces", self.runner.num_blocks))
+        self.reserved += self.PIECES
+        return DecodeGraphs({size: object() for size in sizes})
+
+
+@pytest.fixture
+def faked_capture(tiny_model_dir, monkeypatch):
+    """A CPU runner whose backend claims whole-forward graphs, with both captures faked."""
+    import worker.model_runner as model_runner
+
+    def make(fail_whole: tuple[int, ...] = ()) -> tuple[ModelRunner, FakeCaptures]:
+        config = EngineArgs(
+            model=str(tiny_model_dir), max_num_seqs=4, kv_cache_memory=4 << 20, device="cpu"
+        ).create_engine_config()
+        runner = ModelRunner(config, CPU)
+        fake = FakeCaptures(runner, fail_whole)
+        monkeypatch.setattr(runner.backend, "full_decode_graphs", True)
+        monkeypatch.setattr(runner, "_graphs_wanted", lambda: True)
+        monkeypatch.setattr(runner, "_settled_reserved_bytes", lambda: fake.reserved)
+        monkeypatch.setattr(model_runner, "capture_whole_decode_graphs", fake.whole)
+        monkeypatch.setattr(model_runner, "capture_decode_graphs", fake.pieces)
+        return runner, fake
+
+    return make
+
+
+def test_the_memory_profile_budgets_whole_graphs_measured_on_a_one_block_stand_in(faked_capture):
+    runner, fake = faked_capture()
+    # The profile's capture: on a one-block cache, which it lets go again with the graphs.
+    assert runner.capture_cuda_graphs() == FakeCaptures.WHOLE
+    assert fake.calls == [("whole", 1)]
+    assert runner.decode_graphs is None and runner.num_blocks is None
+    assert all(layer.kv_cache is None for layer in runner.attention_layers)
+    # The real cache: the whole graphs are captured again on it, and only then.
+    runner.initialize_cache(12)
+    assert fake.calls == [("whole", 1), ("whole", 12)]
+    assert runner.decode_graphs.whole and runner.cuda_graph_bytes == FakeCaptures.WHOLE
+    runner.initialize_cache(12)
+    assert len(fake.calls) == 2
+
+
+def test_whole_graphs_failing_on_the_stand_in_leave_the_pieces_budgeted(faked_capture):
+    runner, fake = faked_capture(fail_whole=(1,))
+    assert runner.capture_cuda_graphs() == FakeCaptures.PIECES
+    assert fake.calls == [("whole", 1), ("pieces", None)]
+    assert not runner.decode_graphs.whole
+    runner.initialize_cache(12)
+    assert len(fake.calls) == 2 and not runner.decode_graphs.whole
+
+
+def test_whole_graphs_failing_on_the_real_cache_run_eagerly_with_a_warning(faked_capture, caplog):
+    runner, fake = faked_capture(fail_whole=(2,))
+    assert runner.capture_cuda_graphs() == FakeCaptures.WHOLE
+    with caplog.at_level("WARNING", logger="worker.model_runner"):
+        runner.initialize_cache(12)
+    # No pieces now: the budget holds the whole graphs' 66 MiB, not the pieces' 1.7 GiB.
+    assert fake.calls == [("whole", 1), ("whole", 12)]
+    assert runner.decode_graphs is None
+    assert "run eagerly" in caplog.text and "stand-in" in caplog.text
