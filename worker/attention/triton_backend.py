@@ -164,7 +164,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _decode_tiles_for(self, num_reqs: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         tiles = self._decode_tiles
-        if tiles is None or tiles[0].device != torch.device(device):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            # "cuda" names the current device; its tensors say "cuda:0": compare those.
+            device = torch.device("cuda", torch.cuda.current_device())
+        if tiles is None or tiles[0].device != device:
             # The largest captured batch: the graphs' warm-up allocates it, not a capture. Made
             # once and never replaced, because the whole-forward graphs hold its address.
             tiles = _decode_tiles(MAX_CAPTURE_SIZE, device)
