@@ -61,7 +61,8 @@ PARITY_TEST_FILES = ("tests/frontend/test_parity_hf.py",)
 # attention --triton-configs, worker/attention/triton_backend.py KernelConfig), per kind of step.
 SWEEP_CONFIGS = {
     "decode": "16x32/w2,16x128/w4,16x64/w2/s2,16x128/w8/s3",
-    "prefill": "64x32/w4,128x64/w8/s3,128x32/w8/s2,128x128/w8/s3",
+    # The default for chunks of 1,024+ tokens is 128x128/w8/s3; 64x64 was it before.
+    "prefill": "64x64,128x64/w4/s3,128x128/w8/s2,128x64/w8/s3",
 }
 
 # Kept here, not imported from protocol/benchmarks: only the standard library is imported before

@@ -291,7 +291,9 @@ def test_an_eager_decode_larger_than_any_graph_leaves_the_graphs_tiles_in_place(
 
 
 @pytest.mark.parametrize(
-    "text", ["16x16", "32x128/w2", "128x32/w8/s1", "16x64/s3"], ids=lambda text: text
+    "text",
+    ["16x16", "32x128/w2", "128x32/w8/s1", "16x64/s3", "128x128/w8/s3"],
+    ids=lambda text: text,
 )
 def test_every_tile_shape_bench_attention_can_try_computes_the_same_attention(text):
     # conveyor bench attention --triton-configs times other shapes: each must stay correct, on
@@ -302,6 +304,31 @@ def test_every_tile_shape_bench_attention_can_try_computes_the_same_attention(te
     requests, num_blocks = random_mixed_batch(11, 16, 8, 2, num_reqs=6)
     output, expected, *_ = run(requests, num_blocks, 16, 2, config=config)
     assert_close(output, expected)
+
+
+def test_long_prompt_chunks_in_two_byte_dtypes_take_the_long_chunk_tiles():
+    from worker.attention.triton_backend import (
+        _DEFAULT_CONFIG,
+        _LONG_CHUNK,
+        _LONG_CHUNK_CONFIG,
+        KernelConfig,
+    )
+
+    backend = TritonAttentionBackend()
+    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    assert backend.kernel_config(_LONG_CHUNK, 128, bf16) == _LONG_CHUNK_CONFIG
+    assert backend.kernel_config(4 * _LONG_CHUNK, 64, f16) == _LONG_CHUNK_CONFIG
+    # Shorter chunks and decodes, float32 and wider heads keep the defaults.
+    for query_len, head_dim, dtype in [
+        (_LONG_CHUNK - 1, 128, bf16),
+        (1, 128, bf16),
+        (8192, 128, f32),
+        (8192, 256, bf16),
+    ]:
+        assert backend.kernel_config(query_len, head_dim, dtype) == _DEFAULT_CONFIG
+    # A configured shape (bench attention --triton-configs) is used for every step.
+    chosen = KernelConfig(32, 32)
+    assert TritonAttentionBackend(chosen).kernel_config(8192, 128, bf16) == chosen
 
 
 def test_a_kernel_config_is_read_from_its_text_and_refused_when_malformed():

@@ -81,6 +81,14 @@ class KernelConfig:
 
 
 _DEFAULT_CONFIG = KernelConfig()
+# Steps whose longest query chunk has at least _LONG_CHUNK tokens, in a 2-byte dtype with heads
+# of at most 128 dims, take bigger tiles: on two H200s 128 x 128 with 8 warps and 3 stages was
+# 4-9% faster than the defaults on chunks of 2k and 8k tokens after 0 and 8k cached ones, and
+# 13% slower on a 512-token chunk beside 63 decodes (every decode's tile gets those rows),
+# hence the threshold (docs/performance.md, "The fourth session"). float32 tiles of that size
+# would need twice the shared memory.
+_LONG_CHUNK = 1024
+_LONG_CHUNK_CONFIG = KernelConfig(128, 128, num_warps=8, num_stages=3)
 
 
 @functools.cache
@@ -162,6 +170,16 @@ class TritonAttentionBackend(AttentionBackend):
             self._plan_key = key
         return self._plan
 
+    def kernel_config(self, max_query_len: int, head_dim: int, dtype: torch.dtype) -> KernelConfig:
+        """The tile shape and launch settings of a step: the configured ones, else the
+        long-chunk ones for a step with a long prompt chunk (see _LONG_CHUNK), else the
+        defaults."""
+        if self.config is not None:
+            return self.config
+        if max_query_len >= _LONG_CHUNK and head_dim <= 128 and dtype.itemsize == 2:
+            return _LONG_CHUNK_CONFIG
+        return _DEFAULT_CONFIG
+
     def _decode_tiles_for(self, num_reqs: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         tiles = self._decode_tiles
         device = torch.device(device)
@@ -227,7 +245,7 @@ class TritonAttentionBackend(AttentionBackend):
         if query.stride(-1) != 1:
             query = query.contiguous()
         group = query.shape[1] // num_kv_heads
-        config = self.config or _DEFAULT_CONFIG
+        config = self.kernel_config(metadata.max_query_len, head_dim, query.dtype)
         base_rows = _DECODE_ROWS if metadata.max_query_len <= 1 else _PREFILL_ROWS
         base_rows = config.rows or base_rows
         keys = config.keys or (_KEYS_PER_TILE if head_dim <= 128 else _KEYS_PER_TILE // 2)
