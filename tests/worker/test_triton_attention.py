@@ -306,6 +306,55 @@ def test_every_tile_shape_bench_attention_can_try_computes_the_same_attention(te
     assert_close(output, expected)
 
 
+@pytest.mark.parametrize("case", ["mixed", "all fresh", "windowed"])
+def test_long_fresh_prompt_chunks_go_to_sdpa_and_the_rest_to_the_kernel(monkeypatch, case):
+    # On CUDA a chunk with nothing cached before it, of 1,024+ tokens, runs through SDPA's
+    # causal kernel; here the threshold is 40 and SDPA is let serve float32 on the CPU.
+    from worker.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "_SDPA_MIN_CHUNK", 40)
+    monkeypatch.setattr(TritonAttentionBackend, "_sdpa_serves", lambda self, query: True)
+    routed = []
+    attend = triton_backend._attend_with_sdpa
+
+    def spy(*args):
+        routed.append(np.flatnonzero(args[5]).tolist())
+        attend(*args)
+
+    monkeypatch.setattr(triton_backend, "_attend_with_sdpa", spy)
+    tiled = []
+
+    class Plan(triton_backend._TilePlan):
+        def __init__(self, query_lens, *args) -> None:
+            tiled.append(query_lens.tolist())
+            super().__init__(query_lens, *args)
+
+    monkeypatch.setattr(triton_backend, "_TilePlan", Plan)
+    shapes = [(0, 50), (0, 90)]
+    if case != "all fresh":  # a cached prefix, a short fresh chunk, decodes
+        shapes = [(0, 50), (30, 60), (0, 39), (17, 1), (0, 90), (5, 1)]
+    gen = torch.Generator().manual_seed(len(shapes))
+    pool = np.random.default_rng(7).permutation(60).tolist()
+    requests = make_requests(gen, pool, shapes, 16, 8, 2, torch.float32)
+    window = 24 if case == "windowed" else None
+    output, expected, kv_cache, metadata, key, value = run(
+        requests, 60, 16, 2, sliding_window=window
+    )
+    assert_close(output, expected)
+    # A window (or sinks, a soft-cap) keeps every chunk in the kernel.
+    assert routed == {"mixed": [[0, 4]], "all fresh": [[0, 1]], "windowed": []}[case]
+    # The kernel tiles only the rest (a step with nothing left never launches it).
+    expected_tiles = {
+        "mixed": [[0, 60, 39, 1, 0, 1]],
+        "all fresh": [],
+        "windowed": [[50, 60, 39, 1, 90, 1]],
+    }
+    assert tiled == expected_tiles[case]
+    slots = metadata.slot_mapping  # every request's keys are in the cache, routed ones too
+    for cache, written in zip(slot_view(kv_cache), (key, value)):
+        torch.testing.assert_close(cache[:, slots].cpu(), written.transpose(0, 1).cpu())
+
+
 def test_long_prompt_chunks_in_two_byte_dtypes_take_the_long_chunk_tiles():
     from worker.attention.triton_backend import (
         _DEFAULT_CONFIG,

@@ -286,8 +286,8 @@ def _attend_prefill(
     if seq_len == query_len:
         # Nothing cached before this chunk: its own keys are the whole context, no gather. With
         # a cache of another dtype they are what the cache holds, as the kernel reads them.
-        keys = _as_cached(key[start:end], kv_cache).transpose(0, 1).unsqueeze(0)
-        values = _as_cached(value[start:end], kv_cache).transpose(0, 1).unsqueeze(0)
+        keys = as_cached(key[start:end], kv_cache).transpose(0, 1).unsqueeze(0)
+        values = as_cached(value[start:end], kv_cache).transpose(0, 1).unsqueeze(0)
         out = _prefill_attention(q, keys, values, None, scale, scores)
     else:
         block_ids = metadata.block_table[request.req_id, : request.num_blocks]
@@ -300,7 +300,7 @@ def _attend_prefill(
     output[start:end] = out[0].transpose(0, 1)
 
 
-def _as_cached(rows: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+def as_cached(rows: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
     """``rows`` as the cache holds them: rounded to its dtype (and back) where it differs."""
     if rows.dtype == kv_cache.dtype:
         return rows
