@@ -170,6 +170,17 @@ def test_bfloat16_matches_dense_attention_on_cuda():
     assert_close(output, expected, torch.bfloat16)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="bfloat16 dots need the GPU")
+def test_bfloat16_long_chunks_through_sdpa_and_the_kernel_match_dense_attention_on_cuda():
+    # A fresh 1,100-token chunk (SDPA), one after 40 cached tokens (the 128x128 tiles), decodes.
+    gen = torch.Generator().manual_seed(12)
+    shapes = [(0, 1100), (40, 1100), (200, 1), (0, 1)]
+    pool = np.random.default_rng(12).permutation(160).tolist()
+    requests = make_requests(gen, pool, shapes, 16, 16, 8, torch.float32, 128)
+    output, expected, *_ = run(requests, 160, 16, 8, dtype=torch.bfloat16)
+    assert_close(output, expected, torch.bfloat16)
+
+
 def test_triton_is_named_where_it_cannot_run(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert "CUDA device" in triton_unusable_reason(torch.device("cpu"))
