@@ -79,6 +79,9 @@ def make_scenarios(
 
     scenarios = [Scenario(f"64 decodes, ctx {c}", *decodes(64, c, c)) for c in (128, 256, 1024)]
     scenarios.append(Scenario("64 decodes, ctx 128-256", *decodes(64, 128, 256)))
+    # Few requests with long contexts: where a GPU splits each request's keys (split-K).
+    scenarios.append(Scenario("1 decode, ctx 8192", *decodes(1, 8192, 8192)))
+    scenarios.append(Scenario("8 decodes, ctx 2048", *decodes(8, 2048, 2048)))
     scenarios.append(Scenario("1 prefill of 512", [0], [512]))
     computed, scheduled = decodes(63, 128, 256)
     scenarios.append(Scenario("512 prefill + 63 decodes", [0, *computed], [512, *scheduled]))

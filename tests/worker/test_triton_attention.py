@@ -59,7 +59,9 @@ def run(
     metadata, _, query, key, value = step_inputs(requests, block_size, DEVICE)
     kv_cache = kv_cache.to(DEVICE, dtype)
     sinks = kw.get("sinks")
-    output = TritonAttentionBackend(config).forward(
+    backend = TritonAttentionBackend(config)
+    backend.multiprocessors = kw.get("multiprocessors")  # set: split-K decode on the CPU too
+    output = backend.forward(
         query.to(dtype),
         key.to(dtype),
         value.to(dtype),
@@ -188,23 +190,28 @@ def test_triton_is_named_where_it_cannot_run(monkeypatch):
         select_backend(torch.device("cpu"), 16, "triton")
 
 
-def test_an_engine_on_the_triton_backend_gives_the_torch_backends_tokens(tiny_model_dir):
+def test_an_engine_on_the_triton_backend_gives_the_torch_backends_tokens(
+    tiny_model_dir, monkeypatch
+):
     # Chunked prompts (a 32-token budget), shared prefixes and decodes through the whole engine.
     from frontend import LLM
     from protocol import SamplingParams
+    from worker.attention import triton_backend
 
     rng = np.random.default_rng(0)
     shared = rng.integers(3, 200, 20).tolist()
     prompts = [shared + rng.integers(3, 200, int(rng.integers(1, 40))).tolist() for _ in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     tokens = {}
-    for backend in ("triton", "torch"):
+    for backend in ("triton", "triton split-K", "torch"):
+        if backend == "triton split-K":  # decode steps split each request's keys in runs
+            monkeypatch.setattr(triton_backend, "_multiprocessors", lambda device: 64)
         with LLM(
             str(tiny_model_dir),
             engine="inprocess",
             device=DEVICE.type,
             dtype="float32",
-            attention_backend=backend,
+            attention_backend=backend.split()[0],
             max_num_batched_tokens=32,
             enable_prefix_caching=True,
             # A share of the GPU beside the test's own tensors; a CPU engine takes none.
@@ -213,7 +220,7 @@ def test_an_engine_on_the_triton_backend_gives_the_torch_backends_tokens(tiny_mo
             outputs = llm.generate(prompts, params, use_tqdm=False)
             tokens[backend] = [o.outputs[0].token_ids for o in outputs]
             assert llm.stats.prefix_cache_hits > 0
-    assert tokens["triton"] == tokens["torch"]
+    assert tokens["triton"] == tokens["torch"] == tokens["triton split-K"]
 
 
 def test_the_output_lands_in_a_buffer_the_caller_gives():
@@ -284,6 +291,75 @@ def test_a_decode_step_padded_for_a_whole_graph_matches_and_writes_only_its_slot
     assert torch.equal(cache_padded, cache_plain)
     expected = torch.cat([reference_attention(r, HEAD_DIM**-0.5) for r in requests]).float()
     assert_close(out4, expected)
+
+
+def test_decode_steps_split_each_requests_keys_only_while_the_device_is_underfilled():
+    from worker.attention.triton_backend import decode_segments
+
+    # An H200 (132 multiprocessors), Qwen3-0.6B's 8 KV heads: about two programs each.
+    assert [decode_segments(n, 8, 132) for n in (1, 2, 4, 8, 16, 17, 64)] == [16, 16, 8, 4, 2, 1, 1]
+    assert decode_segments(0, 8, 132) == decode_segments(3, 8, 0) == 1  # nothing, or a CPU
+
+
+@pytest.mark.parametrize("multiprocessors", [16, 64])  # 2 and 8 runs a request
+@pytest.mark.parametrize(
+    "extras",
+    [{}, {"sliding_window": 37}, {"sinks": torch.linspace(-4.0, 6.0, 8), "softcap": 2.5}],
+    ids=["plain", "window", "sinks+softcap"],
+)
+def test_split_k_decode_steps_match_dense_attention(multiprocessors, extras):
+    from worker.attention.triton_backend import decode_segments
+
+    # Contexts of 0 to 300 keys over blocks of 16: runs of whole 64-key tiles, some empty.
+    gen = torch.Generator().manual_seed(multiprocessors)
+    shapes = [(n, 1) for n in (0, 1, 63, 64, 65, 200, 300)]
+    pool = np.random.default_rng(4).permutation(60).tolist()
+    requests = make_requests(gen, pool, shapes, 16, 8, 2, torch.float32)
+    assert decode_segments(len(shapes), 2, multiprocessors) == multiprocessors // 8
+    output, expected, *_ = run(requests, 60, 16, 2, multiprocessors=multiprocessors, **extras)
+    assert_close(output, expected)
+
+
+def test_a_split_k_decode_padded_for_a_whole_graph_gives_zeros_in_its_padding_rows():
+    # Padding requests (no context, slot -1) through the split and the merge: zeros, as unsplit;
+    # the workspace a graph would capture is the same tensor whatever the step's size.
+    from worker.attention.backend import AttentionMetadata
+
+    gen = torch.Generator().manual_seed(9)
+    requests = make_requests(gen, list(range(1, 30)), [(40, 1), (130, 1)], 16, 8, 2, torch.float32)
+    kv_cache = torch.zeros(TorchAttentionBackend.kv_cache_shape(30, 16, 2, HEAD_DIM))
+    for r in requests:
+        store_prefix(kv_cache, r, 16)
+    metadata, _, query, key, value = step_inputs(requests, 16, DEVICE)
+    seq_lens = np.array([41, 131, 0, 0], dtype=np.int32)
+    starts = np.arange(5, dtype=np.int32)
+    table = torch.cat([metadata.block_table.cpu(), torch.zeros(2, metadata.block_table.shape[1])])
+    padded = AttentionMetadata(
+        num_actual_tokens=4,
+        slot_mapping=torch.cat([metadata.slot_mapping.cpu(), torch.tensor([-1, -1])]).to(DEVICE),
+        query_start_loc=torch.from_numpy(starts).to(DEVICE),
+        seq_lens=torch.from_numpy(seq_lens).to(DEVICE),
+        block_table=table.to(torch.int32).to(DEVICE),
+        max_query_len=1,
+        max_seq_len=131,
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+    q4, k4, v4 = (
+        torch.cat([x.cpu(), torch.randn(2, *x.shape[1:]) * 100]).to(DEVICE)
+        for x in (query, key, value)
+    )
+    backend = TritonAttentionBackend()
+    backend.multiprocessors = 16  # 4 requests x 2 KV heads: 4 runs each
+    sinks = torch.linspace(-1.0, 1.0, 8).to(DEVICE)
+    out = backend.forward(q4, k4, v4, kv_cache.to(DEVICE), padded, HEAD_DIM**-0.5, sinks=sinks)
+    assert torch.count_nonzero(out[2:]) == 0
+    expected = torch.cat(
+        [reference_attention(r, HEAD_DIM**-0.5, sinks=sinks.cpu()) for r in requests]
+    )
+    assert_close(out[:2], expected.float())
+    workspace = backend._workspace(8, 2, HEAD_DIM, DEVICE)
+    assert all(a is b for a, b in zip(workspace, backend._workspace(8, 2, HEAD_DIM, DEVICE)))
 
 
 def test_an_eager_decode_larger_than_any_graph_leaves_the_graphs_tiles_in_place():

@@ -84,6 +84,23 @@ class KernelConfig:
 _DEFAULT_CONFIG = KernelConfig()
 # Prompt chunks with nothing cached before them, of at least this many tokens, go to SDPA.
 _SDPA_MIN_CHUNK = 1024
+# Split-K for decode steps: at most this many runs of each request's keys (a power of two).
+_MAX_SEGMENTS = 16
+
+
+def decode_segments(num_reqs: int, num_kv_heads: int, multiprocessors: int) -> int:
+    """How many runs a decode step splits each request's keys into: 1 (no split) once its
+    (request, KV head) programs fill the device's multiprocessors, else the largest power of two
+    that keeps them at most two per multiprocessor, at most _MAX_SEGMENTS. One program per request
+    and KV head leaves a GPU mostly idle at small batches: Qwen3-0.6B's 8 KV heads at batch 1
+    are 8 programs on an H200's 132 multiprocessors, each reading the whole context alone."""
+    programs = num_reqs * num_kv_heads
+    if programs == 0 or programs >= multiprocessors:
+        return 1
+    wanted = 2 * multiprocessors // programs  # at least 2: programs < multiprocessors
+    return min(_MAX_SEGMENTS, 1 << (wanted.bit_length() - 1))
+
+
 # Steps whose longest query chunk has at least _LONG_CHUNK tokens, in a 2-byte dtype with heads
 # of at most 128 dims, take bigger tiles: on two H200s 128 x 128 with 8 warps and 3 stages was
 # 4-9% faster than the defaults on chunks of 2k and 8k tokens after 0 and 8k cached ones, and
@@ -112,6 +129,13 @@ def triton_unusable_reason(device: torch.device) -> str | None:
     if import_error is not None:
         return f"triton does not import ({import_error})"
     return None
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _kernels():
@@ -164,6 +188,12 @@ class TritonAttentionBackend(AttentionBackend):
         self._decode_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
         # Fresh prompt chunks of at least this many tokens go to SDPA (_fresh_long_prompts).
         self.sdpa_min_chunk = _SDPA_MIN_CHUNK
+        # The device's multiprocessors, which split-K decode fills (None: asked of the device
+        # at the first decode; 0 on a CPU, which never splits unless a test sets it).
+        self.multiprocessors: int | None = None
+        # Split-K partial outputs, one pair per (heads, head_dim, device), sized once for the
+        # largest split step: CUDA graphs hold their address.
+        self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # The torch backend's layout, from its one definition: the two read and write the same cache.
     kv_cache_shape = staticmethod(TorchAttentionBackend.kv_cache_shape)
@@ -211,6 +241,27 @@ class TritonAttentionBackend(AttentionBackend):
         if max_query_len >= _LONG_CHUNK and head_dim <= 128 and dtype.itemsize == 2:
             return _LONG_CHUNK_CONFIG
         return _DEFAULT_CONFIG
+
+    def _segments_for(self, num_reqs: int, num_kv_heads: int, device) -> int:
+        if self.config is not None:
+            return 1  # a configured shape (bench attention) is timed as it is
+        if self.multiprocessors is None:
+            self.multiprocessors = _multiprocessors(torch.device(device))
+        return decode_segments(num_reqs, num_kv_heads, self.multiprocessors)
+
+    def _workspace(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 partial outputs [tokens, heads, segments, head_dim] and (max, sum) pairs for
+        the largest tokens x segments any split decode step takes, allocated once."""
+        key = (num_heads, head_dim, str(device))
+        if key not in self._workspaces:
+            sms = self.multiprocessors
+            most = max(n * decode_segments(n, num_kv_heads, sms) for n in range(1, sms + 1))
+            part = torch.empty(most * num_heads * head_dim, dtype=torch.float32, device=device)
+            ml = torch.empty(most * num_heads * 2, dtype=torch.float32, device=device)
+            self._workspaces[key] = (part, ml)
+        return self._workspaces[key]
 
     def _decode_tiles_for(self, num_reqs: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         tiles = self._decode_tiles
@@ -298,7 +349,13 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             plan = self._plan_for(metadata, rows, group, query.device, fresh)
             num_tiles, tile_req, tile_start = plan.num_tiles, plan.tile_req_dev, plan.tile_start_dev
-        kernels.paged_attention[(num_tiles, num_kv_heads)](
+        segments = 1
+        part = ml = query  # unread without segments
+        if metadata.max_query_len <= 1:
+            segments = self._segments_for(num_tiles, num_kv_heads, query.device)
+            if segments > 1:
+                part, ml = self._workspace(query.shape[1], num_kv_heads, head_dim, query.device)
+        kernels.paged_attention[(num_tiles, num_kv_heads, segments)](
             query,
             k_cache,
             v_cache,
@@ -309,9 +366,12 @@ class TritonAttentionBackend(AttentionBackend):
             tile_req,
             tile_start,
             sinks if sinks is not None else query,  # unread without USE_SINKS
+            part,
+            ml,
             scale,
             float(softcap or 0.0),
             int(sliding_window or 0),
+            query.shape[1],
             query.stride(0),
             query.stride(1),
             output.stride(0),
@@ -330,8 +390,22 @@ class TritonAttentionBackend(AttentionBackend):
             USE_SOFTCAP=softcap is not None,
             USE_SINKS=sinks is not None,
             PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            SEGMENTS=segments,
             **config.launch_options(),
         )
+        if segments > 1:
+            kernels.reduce_segments[(num_tiles, query.shape[1])](
+                part,
+                ml,
+                output,
+                sinks if sinks is not None else query,
+                output.stride(0),
+                output.stride(1),
+                SEGMENTS=segments,
+                HEAD_DIM=head_dim,
+                HEAD_DIM_PAD=head_dim_pad,
+                USE_SINKS=sinks is not None,
+            )
         return output
 
 

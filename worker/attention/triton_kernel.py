@@ -21,9 +21,12 @@ def paged_attention(
     tile_req_ptr,
     tile_start_ptr,
     sinks_ptr,
+    part_ptr,
+    ml_ptr,
     scale,
     softcap,
     window,
+    num_heads,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -42,7 +45,13 @@ def paged_attention(
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
+    SEGMENTS: tl.constexpr = 1,
 ):
+    """One tile of a request's queries against its keys, for one KV head. With SEGMENTS > 1
+    (decode steps of few requests: split-K), program (tile, kv_head, s) takes the s-th of
+    SEGMENTS equal runs of the keys and leaves its unnormalised output, running max and sum in
+    the float32 workspaces ``part_ptr`` [tokens, heads, SEGMENTS, HEAD_DIM] and ``ml_ptr``
+    [tokens, heads, SEGMENTS, 2] for ``reduce_segments``; sinks are that kernel's."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = tl.load(tile_req_ptr + tile)
@@ -75,7 +84,13 @@ def paged_attention(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
-    for key_start in range(start, end, KEYS):
+    lo, hi = start, end
+    if SEGMENTS > 1:
+        # Equal runs of whole key tiles; a run past the keys is empty (max -inf, sum 0).
+        per = tl.cdiv(tl.cdiv(end - start, SEGMENTS), KEYS) * KEYS
+        lo = start + tl.program_id(2) * per
+        hi = tl.minimum(lo + per, end)
+    for key_start in range(lo, hi, KEYS):
         keys = key_start + tl.arange(0, KEYS)
         key_ok = keys < end
         block = tl.load(
@@ -105,21 +120,77 @@ def paged_attention(
         )
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if SEGMENTS > 1:
+        at = ((q_begin + token).to(tl.int64) * num_heads + head) * SEGMENTS + tl.program_id(2)
+        tl.store(
+            part_ptr + at[:, None] * HEAD_DIM + dims[None, :],
+            acc,
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
+        tl.store(ml_ptr + 2 * at, m_i, mask=row_ok)
+        tl.store(ml_ptr + 2 * at + 1, l_i, mask=row_ok)
+    else:
+        if USE_SINKS:
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+            m_end = tl.maximum(m_i, sink)
+            shift = tl.where(m_end == float("-inf"), 0.0, m_end)
+            alpha = tl.exp(m_i - shift)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp(sink - shift)
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr
+            + (q_begin + token)[:, None] * stride_ot
+            + head[:, None] * stride_oh
+            + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
+
+
+@triton.jit
+def reduce_segments(
+    part_ptr,
+    ml_ptr,
+    out_ptr,
+    sinks_ptr,
+    stride_ot,
+    stride_oh,
+    SEGMENTS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+):
+    """One query head of one decode token: its SEGMENTS partial outputs (paged_attention with
+    SEGMENTS > 1) merged by their running maxima, the head's sink logit added to the sum, and
+    divided once. A token with no keys at all (a graph's padding row) gets zeros."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    segs = tl.arange(0, SEGMENTS)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    at = (token.to(tl.int64) * num_heads + head) * SEGMENTS + segs
+    maxima = tl.load(ml_ptr + 2 * at)
+    sums = tl.load(ml_ptr + 2 * at + 1)
+    m_max = tl.max(maxima, 0)
     if USE_SINKS:
-        sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
-        m_end = tl.maximum(m_i, sink)
-        shift = tl.where(m_end == float("-inf"), 0.0, m_end)
-        alpha = tl.exp(m_i - shift)
-        acc = acc * alpha[:, None]
-        l_i = l_i * alpha + tl.exp(sink - shift)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_max = tl.maximum(m_max, sink)
+    shift = tl.where(m_max == float("-inf"), 0.0, m_max)
+    weight = tl.exp(maxima - shift)
+    acc = tl.load(
+        part_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=dim_ok[None, :], other=0.0
+    )
+    total = tl.sum(acc * weight[:, None], 0)
+    denominator = tl.sum(sums * weight, 0)
+    if USE_SINKS:
+        denominator += tl.exp(sink - shift)
+    out = total / tl.where(denominator == 0.0, 1.0, denominator)
     tl.store(
-        out_ptr
-        + (q_begin + token)[:, None] * stride_ot
-        + head[:, None] * stride_oh
-        + dims[None, :],
+        out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & dim_ok[None, :],
+        mask=dim_ok,
     )
 
 
