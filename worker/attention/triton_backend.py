@@ -15,6 +15,11 @@ key (sliding window). A soft-cap (Gemma 2) and a sink logit per head (gpt-oss) a
 same pass. The host splits each request into tiles from the metadata's host copies, once a step
 for all layers, so nothing waits on the device.
 
+Two exceptions, both measured on an H200 (docs/performance.md, "The fourth session"): a decode
+step too small to fill the GPU splits each request's keys into runs that a second kernel merges
+(split-K, ``decode_segments``), and a long prompt chunk with nothing cached before it goes to
+SDPA's causal kernel on its own keys (``_fresh_long_prompts``).
+
 Tested against the torch backend on CPU through Triton's interpreter (TRITON_INTERPRET=1) and on
 CUDA (tests/worker/test_triton_attention.py).
 """
