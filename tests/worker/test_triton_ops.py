@@ -30,12 +30,19 @@ if triton_import_error() is None:
     import triton
     import triton.language as tl
 
-    from worker.layers.triton_token_kernels import _to
+    from worker.layers.triton_token_kernels import _on_grid, _to
 
     @triton.jit
     def _round_to_bfloat16(x_ptr, out_ptr, N: tl.constexpr):
         i = tl.arange(0, N)
         tl.store(out_ptr + i, _to(tl.load(x_ptr + i), tl.bfloat16))
+
+    @triton.jit
+    def _round_to_float16(x_ptr, out_ptr, grid_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        x = tl.load(x_ptr + i)
+        tl.store(out_ptr + i, _to(x, tl.float16))
+        tl.store(grid_ptr + i, _on_grid(x, tl.float16))  # before the conversion
 
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -243,3 +250,33 @@ def test_the_bfloat16_rounding_is_to_nearest_even_and_keeps_every_nan():
     expected = values.to(torch.bfloat16)
     assert out[:4].isnan().all() and out.isnan().sum() == 4
     assert torch.equal(out[4:], expected[4:])  # inf, -inf, ties to even, extremes, randoms
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # to infinity, as due
+def test_the_float16_rounding_is_to_nearest_even_bit_for_bit():
+    # By hand too (a compiler may contract a plain conversion away, as one did for bfloat16):
+    # ties to even among normal and subnormal values, the overflow to infinity, signed zeros,
+    # NaNs, and values over float16's whole range, each bit for bit what torch's conversion gives.
+    patterns = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800000, 0xFF800000, 0x80000000, 0]
+    specials = torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    ties = [1.0 + 2**-11, 1.0 + 3 * 2**-11, -(1.0 + 2**-11), 2**-25, 3 * 2**-25, -(5 * 2**-25)]
+    edges = [65504.0, 65519.0, 65520.0, -65520.0, 2**-14, 2**-14 - 2**-26, 2**-24, 1e-9]
+    gen = torch.Generator().manual_seed(1)
+    spread = torch.randn(4096 - 7 - 14, generator=gen) * torch.exp2(
+        torch.randint(-30, 18, (4096 - 7 - 14,), generator=gen).float()
+    )
+    values = torch.cat([specials, torch.tensor(ties + edges), spread]).to(DEVICE)
+    out = torch.empty(4096, dtype=torch.float16, device=DEVICE)
+    on_grid = torch.empty(4096, dtype=torch.float32, device=DEVICE)
+    _round_to_float16[(1,)](values, out, on_grid, N=4096)
+    expected = values.to(torch.float16)
+    assert torch.equal(out.isnan(), expected.isnan())
+    numbers = ~expected.isnan()
+    assert torch.equal(out[numbers].view(torch.int16), expected[numbers].view(torch.int16))
+    # The rounding is done before the conversion, which then has nothing left to round (a
+    # conversion that rounds would hide a wrong rounding by hand in the interpreter).
+    finite = expected.isfinite()
+    assert torch.equal(
+        on_grid[finite].view(torch.int32), expected[finite].float().view(torch.int32)
+    )
+    assert (on_grid[expected.isinf()].abs() >= 65536).all()

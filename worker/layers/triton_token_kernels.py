@@ -12,26 +12,46 @@ float32 pipeline that would drift from transformers' numbers.
 import triton
 import triton.language as tl
 
-# bfloat16 is rounded by hand, to nearest even, on every target: Triton's interpreter (the CPU
-# tests) truncates where a GPU rounds, and compiled for an H200 a plain round trip through
-# bfloat16 ahead of an add was folded away (the sum took the unrounded product: about a quarter
-# of qk_norm_rope's second halves came out an ulp off the torch ops). Integer ops on the bits
-# cannot be folded, so the tests and the GPU see the torch ops' numbers.
-_ROUND_BY_HAND: tl.constexpr = tl.constexpr(True)
+# bfloat16 and float16 are rounded by hand, to nearest even, on every target: Triton's
+# interpreter (the CPU tests) truncates bfloat16 where a GPU rounds, and compiled for an H200 a
+# plain round trip through bfloat16 ahead of an add was contracted away (the sum took the
+# unrounded product: about a quarter of qk_norm_rope's second halves came out an ulp off the
+# torch ops). Integer ops on the bits cannot be contracted, so the tests and the GPU see the
+# torch ops' numbers; the conversion after them is exact.
 
 
 @triton.jit
 def _to(x, dtype: tl.constexpr):
     """float32 ``x`` rounded to ``dtype``, to nearest even, NaN kept NaN."""
+    return _on_grid(x, dtype).to(dtype)
+
+
+@triton.jit
+def _on_grid(x, dtype: tl.constexpr):
+    """float32 ``x`` rounded to nearest even onto ``dtype``'s values, still in float32 (past
+    float16's largest value: 65,536 or more, which converts to infinity)."""
     y = x
-    if _ROUND_BY_HAND and dtype == tl.bfloat16:
+    if dtype == tl.bfloat16:
         # Half an ulp (less one when the kept last bit is even) carries into the kept half
         # exactly when rounding up is due. A NaN's bits could carry into the sign or lose their
-        # payload to an infinity, so any NaN becomes the quiet one. The conversion after is exact.
+        # payload to an infinity, so any NaN becomes the quiet one.
         bits = x.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
         y = tl.where(x != x, float("nan"), bits.to(tl.float32, bitcast=True))
-    return y.to(dtype)
+    elif dtype == tl.float16:
+        # float16 keeps 10 of float32's 23 fraction bits: the same carry, 13 bits down, for
+        # normal values (past 65,504 it lands on 65,536 or more, which converts to infinity, as
+        # rounding should). Below 2**-14 float16's steps are 2**-24 whatever the exponent:
+        # adding and taking away 0.5, where float32's step is 2**-24, rounds to them.
+        raw = x.to(tl.uint32, bitcast=True)
+        bits = ((raw + 0xFFF + ((raw >> 13) & 1)) >> 13) << 13
+        normal = bits.to(tl.float32, bitcast=True)
+        magnitude = tl.abs(x)
+        tiny = (magnitude + 0.5) - 0.5
+        tiny = tl.where((raw >> 31) != 0, -tiny, tiny)  # the sign bit: -0.0 stays -0.0
+        y = tl.where(magnitude < 2.0**-14, tiny, normal)
+        y = tl.where(x != x, float("nan"), y)
+    return y
 
 
 @triton.jit
