@@ -77,6 +77,8 @@ class CheckReport:
     # K and V of one token in every layer: what a decode reads per context token.
     kv_bytes_per_token: int = 0
     graph_bytes: int | None = None
+    # What the memory profile set aside for them (whole graphs: measured on its stand-in cache).
+    profiled_graph_bytes: int | None = None
     tests: str = "not run"
     # The parity tests against transformers with the engines on CUDA (test_parity_hf.py).
     parity: str = "not run"
@@ -204,6 +206,7 @@ def measure(plan: CheckPlan) -> CheckReport:
         kv_cache_bytes=num_blocks * runner.bytes_per_block(),
         kv_bytes_per_token=runner.bytes_per_block() // runner.block_size,
         graph_bytes=runner.cuda_graph_bytes if device.type == "cuda" else None,
+        profiled_graph_bytes=runner.profiled_graph_bytes if device.type == "cuda" else None,
     )
     driver = StepDriver(worker, num_blocks, runner.vocab_size)
     with torch.inference_mode():
@@ -279,7 +282,8 @@ def format_report(report: CheckReport) -> str:
     lines += [
         "",
         f"peak GPU memory: {_gib(report.peak_memory)} (KV cache {_gib(report.kv_cache_bytes)}, "
-        f"CUDA graphs {_gib(report.graph_bytes)})",
+        f"CUDA graphs {_gib(report.graph_bytes)}; the memory profile set aside "
+        f"{_gib(report.profiled_graph_bytes)} for them)",
         f"CUDA tests: {report.tests}",
         f"parity with transformers on CUDA: {report.parity}",
     ]

@@ -38,6 +38,8 @@ def test_the_dry_run_goes_end_to_end_on_cpu(tmp_path):
         assert row["graphs_s"] is row["eager_launches"] is row["graphs_launches"] is None
     assert [row["prompt_len"] for row in report["prefill"]] == [128, 512, 2048]
     assert report["peak_memory"] is None and report["weight_read_s"] > 0
+    assert report["graph_bytes"] is report["profiled_graph_bytes"] is None  # CUDA's alone
+    assert "the memory profile set aside n/a for them" in result.stdout
     # A step's read limit: the weights once, and each request's context K/V (2 x layers x KV
     # heads x head dim floats a token; the tiny model: 2 layers, 2 KV heads of 16).
     assert report["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
