@@ -10,6 +10,74 @@ import triton.language as tl
 
 
 @triton.jit
+def _key_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    key_start,
+    end,
+    position,
+    req,
+    k_ptr,
+    v_ptr,
+    block_table_ptr,
+    head_offset,
+    stride_bt,
+    stride_kb,
+    stride_ks,
+    scale,
+    softcap,
+    window,
+    dims,
+    dim_ok,
+    KEYS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One tile of KEYS keys from ``key_start`` into the online softmax: the new running max,
+    sum and output. Unmasked (MASKED False) only where every key is below ``end`` and visible
+    to every row: the same numbers, without the compares."""
+    keys = key_start + tl.arange(0, KEYS)
+    key_ok = keys < end
+    if MASKED:
+        block = tl.load(
+            block_table_ptr + req * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0
+        ).to(tl.int64)
+    else:
+        block = tl.load(block_table_ptr + req * stride_bt + keys // BLOCK_SIZE).to(tl.int64)
+    offset = head_offset + block * stride_kb + (keys % BLOCK_SIZE) * stride_ks
+    if MASKED:
+        k_mask = key_ok[None, :] & dim_ok[:, None]
+        v_mask = key_ok[:, None] & dim_ok[None, :]
+    else:
+        k_mask = (keys[None, :] >= 0) & dim_ok[:, None]
+        v_mask = (keys[:, None] >= 0) & dim_ok[None, :]
+    k = tl.load(k_ptr + offset[None, :] + dims[:, None], mask=k_mask, other=0.0)
+    scores = tl.dot(q, k, input_precision=PRECISION) * scale
+    if USE_SOFTCAP:
+        # c * tanh(s / c), tanh through exp (portable across Triton versions).
+        scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+    if MASKED:
+        visible = (keys[None, :] <= position[:, None]) & key_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (position[:, None] - keys[None, :] < window)
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    # A row that has seen no visible key yet keeps -inf: shift by 0 instead (no NaN).
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - shift[:, None])
+    alpha = tl.exp(m_i - shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + offset[:, None] + dims[None, :], mask=v_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def paged_attention(
     q_ptr,
     k_ptr,
@@ -90,36 +158,24 @@ def paged_attention(
         per = tl.cdiv(tl.cdiv(end - start, SEGMENTS), KEYS) * KEYS
         lo = start + tl.program_id(2) * per
         hi = tl.minimum(lo + per, end)
-    for key_start in range(lo, hi, KEYS):
-        keys = key_start + tl.arange(0, KEYS)
-        key_ok = keys < end
-        block = tl.load(
-            block_table_ptr + req * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0
-        ).to(tl.int64)
-        offset = head_offset + block * stride_kb + (keys % BLOCK_SIZE) * stride_ks
-        kv_mask = key_ok[None, :] & dim_ok[:, None]
-        k = tl.load(k_ptr + offset[None, :] + dims[:, None], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, k, input_precision=PRECISION) * scale
-        if USE_SOFTCAP:
-            # c * tanh(s / c), tanh through exp (portable across Triton versions).
-            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
-        visible = (keys[None, :] <= position[:, None]) & key_ok[None, :]
-        if USE_WINDOW:
-            visible = visible & (position[:, None] - keys[None, :] < window)
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        # A row that has seen no visible key yet keeps -inf: shift by 0 instead (no NaN).
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - shift[:, None])
-        alpha = tl.exp(m_i - shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_ptr + offset[:, None] + dims[None, :],
-            mask=key_ok[:, None] & dim_ok[None, :],
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    # Key tiles wholly before the tile's first query position are visible to every row: no
+    # causal mask there (nor a bound check: they end before ``end``). The rest take the masks.
+    # A window masks from the other side, so with one every tile takes them.
+    mid = lo
+    if not USE_WINDOW:
+        mid = tl.minimum(tl.maximum((context + first + 1) // KEYS * KEYS, lo), hi)
+    for key_start in range(lo, mid, KEYS):
+        m_i, l_i, acc = _key_tile(
+            q, m_i, l_i, acc, key_start, end, position, req, k_ptr, v_ptr, block_table_ptr,
+            head_offset, stride_bt, stride_kb, stride_ks, scale, softcap, window, dims, dim_ok,
+            KEYS, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, PRECISION, False,
+        )  # fmt: skip
+    for key_start in range(mid, hi, KEYS):
+        m_i, l_i, acc = _key_tile(
+            q, m_i, l_i, acc, key_start, end, position, req, k_ptr, v_ptr, block_table_ptr,
+            head_offset, stride_bt, stride_kb, stride_ks, scale, softcap, window, dims, dim_ok,
+            KEYS, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, PRECISION, True,
+        )  # fmt: skip
     if SEGMENTS > 1:
         at = ((q_begin + token).to(tl.int64) * num_heads + head) * SEGMENTS + tl.program_id(2)
         tl.store(
