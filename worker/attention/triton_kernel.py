@@ -164,18 +164,18 @@ def paged_attention(
     mid = lo
     if not USE_WINDOW:
         mid = tl.minimum(tl.maximum((context + first + 1) // KEYS * KEYS, lo), hi)
-    for key_start in range(lo, mid, KEYS):
-        m_i, l_i, acc = _key_tile(
-            q, m_i, l_i, acc, key_start, end, position, req, k_ptr, v_ptr, block_table_ptr,
-            head_offset, stride_bt, stride_kb, stride_ks, scale, softcap, window, dims, dim_ok,
-            KEYS, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, PRECISION, False,
-        )  # fmt: skip
-    for key_start in range(mid, hi, KEYS):
-        m_i, l_i, acc = _key_tile(
-            q, m_i, l_i, acc, key_start, end, position, req, k_ptr, v_ptr, block_table_ptr,
-            head_offset, stride_bt, stride_kb, stride_ks, scale, softcap, window, dims, dim_ok,
-            KEYS, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, PRECISION, True,
-        )  # fmt: skip
+    for masked in tl.static_range(2):  # the unmasked tiles, then the masked ones
+        if masked == 0:
+            first_key, last_key = lo, mid
+        else:
+            first_key, last_key = mid, hi
+        for key_start in range(first_key, last_key, KEYS):
+            m_i, l_i, acc = _key_tile(
+                q, m_i, l_i, acc, key_start, end, position, req, k_ptr, v_ptr,
+                block_table_ptr, head_offset, stride_bt, stride_kb, stride_ks, scale, softcap,
+                window, dims, dim_ok, KEYS, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, PRECISION,
+                masked == 1,
+            )  # fmt: skip
     if SEGMENTS > 1:
         at = ((q_begin + token).to(tl.int64) * num_heads + head) * SEGMENTS + tl.program_id(2)
         tl.store(
