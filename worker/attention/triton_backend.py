@@ -196,8 +196,8 @@ class TritonAttentionBackend(AttentionBackend):
         # The device's multiprocessors, which split-K decode fills (None: asked of the device
         # at the first decode; 0 on a CPU, which never splits unless a test sets it).
         self.multiprocessors: int | None = None
-        # Split-K partial outputs, one pair per (heads, head_dim, device), sized once for the
-        # largest split step: CUDA graphs hold their address.
+        # Split-K partial outputs, one pair per (heads, KV heads, head_dim, device), sized once
+        # for the largest split step: CUDA graphs hold their address.
         self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # The torch backend's layout, from its one definition: the two read and write the same cache.
@@ -259,7 +259,7 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 partial outputs [tokens, heads, segments, head_dim] and (max, sum) pairs for
         the largest tokens x segments any split decode step takes, allocated once."""
-        key = (num_heads, head_dim, str(device))
+        key = (num_heads, num_kv_heads, head_dim, str(device))
         if key not in self._workspaces:
             sms = self.multiprocessors
             most = max(n * decode_segments(n, num_kv_heads, sms) for n in range(1, sms + 1))
