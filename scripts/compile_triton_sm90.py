@@ -18,9 +18,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # What an H100's or H200's block may use (227 KiB).
 SM90_SHARED_BYTES = 232_448
