@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from benchmarks.loadgen import main as loadgen
 from benchmarks.loadgen.capacity import CapacitySpec, make_probe, search_capacity
 from benchmarks.loadgen.fake_server import FakeServer, FakeServerConfig
 from tests.commands import CONVEYOR
+from tests.frontend.http_helpers import free_port
 from tests.process_tree import descendants, kill_all, wait_until_gone
 
 VLLM_KEYS = {
@@ -218,7 +218,7 @@ def test_slow_probes_send_for_longer_to_reach_the_minimum_request_count(fake_ser
 def test_the_model_is_asked_again_while_the_server_starts(tmp_path):
     # GET /v1/models comes before the ready check: a server that listens a second late is
     # asked again (with backoff) rather than failing the run.
-    port = _free_port()
+    port = free_port()
     server = LateServer(port, delay_s=1.0)
     out = tmp_path / "late.json"
     argv = ["--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "2"]
@@ -234,7 +234,7 @@ def test_the_model_is_asked_again_while_the_server_starts(tmp_path):
 
 def test_asking_for_the_model_gives_up_with_a_clear_message(fake_server, capsys):
     argv = ["--num-prompts", "1", "--no-progress", "--ready-check-timeout-s"]
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     started = time.monotonic()
     assert loadgen.main(["--base-url", url, *argv, "1"]) == 1
     assert 1.0 <= time.monotonic() - started < 8.0
@@ -269,12 +269,6 @@ class LateServer:
             self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
         self.loop.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]  # closed again on return: nothing listens there
 
 
 def test_ctrl_c_stops_and_still_reports(fake_server):

@@ -22,7 +22,7 @@ from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
 from protocol.messages import EngineHeartbeat, Heartbeat, Hello, Ready
 from tests.multiproc_helpers import make_config
 
-INTERVAL_S = 0.1
+INTERVAL_S = 0.25  # a silence limit of 1.25 s: a loaded 2-core host stalls a thread for 0.5 s
 
 
 class FakeEngine(threading.Thread):

@@ -31,8 +31,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http-slow-clients")]
 MAX_IN_FLIGHT = 4
 READ_TIMEOUT_S = 2.0
 IDLE_TIMEOUT_S = 2.0
-# The deadline plus a second of slack for a busy machine.
-CUT_WITHIN_S = READ_TIMEOUT_S + 1.5
+# The deadline plus slack for a busy 2-core machine (what matters is that the cut comes at all:
+# without the deadline these connections stay open for as long as the client trickles).
+SLACK_S = 3.0
+CUT_WITHIN_S = READ_TIMEOUT_S + SLACK_S
 GREEDY = {"model": MODEL_NAME, "prompt": "def main():", "max_tokens": 8, "temperature": 0}
 
 
@@ -117,7 +119,7 @@ def test_slow_headers_are_cut_and_silent_connections_closed(served):
         assert time.monotonic() - started < CUT_WITHIN_S
         received, _ = _closed_after(silent)
         # Nothing was asked, so nothing is answered: the connection just ends.
-        assert received == b"" and time.monotonic() - started < IDLE_TIMEOUT_S + 1.5
+        assert received == b"" and time.monotonic() - started < IDLE_TIMEOUT_S + SLACK_S
     finally:
         stop.set()
         trickle.join(10)

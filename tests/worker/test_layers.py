@@ -153,9 +153,11 @@ def test_in_place_rotation_of_a_strided_view_matches_the_out_of_place_one():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_per_head_norm_weights_match_one_rms_norm_per_part(dtype):
     """q and k heads normalised in one call with a [heads, head_dim] weight, HF's rounding."""
+    generator = torch.Generator().manual_seed(8)
     q_norm, k_norm = RMSNorm(8), RMSNorm(8)
-    q_norm.weight.data, k_norm.weight.data = torch.rand(8) + 0.5, torch.rand(8) + 0.5
-    qk = torch.randn(5, 3 + 2, 8).to(dtype)  # 3 query heads, 2 key heads
+    q_norm.weight.data = torch.rand(8, generator=generator) + 0.5
+    k_norm.weight.data = torch.rand(8, generator=generator) + 0.5
+    qk = torch.randn(5, 3 + 2, 8, generator=generator).to(dtype)  # 3 query heads, 2 key heads
     weight = torch.cat([q_norm.weight.expand(3, 8), k_norm.weight.expand(2, 8)]).to(dtype)
     ours = rms_normalize(qk, weight, 1e-6)
 
@@ -164,8 +166,9 @@ def test_per_head_norm_weights_match_one_rms_norm_per_part(dtype):
         return w.to(dtype) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
 
     assert ours.dtype == dtype
-    torch.testing.assert_close(ours[:, :3], hf(qk[:, :3], q_norm.weight), atol=1e-6, rtol=0)
-    torch.testing.assert_close(ours[:, 3:], hf(qk[:, 3:], k_norm.weight), atol=1e-6, rtol=0)
+    # A few float32 roundings apart at most: relative to the value, as a norm's outputs reach ~4.
+    torch.testing.assert_close(ours[:, :3], hf(qk[:, :3], q_norm.weight), atol=1e-6, rtol=4e-7)
+    torch.testing.assert_close(ours[:, 3:], hf(qk[:, 3:], k_norm.weight), atol=1e-6, rtol=4e-7)
 
 
 @pytest.mark.parametrize("num_rows", [1, 7, 64, PACKED_MAX_ROWS + 1, 2048])
