@@ -79,6 +79,9 @@ def test_ratios_and_medians():
     assert summary["median_ratio"] == 1.5
     assert summary["median_conveyor_roofline"] == 0.1
     assert summary["median_reference_roofline"] == pytest.approx(1 / 15, abs=1e-3)
+    # The reference ran at 1/20, 1/15 and 1/10 of the roofline (0.05, 0.067, 0.1 as reported):
+    # at 100 % an engine is ~15x it.
+    assert summary["ratio_at_roofline"] == pytest.approx(1 / 0.067, abs=1e-3)
 
 
 def test_reference_flags_follow_conveyors_settings():
