@@ -83,6 +83,7 @@ class KernelSpy:
         self.num_calls = 0
         self.supports = kernel.supports
         self.write_kv = kernel.write_kv
+        self.max_rows, self.queries_per_item = kernel.max_rows, kernel.queries_per_item
 
     def attend(self, *args) -> None:
         self.num_calls += 1

@@ -75,8 +75,8 @@ def assert_matches(kernel_out: torch.Tensor, torch_out: torch.Tensor) -> None:
 @pytest.mark.parametrize("chunk_len", [1, 7, 16, 17, 255, 256, 1000, 4096])
 @pytest.mark.parametrize("prefix", [0, 32, 37], ids=["no-prefix", "aligned", "unaligned"])
 def test_any_chunk_length_matches_the_torch_path(kernel_calls, chunk_len, prefix):
-    # 8 heads on 2 KV heads (group 4): items of 8 tokens x 4 heads, so 7 and 17 leave a short
-    # item at the end of the chunk.
+    # 8 heads on 2 KV heads (group 4): items of 8 tokens x 4 heads (16 on AVX-512 builds), so 7
+    # and 17 leave a short item at the end of the chunk.
     requests, num_blocks = make_batch(chunk_len + prefix, [(prefix, chunk_len)], 8, 2, 64)
     kernel_out, torch_out = attend_both_paths(requests, num_blocks)
     # One call serves the whole step, decodes and prompt chunks alike.
@@ -141,3 +141,41 @@ def test_a_window_reads_no_block_behind_it():
     _, torch_out = attend_both_paths(requests, num_blocks, sliding_window=window)
     assert not output.isnan().any()
     assert_matches(output, torch_out)
+
+
+def test_items_of_the_builds_full_row_count_give_the_bits_of_half_as_many_rows(monkeypatch):
+    # Rows are vector lanes and every row's sums run in the same order whatever else its item
+    # holds, so the build's largest items (64 rows with AVX-512, 32 otherwise) change no output
+    # bit against items of half as many rows: chunks that leave items of every row-vector count,
+    # after prefixes on and off a block edge. Not so for a chunk's last item where it holds 8 rows
+    # or fewer in one plan only: below 8 rows the short path computes each score as one dot
+    # product, and AVX-512 builds run 8-row items on 8-float vectors, where GCC tuned for AMD's
+    # cores (avoid-fma-max-bits 256) splits a lone accumulator's multiply-adds, so such a row
+    # can differ in the last bit. The chunk lengths below leave no such tail (checked first).
+    full = load_kernel(torch.float32, torch.float32).max_rows
+    assert full in (32, 64)
+    rows, num_items = [full], []
+    attend = PagedAttentionKernel.attend
+
+    def planned_at(self, num_heads: int, num_kv_heads: int) -> int:
+        return max(1, rows[0] // (num_heads // num_kv_heads))
+
+    def counting_items(self, query, kv_cache, block_table, items, *args, **kwargs) -> None:
+        num_items.append(len(items))
+        attend(self, query, kv_cache, block_table, items, *args, **kwargs)
+
+    monkeypatch.setattr(PagedAttentionKernel, "queries_per_item", planned_at)
+    monkeypatch.setattr(PagedAttentionKernel, "attend", counting_items)
+    shapes = [(0, 2048), (37, 47), (300, 31), (16, 1), (5, 303), (3, 15)]
+    for num_heads, num_kv_heads in [(8, 4), (4, 4), (16, 4)]:
+        group = num_heads // num_kv_heads
+        for _, chunk in shapes:
+            tails = [((chunk - 1) % (r // group) + 1) * group for r in (full, full // 2)]
+            assert tails[0] == tails[1] or min(tails) > 8, (chunk, group, tails)
+        requests, num_blocks = make_batch(num_heads, shapes, num_heads, num_kv_heads, 64)
+        outputs = []
+        num_items.clear()
+        for rows[0] in (full, full // 2):
+            outputs.append(attend_both_paths(requests, num_blocks)[0])
+        assert num_items[0] < num_items[1], num_items  # the plans did differ
+        assert torch.equal(outputs[0], outputs[1]), (num_heads, num_kv_heads)

@@ -30,10 +30,10 @@ logger = logging.getLogger(__name__)
 
 SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_attention.c"
 # Must match CONVEYOR_ABI_VERSION in the source: a stale or foreign build is never called.
-ABI_VERSION = 9
-# Must match the source's limits: rows per work item (query tokens x GQA group, TILE_MAX_ROWS),
-# head_dim (at most MAX_HEAD_DIM, a multiple of HEAD_DIM_MULTIPLE: 8-float vectors).
-MAX_ROWS = 32
+ABI_VERSION = 10
+# Must match the source's limits: head_dim (at most MAX_HEAD_DIM, a multiple of
+# HEAD_DIM_MULTIPLE: 8-float vectors). Rows per work item (query tokens x GQA group) depend on
+# the build (64 with AVX-512, 32 otherwise): each build says (PagedAttentionKernel.max_rows).
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
 ITEM_FIELDS = 4
@@ -70,6 +70,7 @@ class PagedAttentionKernel:
         # Of the queries and the output, and of the cache: this build takes no other.
         self.dtype = dtype
         self.kv_dtype = kv_dtype
+        self.max_rows = int(library.conveyor_tile_max_rows())
         self._function = native.status_function(library, "conveyor_paged_attention", _ARGTYPES)
         self._write = native.status_function(library, "conveyor_write_kv", _WRITE_ARGTYPES)
 
@@ -88,8 +89,13 @@ class PagedAttentionKernel:
             and head_dim <= MAX_HEAD_DIM
             and head_dim % HEAD_DIM_MULTIPLE == 0
             and num_heads % num_kv_heads == 0
-            and num_heads // num_kv_heads <= MAX_ROWS
+            and num_heads // num_kv_heads <= self.max_rows
         )
+
+    def queries_per_item(self, num_heads: int, num_kv_heads: int) -> int:
+        """Query tokens per work item: as many as fit ``max_rows`` rows with the whole GQA
+        group."""
+        return max(1, self.max_rows // (num_heads // num_kv_heads))
 
     def write_kv(
         self,
@@ -149,11 +155,6 @@ class PagedAttentionKernel:
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"paged attention kernel failed: {_ERRORS.get(status, status)}")
-
-
-def queries_per_item(num_heads: int, num_kv_heads: int) -> int:
-    """Query tokens per work item: as many as fit MAX_ROWS rows with the whole GQA group."""
-    return max(1, MAX_ROWS // (num_heads // num_kv_heads))
 
 
 def kernel_disabled() -> bool:

@@ -28,7 +28,7 @@ from worker.attention.batch_plan import (
     PrefillRequest,
     plan_batch,
 )
-from worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel, queries_per_item
+from worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel
 
 # Gathered K+V bytes per decode chunk. On CPU a chunk this size stays in the L3 cache between the
 # gather and the attention that reads it: for 64 decodes at ctx 128-256 (AMD EPYC, 1 and 2
@@ -87,7 +87,7 @@ class TorchAttentionBackend(AttentionBackend):
             kernel.write_kv(kv_cache, keys, values, metadata.slot_mapping[:num_tokens])
         else:
             write_kv(kv_cache, keys, values, metadata.slot_mapping[:num_tokens])
-        plan = self._plan_for(metadata, query, kv_cache, kernel is not None)
+        plan = self._plan_for(metadata, query, kv_cache, kernel)
         # Dense whatever the query's strides (it may be a view into a fused qkv projection).
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         output[num_tokens:].zero_()
@@ -161,7 +161,7 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
-        use_kernel: bool,
+        kernel: PagedAttentionKernel | None,
     ) -> BatchPlan:
         key = (
             metadata.query_start_loc_cpu.tobytes(),
@@ -170,7 +170,7 @@ class TorchAttentionBackend(AttentionBackend):
             str(kv_cache.dtype),
             str(kv_cache.device),
             query.shape[1],
-            use_kernel,
+            None if kernel is None else kernel.max_rows,  # builds differ in rows per item
         )
         if self._plan is None or key != self._plan_key:
             default_bytes = (
@@ -179,8 +179,8 @@ class TorchAttentionBackend(AttentionBackend):
             chunk_bytes = self._decode_chunk_bytes or default_bytes
             token_bytes = 2 * kv_cache.shape[1] * kv_cache.shape[4] * kv_cache.element_size()
             routing = None
-            if use_kernel:
-                routing = KernelRouting(queries_per_item(query.shape[1], kv_cache.shape[1]))
+            if kernel is not None:
+                routing = KernelRouting(kernel.queries_per_item(query.shape[1], kv_cache.shape[1]))
             self._plan = plan_batch(
                 metadata.query_start_loc_cpu,
                 metadata.seq_lens_cpu,

@@ -39,7 +39,7 @@
 #include "query_tiles.h"
 #endif
 
-#define CONVEYOR_ABI_VERSION 9
+#define CONVEYOR_ABI_VERSION 10
 /* Items with fewer rows take the short path: below a full vector the query tile's lanes idle. */
 #define TILE_MIN_ROWS LANES
 
@@ -47,6 +47,9 @@ int conveyor_abi_version(void) { return CONVEYOR_ABI_VERSION; }
 
 /* Bytes per query and output element: 4 (float32), or 2 in a CONVEYOR_BF16 build. */
 int conveyor_element_bytes(void) { return (int)sizeof(io_t); }
+
+/* Rows (query tokens x GQA group) one work item may hold in this build. */
+int conveyor_tile_max_rows(void) { return TILE_MAX_ROWS; }
 
 /* Bytes per cache element: 2 in a CONVEYOR_BF16 or CONVEYOR_KV_BF16 build, else 4. */
 int conveyor_kv_element_bytes(void) { return (int)sizeof(kv_t); }
@@ -72,6 +75,8 @@ TILE_VARIANTS(8, 1)
 #ifdef WIDE_ROW_LANES
 TILE_VARIANTS(16, 1)
 TILE_VARIANTS(16, 2)
+TILE_VARIANTS(16, 3)
+TILE_VARIANTS(16, 4)
 #else
 TILE_VARIANTS(8, 2)
 TILE_VARIANTS(8, 3)
@@ -85,7 +90,9 @@ static int attend_tile_any_shape(const attention_args *a, const int32_t *item, i
     if (num_rows <= LANES) return CALL_TILE_VARIANT(8, 1);
 #ifdef WIDE_ROW_LANES
     if (num_rows <= WIDE_ROW_LANES) return CALL_TILE_VARIANT(16, 1);
-    return CALL_TILE_VARIANT(16, 2);
+    if (num_rows <= 2 * WIDE_ROW_LANES) return CALL_TILE_VARIANT(16, 2);
+    if (num_rows <= 3 * WIDE_ROW_LANES) return CALL_TILE_VARIANT(16, 3);
+    return CALL_TILE_VARIANT(16, 4);
 #else
     switch ((num_rows + LANES - 1) / LANES) {
     case 2: return CALL_TILE_VARIANT(8, 2);
