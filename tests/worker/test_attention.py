@@ -83,7 +83,8 @@ class KernelSpy:
         self.num_calls = 0
         self.supports = kernel.supports
         self.write_kv = kernel.write_kv
-        self.max_rows, self.queries_per_item = kernel.max_rows, kernel.queries_per_item
+        self.max_rows, self.tiles_per_item = kernel.max_rows, kernel.tiles_per_item
+        self.queries_per_item = kernel.queries_per_item
 
     def attend(self, *args) -> None:
         self.num_calls += 1

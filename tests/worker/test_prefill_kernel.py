@@ -143,22 +143,29 @@ def test_a_window_reads_no_block_behind_it():
     assert_matches(output, torch_out)
 
 
-def test_items_of_the_builds_full_row_count_give_the_bits_of_half_as_many_rows(monkeypatch):
-    # Rows are vector lanes and every row's sums run in the same order whatever else its item
-    # holds, so the build's largest items (64 rows with AVX-512, 32 otherwise) change no output
-    # bit against items of half as many rows: chunks that leave items of every row-vector count,
-    # after prefixes on and off a block edge. Not so for a chunk's last item where it holds 8 rows
-    # or fewer in one plan only: below 8 rows the short path computes each score as one dot
-    # product, and AVX-512 builds run 8-row items on 8-float vectors, where GCC tuned for AMD's
-    # cores (avoid-fma-max-bits 256) splits a lone accumulator's multiply-adds, so such a row
-    # can differ in the last bit. The chunk lengths below leave no such tail (checked first).
-    full = load_kernel(torch.float32, torch.float32).max_rows
-    assert full in (32, 64)
-    rows, num_items = [full], []
+def test_two_tile_items_and_full_tiles_give_the_bits_of_half_size_tiles(monkeypatch):
+    # Rows are vector lanes and every row's sums run in the same order whatever else its tile
+    # holds, so the build's items (two 64-row tiles sharing each key tile with AVX-512, one
+    # 32-row tile otherwise) change no output bit against one tile per item or tiles of half as
+    # many rows: chunks that leave tiles of every row-vector count, pairs whose second tile
+    # takes each width or another path, after prefixes on and off a block edge. Not so for a
+    # chunk's last tile where it holds 8 rows or fewer in one plan only: below 8 rows the short
+    # path computes each score as one dot product, and AVX-512 builds run 8-row tiles on 8-float
+    # vectors, where GCC tuned for AMD's cores (avoid-fma-max-bits 256) splits a lone
+    # accumulator's multiply-adds, so such a row can differ in the last bit. The chunk lengths
+    # below leave no such tail (checked first).
+    kernel = load_kernel(torch.float32, torch.float32)
+    rows, tiles = kernel.max_rows, kernel.tiles_per_item
+    assert (rows, tiles) in ((32, 1), (64, 2))
+    plans = list(dict.fromkeys([(tiles, rows), (1, rows), (1, rows // 2)]))
+    plan, num_items = [plans[0]], []
     attend = PagedAttentionKernel.attend
 
+    def tokens(tiles_and_rows: tuple[int, int], group: int) -> int:
+        return tiles_and_rows[0] * max(1, tiles_and_rows[1] // group)
+
     def planned_at(self, num_heads: int, num_kv_heads: int) -> int:
-        return max(1, rows[0] // (num_heads // num_kv_heads))
+        return tokens(plan[0], num_heads // num_kv_heads)
 
     def counting_items(self, query, kv_cache, block_table, items, *args, **kwargs) -> None:
         num_items.append(len(items))
@@ -166,16 +173,22 @@ def test_items_of_the_builds_full_row_count_give_the_bits_of_half_as_many_rows(m
 
     monkeypatch.setattr(PagedAttentionKernel, "queries_per_item", planned_at)
     monkeypatch.setattr(PagedAttentionKernel, "attend", counting_items)
-    shapes = [(0, 2048), (37, 47), (300, 31), (16, 1), (5, 303), (3, 15)]
-    for num_heads, num_kv_heads in [(8, 4), (4, 4), (16, 4)]:
+    common = [(0, 2048), (37, 47), (300, 31), (16, 1), (5, 303), (3, 15), (9, 79)]
+    # GQA 2: a chunk of 35 is one tile of 32 tokens and 3 more (6 rows, the short path).
+    for num_heads, num_kv_heads, extra in [(8, 4, [(9, 35)]), (4, 4, []), (16, 4, []), (24, 1, [])]:
         group = num_heads // num_kv_heads
+        shapes = common + extra
         for _, chunk in shapes:
-            tails = [((chunk - 1) % (r // group) + 1) * group for r in (full, full // 2)]
+            tails = [((chunk - 1) % max(1, r // group) + 1) * group for r in (rows, rows // 2)]
             assert tails[0] == tails[1] or min(tails) > 8, (chunk, group, tails)
+        # The plans that cut this group's chunks differently (a group of 24 fills a 16-row
+        # tile no better than a 32-row one: one token each).
+        distinct = {tokens(p, group): p for p in reversed(plans)}
         requests, num_blocks = make_batch(num_heads, shapes, num_heads, num_kv_heads, 64)
         outputs = []
         num_items.clear()
-        for rows[0] in (full, full // 2):
+        for plan[0] in [distinct[q] for q in sorted(distinct, reverse=True)]:
             outputs.append(attend_both_paths(requests, num_blocks)[0])
-        assert num_items[0] < num_items[1], num_items  # the plans did differ
-        assert torch.equal(outputs[0], outputs[1]), (num_heads, num_kv_heads)
+        assert num_items == sorted(set(num_items)), num_items  # each plan cut it differently
+        for output in outputs[1:]:
+            assert torch.equal(outputs[0], output), (num_heads, num_kv_heads)

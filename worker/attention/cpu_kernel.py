@@ -30,10 +30,11 @@ logger = logging.getLogger(__name__)
 
 SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_attention.c"
 # Must match CONVEYOR_ABI_VERSION in the source: a stale or foreign build is never called.
-ABI_VERSION = 10
+ABI_VERSION = 11
 # Must match the source's limits: head_dim (at most MAX_HEAD_DIM, a multiple of
-# HEAD_DIM_MULTIPLE: 8-float vectors). Rows per work item (query tokens x GQA group) depend on
-# the build (64 with AVX-512, 32 otherwise): each build says (PagedAttentionKernel.max_rows).
+# HEAD_DIM_MULTIPLE: 8-float vectors). Rows per query tile (query tokens x GQA group) and tiles
+# per work item depend on the build (64 rows and 2 tiles with AVX-512, 32 and 1 otherwise): each
+# build says (PagedAttentionKernel.max_rows, .tiles_per_item).
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
 ITEM_FIELDS = 4
@@ -70,7 +71,9 @@ class PagedAttentionKernel:
         # Of the queries and the output, and of the cache: this build takes no other.
         self.dtype = dtype
         self.kv_dtype = kv_dtype
+        # Rows of one query tile, and tiles of whole GQA groups one work item may hold.
         self.max_rows = int(library.conveyor_tile_max_rows())
+        self.tiles_per_item = int(library.conveyor_tiles_per_item())
         self._function = native.status_function(library, "conveyor_paged_attention", _ARGTYPES)
         self._write = native.status_function(library, "conveyor_write_kv", _WRITE_ARGTYPES)
 
@@ -93,9 +96,9 @@ class PagedAttentionKernel:
         )
 
     def queries_per_item(self, num_heads: int, num_kv_heads: int) -> int:
-        """Query tokens per work item: as many as fit ``max_rows`` rows with the whole GQA
-        group."""
-        return max(1, self.max_rows // (num_heads // num_kv_heads))
+        """Query tokens per work item: ``tiles_per_item`` tiles of as many tokens as fit
+        ``max_rows`` rows with the whole GQA group."""
+        return self.tiles_per_item * max(1, self.max_rows // (num_heads // num_kv_heads))
 
     def write_kv(
         self,

@@ -170,7 +170,8 @@ class TorchAttentionBackend(AttentionBackend):
             str(kv_cache.dtype),
             str(kv_cache.device),
             query.shape[1],
-            None if kernel is None else kernel.max_rows,  # builds differ in rows per item
+            # Builds differ in query tokens per work item.
+            None if kernel is None else kernel.queries_per_item(query.shape[1], kv_cache.shape[1]),
         )
         if self._plan is None or key != self._plan_key:
             default_bytes = (

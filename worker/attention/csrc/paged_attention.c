@@ -39,9 +39,16 @@
 #include "query_tiles.h"
 #endif
 
-#define CONVEYOR_ABI_VERSION 10
+#define CONVEYOR_ABI_VERSION 11
 /* Items with fewer rows take the short path: below a full vector the query tile's lanes idle. */
 #define TILE_MIN_ROWS LANES
+/* Query tiles per work item: an item of more query tokens than one tile holds runs as two tiles
+ * that share each key tile (attend_query_tile_pair) where AVX-512 has the registers for it. */
+#ifdef WIDE_ROW_LANES
+#define TILES_PER_ITEM 2
+#else
+#define TILES_PER_ITEM 1
+#endif
 
 int conveyor_abi_version(void) { return CONVEYOR_ABI_VERSION; }
 
@@ -50,6 +57,9 @@ int conveyor_element_bytes(void) { return (int)sizeof(io_t); }
 
 /* Rows (query tokens x GQA group) one work item may hold in this build. */
 int conveyor_tile_max_rows(void) { return TILE_MAX_ROWS; }
+
+/* Query tiles one work item may hold, each of whole GQA groups: TILE_MAX_ROWS / group tokens. */
+int conveyor_tiles_per_item(void) { return TILES_PER_ITEM; }
 
 /* Bytes per cache element: 2 in a CONVEYOR_BF16 or CONVEYOR_KV_BF16 build, else 4. */
 int conveyor_kv_element_bytes(void) { return (int)sizeof(kv_t); }
@@ -83,10 +93,55 @@ TILE_VARIANTS(8, 3)
 TILE_VARIANTS(8, 4)
 #endif
 
+#ifdef WIDE_ROW_LANES
+#define PAIR_VARIANT(NRV_B, D)                                                                    \
+    static __attribute__((noinline)) int pair_16x4_##NRV_B##_d##D(                              \
+        const attention_args *a, const int32_t *item, int kv_head) {                            \
+        return attend_query_tile_pair_16(a, item, kv_head, 4, NRV_B, D ? D : a->head_dim);       \
+    }
+#define PAIR_VARIANTS(NRV_B) PAIR_VARIANT(NRV_B, 64) PAIR_VARIANT(NRV_B, 128) PAIR_VARIANT(NRV_B, 0)
+#define CALL_PAIR_VARIANT(NRV_B)                                                                  \
+    (a->head_dim == 64    ? pair_16x4_##NRV_B##_d64(a, item, kv_head)                           \
+     : a->head_dim == 128 ? pair_16x4_##NRV_B##_d128(a, item, kv_head)                          \
+                          : pair_16x4_##NRV_B##_d0(a, item, kv_head))
+PAIR_VARIANTS(1)
+PAIR_VARIANTS(2)
+PAIR_VARIANTS(3)
+PAIR_VARIANTS(4)
+#endif
+
+static int attend_item_any_dim(const attention_args *a, const int32_t *item, int kv_head);
+
 /* An item of one 8-float vector of rows stays on that width; with AVX-512, fuller items take
  * 16-float row vectors. */
 static int attend_tile_any_shape(const attention_args *a, const int32_t *item, int kv_head,
                                  int num_rows) {
+#ifdef WIDE_ROW_LANES
+    const int group = a->num_heads / a->num_kv_heads;
+    const int tokens_a = TILE_MAX_ROWS / group; /* whole GQA groups in one tile */
+    if (item[ITEM_NUM_QUERIES] > tokens_a) { /* two tiles: the first full, the rest */
+        const int rows_b = (item[ITEM_NUM_QUERIES] - tokens_a) * group;
+        /* A pair where its first tile fills four row vectors (more than 48 rows: every GQA
+         * group but 22-24 and 33-48) and its second is more than one 8-float vector. */
+        if (a->window == 0 && tokens_a * group > 3 * WIDE_ROW_LANES && rows_b > LANES) {
+            switch ((rows_b + WIDE_ROW_LANES - 1) / WIDE_ROW_LANES) {
+            case 1: return CALL_PAIR_VARIANT(1);
+            case 2: return CALL_PAIR_VARIANT(2);
+            case 3: return CALL_PAIR_VARIANT(3);
+            default: return CALL_PAIR_VARIANT(4);
+            }
+        }
+        /* A window (the halves would start on different key grids) or a second half small
+         * enough for another path: the two halves one after the other, as two items. */
+        const int32_t first[ITEM_FIELDS] = {item[ITEM_TABLE_ROW], item[ITEM_TOKEN_START],
+                                            tokens_a, item[ITEM_FIRST_POSITION]};
+        const int32_t second[ITEM_FIELDS] = {
+            item[ITEM_TABLE_ROW], item[ITEM_TOKEN_START] + tokens_a,
+            item[ITEM_NUM_QUERIES] - tokens_a, item[ITEM_FIRST_POSITION] + tokens_a};
+        const int status = attend_item_any_dim(a, first, kv_head);
+        return status != CONVEYOR_OK ? status : attend_item_any_dim(a, second, kv_head);
+    }
+#endif
     if (num_rows <= LANES) return CALL_TILE_VARIANT(8, 1);
 #ifdef WIDE_ROW_LANES
     if (num_rows <= WIDE_ROW_LANES) return CALL_TILE_VARIANT(16, 1);
@@ -142,7 +197,8 @@ int conveyor_paged_attention(
         return CONVEYOR_BAD_SHAPE;
     const int group = num_heads / num_kv_heads;
     for (int i = 0; i < num_items; i++)
-        if (items[i * ITEM_FIELDS + ITEM_NUM_QUERIES] * group > TILE_MAX_ROWS)
+        if (group > TILE_MAX_ROWS
+            || items[i * ITEM_FIELDS + ITEM_NUM_QUERIES] > TILES_PER_ITEM * (TILE_MAX_ROWS / group))
             return CONVEYOR_BAD_SHAPE;
     attention_args a = {query, query_token_stride, query_head_stride, kv_cache, num_blocks,
                         num_kv_heads, block_size, head_dim, num_heads, block_table,

@@ -296,6 +296,55 @@ static inline __attribute__((always_inline)) int QT_FN(attend_query_tile)(
     return CONVEYOR_OK;
 }
 
+/* Two query tiles of one item, rows 0 .. QT_MAX_NRV * QT_LANES - 1 (NRV_A row vectors) and the
+ * rest (NRV_B), that share each key tile while it is in L1: a long cached prefix comes from L3
+ * or memory once for both where two items would each read it. Each half runs the tiles it would
+ * alone (the item has no window, so both start at key 0 on the same grid) and skips those past
+ * its last row's keys, which alone it would never see: its outputs are bit for bit its own. */
+static inline __attribute__((always_inline)) int QT_FN(attend_query_tile_pair)(
+    const attention_args *a, const int32_t *item, int kv_head, const int NRV_A, const int NRV_B,
+    const int D) {
+    QT_FN(query_tile) st[2];
+    const int group = a->num_heads / a->num_kv_heads;
+    const int tokens_a = TILE_MAX_ROWS / group; /* the first tile: whole groups, NRV_A vectors */
+    const int32_t halves[2][ITEM_FIELDS] = {
+        {item[ITEM_TABLE_ROW], item[ITEM_TOKEN_START], tokens_a, item[ITEM_FIRST_POSITION]},
+        {item[ITEM_TABLE_ROW], item[ITEM_TOKEN_START] + tokens_a,
+         item[ITEM_NUM_QUERIES] - tokens_a, item[ITEM_FIRST_POSITION] + tokens_a}};
+    const int nrv[2] = {NRV_A, NRV_B};
+    const int32_t *blocks = a->block_table + (int64_t)item[ITEM_TABLE_ROW] * a->block_table_stride;
+    int end_key[2], unmasked_from[2], unmasked_to[2];
+    for (int h = 0; h < 2; h++) {
+        QT_FN(start_tile)(&st[h], a, halves[h], kv_head, nrv[h], D);
+        const int last_row = halves[h][ITEM_NUM_QUERIES] * group - 1;
+        end_key[h] = st[h].num_visible[last_row / QT_LANES][last_row % QT_LANES];
+        unmasked_from[h] = st[h].first_visible[last_row / QT_LANES][last_row % QT_LANES];
+        unmasked_to[h] = st[h].num_visible[0][0];
+    }
+    const float cap = a->softcap * LOG2E;
+    for (int pos = 0; pos < end_key[1]; pos += WIDE_TILE_KEYS) {
+        const int n = end_key[1] - pos < WIDE_TILE_KEYS ? end_key[1] - pos : WIDE_TILE_KEYS;
+        if (!QT_FN(locate_tile)(&st[1], a, blocks, kv_head, pos, n, D)) return CONVEYOR_BAD_BLOCK;
+        if (pos < end_key[0]) {
+            const int na = end_key[0] - pos < n ? end_key[0] - pos : n;
+            for (int t = 0; t < na; t++) {
+                st[0].keys[t] = st[1].keys[t];
+                st[0].values[t] = st[1].values[t];
+            }
+            QT_FN(score_tile)(&st[0], na, NRV_A, D);
+            const int masked = pos < unmasked_from[0] || pos + na > unmasked_to[0];
+            QT_FN(softmax_tile)(&st[0], na, pos, masked, cap, NRV_A, D);
+            QT_FN(accumulate_tile)(&st[0], na, NRV_A, D);
+        }
+        QT_FN(score_tile)(&st[1], n, NRV_B, D);
+        const int masked = pos < unmasked_from[1] || pos + n > unmasked_to[1];
+        QT_FN(softmax_tile)(&st[1], n, pos, masked, cap, NRV_B, D);
+        QT_FN(accumulate_tile)(&st[1], n, NRV_B, D);
+    }
+    for (int h = 0; h < 2; h++) QT_FN(finish_tile)(&st[h], a, halves[h], kv_head, D);
+    return CONVEYOR_OK;
+}
+
 #undef QT_VF
 #undef QT_VI
 #undef QT_OP
