@@ -163,6 +163,10 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         kernel: PagedAttentionKernel | None,
     ) -> BatchPlan:
+        # Builds differ in query tokens per work item.
+        per_item = (
+            None if kernel is None else kernel.queries_per_item(query.shape[1], kv_cache.shape[1])
+        )
         key = (
             metadata.query_start_loc_cpu.tobytes(),
             metadata.seq_lens_cpu.tobytes(),
@@ -170,8 +174,7 @@ class TorchAttentionBackend(AttentionBackend):
             str(kv_cache.dtype),
             str(kv_cache.device),
             query.shape[1],
-            # Builds differ in query tokens per work item.
-            None if kernel is None else kernel.queries_per_item(query.shape[1], kv_cache.shape[1]),
+            per_item,
         )
         if self._plan is None or key != self._plan_key:
             default_bytes = (
@@ -179,9 +182,7 @@ class TorchAttentionBackend(AttentionBackend):
             )
             chunk_bytes = self._decode_chunk_bytes or default_bytes
             token_bytes = 2 * kv_cache.shape[1] * kv_cache.shape[4] * kv_cache.element_size()
-            routing = None
-            if kernel is not None:
-                routing = KernelRouting(kernel.queries_per_item(query.shape[1], kv_cache.shape[1]))
+            routing = None if per_item is None else KernelRouting(per_item)
             self._plan = plan_batch(
                 metadata.query_start_loc_cpu,
                 metadata.seq_lens_cpu,

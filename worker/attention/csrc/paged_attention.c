@@ -9,10 +9,11 @@
  * ctypes; plain C (no torch headers) so it compiles in about a second. The caller guarantees
  * types and shapes; this file checks only what would otherwise read out of bounds.
  *
- * One work item is (query run, kv head): up to TILE_MAX_ROWS query rows (the heads of one GQA
- * group, for consecutive tokens of one request) that all read the same keys, so every key and
- * value row loaded from memory serves the whole item. Items of few rows (decodes) take the short
- * path (short_queries.h), items that fill a vector of rows the query-tile path (query_tiles.h);
+ * One work item is (query run, kv head): up to TILES_PER_ITEM query tiles of TILE_MAX_ROWS query
+ * rows (the heads of one GQA group, for consecutive tokens of one request) that all read the same
+ * keys, so every key and value row loaded from memory serves the whole item. Items of few rows
+ * (decodes) take the short path (short_queries.h), items that fill a vector of rows the
+ * query-tile path (query_tiles.h; two tiles share each pass over the keys);
  * both softmax online (one pass over the keys, fp32 throughout), with sliding windows, attention
  * sinks and a logit soft-cap. Threads (OpenMP) take (item, kv head) pairs one at a time,
  * prefetching the start of the next while they compute one.
@@ -55,7 +56,7 @@ int conveyor_abi_version(void) { return CONVEYOR_ABI_VERSION; }
 /* Bytes per query and output element: 4 (float32), or 2 in a CONVEYOR_BF16 build. */
 int conveyor_element_bytes(void) { return (int)sizeof(io_t); }
 
-/* Rows (query tokens x GQA group) one work item may hold in this build. */
+/* Rows (query tokens x GQA group) one query tile may hold in this build. */
 int conveyor_tile_max_rows(void) { return TILE_MAX_ROWS; }
 
 /* Query tiles one work item may hold, each of whole GQA groups: TILE_MAX_ROWS / group tokens. */
@@ -133,13 +134,10 @@ static int attend_tile_any_shape(const attention_args *a, const int32_t *item, i
         }
         /* A window (the halves would start on different key grids) or a second half small
          * enough for another path: the two halves one after the other, as two items. */
-        const int32_t first[ITEM_FIELDS] = {item[ITEM_TABLE_ROW], item[ITEM_TOKEN_START],
-                                            tokens_a, item[ITEM_FIRST_POSITION]};
-        const int32_t second[ITEM_FIELDS] = {
-            item[ITEM_TABLE_ROW], item[ITEM_TOKEN_START] + tokens_a,
-            item[ITEM_NUM_QUERIES] - tokens_a, item[ITEM_FIRST_POSITION] + tokens_a};
-        const int status = attend_item_any_dim(a, first, kv_head);
-        return status != CONVEYOR_OK ? status : attend_item_any_dim(a, second, kv_head);
+        int32_t halves[2][ITEM_FIELDS];
+        split_item(item, tokens_a, halves);
+        const int status = attend_item_any_dim(a, halves[0], kv_head);
+        return status != CONVEYOR_OK ? status : attend_item_any_dim(a, halves[1], kv_head);
     }
 #endif
     if (num_rows <= LANES) return CALL_TILE_VARIANT(8, 1);

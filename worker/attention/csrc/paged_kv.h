@@ -120,4 +120,16 @@ static inline int row_first_visible(const attention_args *a, int num_visible) {
     return a->window > 0 && num_visible > a->window ? num_visible - a->window : 0;
 }
 
+/* An item cut after its first ``tokens`` query tokens: halves[0] those, halves[1] the rest, each
+ * an item of its own (the same table row, positions following on). */
+static inline void split_item(const int32_t *item, int tokens, int32_t halves[2][ITEM_FIELDS]) {
+    for (int h = 0; h < 2; h++) {
+        const int skip = h == 0 ? 0 : tokens;
+        halves[h][ITEM_TABLE_ROW] = item[ITEM_TABLE_ROW];
+        halves[h][ITEM_TOKEN_START] = item[ITEM_TOKEN_START] + skip;
+        halves[h][ITEM_NUM_QUERIES] = h == 0 ? tokens : item[ITEM_NUM_QUERIES] - tokens;
+        halves[h][ITEM_FIRST_POSITION] = item[ITEM_FIRST_POSITION] + skip;
+    }
+}
+
 #endif

@@ -26,11 +26,12 @@
 #define QT_JOIN_(a, b) a##b
 #define QT_JOIN(a, b) QT_JOIN_(a, b)
 
-/* Rows of one item at most (conveyor_tile_max_rows, which the planner in
- * worker/attention/cpu_kernel.py reads). A query tile streams every key its rows see from L2/L3
- * once, so more rows per tile mean fewer passes over a long prefix: with AVX-512's 32 registers
- * four 16-float row vectors (64 rows) keep the products' operands in registers and long prompt
- * chunks ran ~5-10 % faster than at 32 rows. AVX2's 16 registers stay at 32 rows. */
+/* Rows of one query tile at most (conveyor_tile_max_rows, which the planner in
+ * worker/attention/cpu_kernel.py reads; an item may hold two tiles, paged_attention.c). A query
+ * tile streams every key its rows see from L2/L3 once, so more rows per tile mean fewer passes
+ * over a long prefix: with AVX-512's 32 registers four 16-float row vectors (64 rows) keep the
+ * products' operands in registers and long prompt chunks ran ~5-10 % faster than at 32 rows.
+ * AVX2's 16 registers stay at 32 rows. */
 #if defined(__AVX512F__)
 #define TILE_MAX_ROWS 64
 #else
@@ -296,8 +297,8 @@ static inline __attribute__((always_inline)) int QT_FN(attend_query_tile)(
     return CONVEYOR_OK;
 }
 
-/* Two query tiles of one item, rows 0 .. QT_MAX_NRV * QT_LANES - 1 (NRV_A row vectors) and the
- * rest (NRV_B), that share each key tile while it is in L1: a long cached prefix comes from L3
+/* Two query tiles of one item, its first TILE_MAX_ROWS / group tokens (NRV_A row vectors) and
+ * the rest (NRV_B), that share each key tile while it is in L1: a long cached prefix comes from L3
  * or memory once for both where two items would each read it. Each half runs the tiles it would
  * alone (the item has no window, so both start at key 0 on the same grid) and skips those past
  * its last row's keys, which alone it would never see: its outputs are bit for bit its own. */
@@ -306,11 +307,8 @@ static inline __attribute__((always_inline)) int QT_FN(attend_query_tile_pair)(
     const int D) {
     QT_FN(query_tile) st[2];
     const int group = a->num_heads / a->num_kv_heads;
-    const int tokens_a = TILE_MAX_ROWS / group; /* the first tile: whole groups, NRV_A vectors */
-    const int32_t halves[2][ITEM_FIELDS] = {
-        {item[ITEM_TABLE_ROW], item[ITEM_TOKEN_START], tokens_a, item[ITEM_FIRST_POSITION]},
-        {item[ITEM_TABLE_ROW], item[ITEM_TOKEN_START] + tokens_a,
-         item[ITEM_NUM_QUERIES] - tokens_a, item[ITEM_FIRST_POSITION] + tokens_a}};
+    int32_t halves[2][ITEM_FIELDS];
+    split_item(item, TILE_MAX_ROWS / group, halves); /* the first tile: whole groups */
     const int nrv[2] = {NRV_A, NRV_B};
     const int32_t *blocks = a->block_table + (int64_t)item[ITEM_TABLE_ROW] * a->block_table_stride;
     int end_key[2], unmasked_from[2], unmasked_to[2];
