@@ -1,7 +1,7 @@
-"""Benchmarks and studies: ``conveyor bench serve|offline|scheduler|wire|attention|layers``.
+"""The lab: micro-benchmarks, studies, simulators, soak runs, the comparison against other engines,
+the GPU check and the test-model generators. Run from a checkout (``python -m benchmarks``), never
+installed; it imports the installed ``conveyor`` package, and nothing installed imports it.
 
-Runs in the benchmark's own process. ``loadgen`` is a client of the HTTP API alone (it imports
-nothing of the engine, so it measures any OpenAI-compatible server); ``offline``, ``scheduler``,
-``wire``, ``attention`` and ``layers`` time the engine's own parts; ``policy_study`` and ``soak``
-are the longer studies the scripts in ``scripts/`` run; ``machine`` says what a run ran on.
+Runs in the benchmark's own process. The product's own benchmarks (``conveyor bench serve``, the
+load generator, and ``conveyor bench offline``) live in ``conveyor.bench``.
 """

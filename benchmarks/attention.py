@@ -6,10 +6,10 @@ for the same number of tokens, and prints microseconds per call per layer (media
 ratio, so one can read off whether attention is the bottleneck. On CPU the torch backend is timed
 twice, on its pure-torch path and with the compiled kernel (cpu_kernel.py), side by side.
 
-    conveyor bench attention                 # bench model, CPU, torch backend
-    conveyor bench attention --query-lens 2,8,16,32,64   # 8 short chunks after a cached prefix
-    conveyor bench attention --chunk-lens 16,256,2048 --contexts 0,2048   # one prompt chunk
-    conveyor bench attention --device cuda --dtype bfloat16 --block-size 256
+    python -m benchmarks attention                 # bench model, CPU, torch backend
+    python -m benchmarks attention --query-lens 2,8,16,32,64   # 8 short chunks after a cached prefix
+    python -m benchmarks attention --chunk-lens 16,256,2048 --contexts 0,2048   # one prompt chunk
+    python -m benchmarks attention --device cuda --dtype bfloat16 --block-size 256
 
 --chunk-lens times one prompt chunk of each length after each cached context, with the chunk's
 attention GFLOP/s (causal: every query row against the keys it sees, two matmuls) per path.
@@ -19,7 +19,7 @@ worker/attention/csrc, from ``git worktree add``), interleaved on the same input
 defaults (on a GPU; on CPU it runs in Triton's interpreter, for the tests), each checked to give
 the defaults' output first:
 
-    conveyor bench attention --device cuda --dtype bfloat16 --backend triton \
+    python -m benchmarks attention --device cuda --dtype bfloat16 --backend triton \
         --num-heads 16 --num-kv-heads 8 --head-dim 128 --chunk-lens 2048,8192 --contexts 0,8192 \
         --triton-configs 64x32/w4,128x64/w8/s3,128x32/w8/s2
 --cold reads a buffer several times the last-level cache before every timed call, so the KV
@@ -41,14 +41,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.machine import machine_info
-from protocol.config import KV_CACHE_DTYPES
-from worker.attention.cpu_kernel import load_kernel, load_kernel_from
-from worker.attention.metadata_builder import build_attention_metadata
-from worker.attention.selector import select_backend
-from worker.attention.torch_backend import TorchAttentionBackend
-from worker.attention.triton_backend import KernelConfig, TritonAttentionBackend
-from worker.kv_cache import allocate_kv_caches
+from conveyor.bench.machine import machine_info
+from conveyor.protocol.config import KV_CACHE_DTYPES
+from conveyor.worker.attention.cpu_kernel import load_kernel, load_kernel_from
+from conveyor.worker.attention.metadata_builder import build_attention_metadata
+from conveyor.worker.attention.selector import select_backend
+from conveyor.worker.attention.torch_backend import TorchAttentionBackend
+from conveyor.worker.attention.triton_backend import KernelConfig, TritonAttentionBackend
+from conveyor.worker.kv_cache import allocate_kv_caches
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def describe_machine(device: torch.device) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="conveyor bench attention", description=__doc__.splitlines()[0]
+        prog="python -m benchmarks attention", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")

@@ -1,7 +1,7 @@
 """Microbenchmarks of the model's token-wise ops on CPU: matmul kernels, norms, RoPE, SwiGLU.
 
-    conveyor bench layers --model /tmp/bench2 --rows 1,16,64,256,2048
-    conveyor bench layers --section model      # whole forward, attention stubbed out
+    python -m benchmarks layers --model /tmp/bench2 --rows 1,16,64,256,2048
+    python -m benchmarks layers --section model      # whole forward, attention stubbed out
 
 Sections:
   matmul  every linear shape of the model at each row count: F.linear (MKL sgemm on W [out, in]),
@@ -45,9 +45,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker.attention.backend import AttentionBackend
-from worker.attention.metadata_builder import build_attention_metadata
-from worker.layers import (
+from conveyor.worker.attention.backend import AttentionBackend
+from conveyor.worker.attention.metadata_builder import build_attention_metadata
+from conveyor.worker.layers import (
     RotaryEmbedding,
     SiluAndMul,
     gemm,
@@ -55,11 +55,11 @@ from worker.layers import (
     rms_normalize,
     rotate_,
 )
-from worker.layers.cpu_ops import SMALL_LINEAR_MAX_ROWS
-from worker.layers.gemm import pack_weight, packed_row_limit
-from worker.layers.norm import RMSNorm
-from worker.loader import load_model, read_hf_config
-from worker.worker import keep_freed_memory_in_heap
+from conveyor.worker.layers.cpu_ops import SMALL_LINEAR_MAX_ROWS
+from conveyor.worker.layers.gemm import pack_weight, packed_row_limit
+from conveyor.worker.layers.norm import RMSNorm
+from conveyor.worker.loader import load_model, read_hf_config
+from conveyor.worker.worker import keep_freed_memory_in_heap
 
 EPS = 1e-6
 
@@ -158,8 +158,8 @@ def in_turn(calls: list[Callable[[], object]]) -> Callable[[], object]:
 
 def bench_int8(config, rows: list[int], budget_s: float) -> None:
     from benchmarks.attention import last_level_cache_bytes
-    from worker.layers.gemm import linear
-    from worker.layers.int8_linear import Int8Weight, load_int8_gemm
+    from conveyor.worker.layers.gemm import linear
+    from conveyor.worker.layers.int8_linear import Int8Weight, load_int8_gemm
 
     gemm = load_int8_gemm()
     if gemm is None:
@@ -187,7 +187,7 @@ def bench_int8(config, rows: list[int], budget_s: float) -> None:
 
 def bench_small_linears(config, rows: list[int], budget_s: float) -> None:
     from benchmarks.attention import last_level_cache_bytes
-    from worker.layers.cpu_ops import load_token_ops
+    from conveyor.worker.layers.cpu_ops import load_token_ops
 
     ops = load_token_ops()
     if ops is None:
@@ -456,7 +456,7 @@ def bench_model(model_dir: str, budget_s: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="conveyor bench layers", description=__doc__.splitlines()[0]
+        prog="python -m benchmarks layers", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--model", default="/tmp/bench2", help="a model directory (config.json)")
     parser.add_argument(

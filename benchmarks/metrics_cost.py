@@ -7,7 +7,7 @@ in turn with ``conveyor bench serve`` (closed loop, ``--max-concurrency`` stream
 which goes first each round, so both see the same machine state. A small model makes the
 frontend, where the metrics are recorded, as large a share of the work as it can be. Usage::
 
-    conveyor bench metrics [--model DIR] [--rounds 5] [--num-prompts 512] [--json]
+    python -m benchmarks metrics [--model DIR] [--rounds 5] [--num-prompts 512] [--json]
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import machine_info, print_report_start, tree_cpu_seconds
 from benchmarks.policy_study.server import served
-from frontend.engine_args import DEFAULT_MODEL_DIR, EngineArgs
-from runtime.processes import descendants
+from conveyor.bench.machine import machine_info, print_report_start, tree_cpu_seconds
+from conveyor.frontend.engine_args import DEFAULT_MODEL_DIR, EngineArgs
+from conveyor.runtime.processes import descendants
 
 SIDES = ("metrics on", "--disable-metrics")
 
@@ -54,7 +54,7 @@ def scraping(base_url: str, interval_s: float) -> Iterator[list[int]]:
 
 
 def frontend_pid(supervisor_pid: int) -> int:
-    """The server's one ``python -m frontend`` process."""
+    """The server's one ``python -m conveyor.frontend`` process."""
     for pid in descendants(supervisor_pid):
         with contextlib.suppress(OSError):
             if b"\0frontend\0" in Path(f"/proc/{pid}/cmdline").read_bytes():
@@ -63,7 +63,7 @@ def frontend_pid(supervisor_pid: int) -> int:
 
 
 def load(base_url: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    command = [sys.executable, "-m", "entrypoints.cli", "bench", "serve", "--base-url", base_url,
+    command = [sys.executable, "-m", "conveyor.entrypoints.cli", "bench", "serve", "--base-url", base_url,
                "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
                "--random-input-len", str(args.input_len), "--random-output-len",
                str(args.output_len), "--request-rate", "inf", "--no-progress",
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="conveyor bench metrics", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks metrics", description=__doc__)
     parser.add_argument("--model", type=Path, help="model directory (default: the embedded one)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--num-prompts", type=int, default=512)

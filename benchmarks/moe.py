@@ -1,7 +1,7 @@
 """How to run a mixture-of-experts layer's experts on CPU: the alternatives, timed per batch size.
 
-    conveyor bench moe                       # both shapes, 1..1024 rows (python -m benchmarks.moe)
-    conveyor bench moe --rows 1,16 --budget 1
+    python -m benchmarks moe                       # both shapes, 1..1024 rows (python -m benchmarks.moe)
+    python -m benchmarks moe --rows 1,16 --budget 1
 
 Variants, all computing sum_k weight_k * expert_k(x) for the same routing:
   packed       what worker/layers/fused_moe.py does: sort the (token, slot) pairs by expert, run
@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.layers import best_of, print_row
-from benchmarks.machine import Timing, machine_info
-from worker.layers.fused_moe import MoEExperts, select_experts
-from worker.layers.int8_linear import load_int8_gemm
+from conveyor.bench.machine import Timing, machine_info
+from conveyor.worker.layers.fused_moe import MoEExperts, select_experts
+from conveyor.worker.layers.int8_linear import load_int8_gemm
 
 # (name, hidden, expert intermediate size, experts, k): Mixtral's shape (few wide experts, top-2)
 # and Qwen3-MoE's (many narrow experts, top-8), scaled to the bench model's hidden size.
@@ -143,7 +143,7 @@ def check_agreement(table: dict[str, Callable[[], object]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="conveyor bench moe", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks moe", description=__doc__)
     parser.add_argument("--rows", default="1,4,16,64,256,1024", help="tokens per step")
     parser.add_argument("--budget", type=float, default=2.0, help="seconds per row of the table")
     args = parser.parse_args(argv)

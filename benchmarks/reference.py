@@ -1,10 +1,10 @@
 """conveyor against the reference engine (vLLM's CPU build), side by side in one invocation.
 
-    conveyor bench reference --model DIR --workloads equal,mix,long --pairs 3
+    python -m benchmarks reference --model DIR --workloads equal,mix,long --pairs 3
 
 Runs in the benchmark's own process; conveyor is the multi-process engine of `bench offline`
 (same workloads, prompts, warm-up and timed run), the reference engine a child process under its
-own Python (`benchmarks/reference_engine.py`, installed by /work/shared/tools/reference-engine.sh)
+own Python (`benchmarks/reference_engine.py`; scripts/install_reference_engine.sh installs it)
 that gets the very same token ids through a temporary JSON file. Both: greedy, ignore_eos, the
 same max_tokens, max 64 sequences, a 2048-token budget, float32, prefix caching on (each
 engine's default; the prompts are random, so nothing hits). Per workload both engines start and
@@ -30,8 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.machine import Timing, machine_info, print_report_start, tree_cpu_seconds
-from benchmarks.offline import (
+from benchmarks.reference_client import ReferenceEngine
+from benchmarks.roofline import DenseShapes, batch_flops, roofline_share
+from conveyor.bench.machine import Timing, machine_info, print_report_start, tree_cpu_seconds
+from conveyor.bench.offline import (
     WORKLOADS,
     engine_kwargs,
     make_requests,
@@ -40,9 +42,7 @@ from benchmarks.offline import (
     timed_requests,
     timed_run,
 )
-from benchmarks.reference_client import ReferenceEngine
-from benchmarks.roofline import DenseShapes, batch_flops, roofline_share
-from frontend.engine_args import EngineArgs, add_engine_args
+from conveyor.frontend.engine_args import EngineArgs, add_engine_args
 
 DEFAULT_REFERENCE_PYTHON = Path.home() / ".cache/conveyor-ref/vllmcpu/bin/python"
 # (timed requests, warm-up requests) per workload: `long`'s prompts are 2,000-4,000 tokens.
@@ -54,7 +54,7 @@ SETTLE_S = 2.0
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="conveyor bench reference", description=__doc__.splitlines()[0]
+        prog="python -m benchmarks reference", description=__doc__.splitlines()[0]
     )
     parser.add_argument(
         "--workloads", default="equal,mix,long", help="comma-separated (also: uneven)"

@@ -1,4 +1,4 @@
-"""The handle `conveyor bench reference` keeps on the reference engine's process.
+"""The handle `python -m benchmarks reference` keeps on the reference engine's process.
 
 Runs in the benchmark's own process. Starts `benchmarks/reference_engine.py` under the reference
 venv's Python, waits for its ready line, then sends it one batch at a time (token ids in a
@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from runtime import cpu_isa
+from conveyor.runtime import cpu_isa
 
 SCRIPT = Path(__file__).resolve().parent / "reference_engine.py"
 # vLLM's CPU build reserves a core for its frontend and picks its own OpenMP binding unless
@@ -59,7 +59,7 @@ class ReferenceEngine:
     def start(cls, python: str, flags: list[str]) -> ReferenceEngine:
         if not Path(python).exists():
             raise ReferenceEngineError(
-                f"no reference engine at {python}: run /work/shared/tools/reference-engine.sh"
+                f"no reference engine at {python}: run scripts/install_reference_engine.sh"
             )
         workdir = tempfile.TemporaryDirectory(prefix="conveyor-ref-")
         # A copy, run from a folder of its own (see reference_engine.py's docstring).

@@ -1,7 +1,7 @@
-"""The reference engine's side of `conveyor bench reference`: vLLM's offline LLM.generate, timed.
+"""The reference engine's side of `python -m benchmarks reference`: vLLM's LLM.generate, timed.
 
 Runs in its own process under the reference engine's Python (a venv with vLLM's CPU build, see
-/work/shared/tools/reference-engine.sh), so it imports nothing from conveyor: it is started as a
+scripts/install_reference_engine.sh), so it imports nothing from conveyor: it is started as a
 script by path. It builds one engine, then answers one JSON line per JSON line on stdin:
 
     {"prompts_file": PATH}  ->  {"seconds": ..., "num_prompt_tokens": ..., "num_output_tokens": ...}

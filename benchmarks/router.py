@@ -7,7 +7,7 @@ busy engine's do (a new ``SchedulerStats`` every few requests). The prompts foll
 workload: each starts with one of a few dozen system prompts and ends with its own tokens, so the
 prefix-affinity table fills up and is looked up as in serving. Usage::
 
-    conveyor bench router [--engines 2 4 16] [--prompt-lens 256 1024 4096] [--requests 20000]
+    python -m benchmarks router [--engines 2 4 16] [--prompt-lens 256 1024 4096] [--requests 20000]
         [--json]
 
 The goal is under 50 us per request: a frontend handles a few thousand requests a second at most,
@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, cast
 
-from benchmarks.machine import machine_info
-from frontend.engine_client.engine_group import EngineGroupClient
-from frontend.engine_client.router import ROUTER_POLICIES, Router, RouterConfig
-from protocol import EngineCoreRequest, SamplingParams, SchedulerStats
+from conveyor.bench.machine import machine_info
+from conveyor.frontend.engine_client.engine_group import EngineGroupClient
+from conveyor.frontend.engine_client.router import ROUTER_POLICIES, Router, RouterConfig
+from conveyor.protocol import EngineCoreRequest, SamplingParams, SchedulerStats
 
 BLOCK_SIZE = 16
 NUM_SYSTEM_PROMPTS = 32
@@ -93,7 +93,7 @@ def time_routing(policy: str, num_engines: int, prompt_len: int, num_requests: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="conveyor bench router", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks router", description=__doc__)
     parser.add_argument("--engines", type=int, nargs="+", default=[2, 4, 16])
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--requests", type=int, default=20000)

@@ -6,7 +6,7 @@ for the whole measurement. Requests queued behind the running ones must not slow
 width cap keeps them waiting), and neither must a larger KV pool: the rows with 10x waiting and
 10x pool show it. Usage::
 
-    conveyor bench scheduler --running 256 --waiting 1000 [--steps 300] [--json]
+    python -m benchmarks scheduler --running 256 --waiting 1000 [--steps 300] [--json]
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import time
 
 from msgspec.structs import replace
 
-from benchmarks.machine import machine_info
-from engine_core import Request, Scheduler
-from protocol import CacheConfig, ModelRunnerOutput, SamplingParams, SchedulerConfig
+from conveyor.bench.machine import machine_info
+from conveyor.engine_core import Request, Scheduler
+from conveyor.protocol import CacheConfig, ModelRunnerOutput, SamplingParams, SchedulerConfig
 
 PROMPT_LEN = 128
 BLOCK_SIZE = 16
@@ -123,7 +123,7 @@ def print_table(report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="conveyor bench scheduler", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks scheduler", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--running", type=int, default=256, help="headline running requests")
     parser.add_argument("--waiting", type=int, default=1000, help="requests queued behind them")

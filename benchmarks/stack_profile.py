@@ -5,7 +5,7 @@ its child processes and showing native frames, then read the worker's share:
 
     py-spy record --subprocesses --native -r 50 -f raw -o prof.txt -- \\
         conveyor bench offline --model DIR --workload long --num-requests 16
-    python -m benchmarks.stack_profile prof.txt
+    python -m benchmarks stack-profile prof.txt
 
 Only the worker's main thread is sampled with Python frames (the OpenMP threads an op wakes have
 none), so a category's share is the share of the forward pass's wall time spent inside that op,
@@ -51,7 +51,7 @@ def breakdown(lines: list[str], scope: str = "Worker.execute_model") -> Counter[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.stack_profile", description=__doc__.splitlines()[0]
+        prog="python -m benchmarks stack-profile", description=__doc__.splitlines()[0]
     )
     parser.add_argument("profile", help="py-spy record -f raw output")
     parser.add_argument("--scope", default="Worker.execute_model", help="frame to count under")

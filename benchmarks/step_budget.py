@@ -8,10 +8,10 @@ model never shrinks a chunk: the difference is the SLO's bookkeeping (the featur
 closed-form fit, the prediction), not different work. Chunks of steps alternate between the two
 (on a shared machine drift then hits both alike); reported are the median of the paired
 differences (each chunk with the SLO against the one without it just before) and the best chunk
-of each, as in ``conveyor bench scheduler``. The refit after each step (``observe``, outside schedule()) is
+of each, as in ``python -m benchmarks scheduler``. The refit after each step (``observe``, outside schedule()) is
 timed on its own. Usage::
 
-    conveyor bench step-budget [--running 256] [--steps 400] [--json]
+    python -m benchmarks step-budget [--running 256] [--steps 400] [--json]
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import time
 
 from msgspec.structs import replace
 
-from benchmarks.machine import machine_info
-from engine_core import Request, Scheduler
-from protocol import CacheConfig, ModelRunnerOutput, SamplingParams, SchedulerConfig
+from conveyor.bench.machine import machine_info
+from conveyor.engine_core import Request, Scheduler
+from conveyor.protocol import CacheConfig, ModelRunnerOutput, SamplingParams, SchedulerConfig
 
 BLOCK_SIZE = 16
 DECODE_PROMPT_LEN = 128
@@ -128,7 +128,7 @@ def measure(num_running: int, chunk: int, steps: int) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="conveyor bench step-budget", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks step-budget", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--running", type=int, default=256, help="decodes in every step")
     parser.add_argument("--chunk", type=int, default=64, help="the prompt chunk in every step")

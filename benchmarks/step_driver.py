@@ -1,6 +1,6 @@
 """Drive a worker with hand-made scheduler outputs and time its steps, as the engine core would.
 
-Runs in the benchmark's own process (``conveyor gpu-check``). No scheduler, no processes, no wire:
+Runs in the benchmark's own process (``python -m benchmarks gpu-check``). No scheduler, no processes, no wire:
 what is timed is the worker alone (inputs, forward, sampling, the sampled tokens back on the
 host), the part CUDA graphs and the sync-free inputs are about. Block ids are handed out in order
 and every request is finished before the next batch starts, so the pool never fragments.
@@ -13,8 +13,8 @@ import time
 import numpy as np
 import torch
 
-from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from worker.worker import Worker
+from conveyor.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from conveyor.worker.worker import Worker
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 

@@ -14,7 +14,7 @@ of tokens. The engine's step trace gives each step's duration: a running request
 per step, so the p99 step time of ``mixed`` against ``plain`` is what unconstrained requests'
 inter-token latency pays for running beside constrained ones. Usage::
 
-    conveyor bench structured [--model DIR] [--num-requests 64] [--output-len 64]
+    python -m benchmarks structured [--model DIR] [--num-requests 64] [--output-len 64]
         [--rounds 3] [--json]
 """
 
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import machine_info, print_report_start
+from conveyor.bench.machine import machine_info, print_report_start
 
 SCHEMA = {
     "type": "object",
@@ -48,9 +48,9 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from frontend import LLM
-    from protocol import SamplingParams, StructuredOutputsParams
-    from worker.model_maker import ensure_model
+    from benchmarks.fixtures.model_maker import ensure_model
+    from conveyor.frontend import LLM
+    from conveyor.protocol import SamplingParams, StructuredOutputsParams
 
     model = str(args.model or ensure_model("bench", "qwen3"))
     trace_dir = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="conveyor bench structured", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks structured", description=__doc__)
     parser.add_argument("--model", type=Path, help="model directory (default: the bench model)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)

@@ -18,7 +18,7 @@ For each it prints requests per second and the event loop's longest stall (a 1 m
 worst lateness: what every other stream of the frontend, its /health and its heartbeats would
 wait). Usage::
 
-    conveyor bench tokenize [--model DIR] [--prompt-tokens 32] [--requests 4000]
+    python -m benchmarks tokenize [--model DIR] [--prompt-tokens 32] [--requests 4000]
         [--large-chars 400000] [--large-requests 24] [--concurrency 64] [--rounds 3] [--json]
 """
 
@@ -35,7 +35,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import machine_info, print_report_start
+from conveyor.bench.machine import machine_info, print_report_start
 
 LONGEST = 1 << 62
 # A process's own tokenizer, loaded once by ``_load_in_process``.
@@ -44,7 +44,7 @@ _process_tokenizer: Any = None
 
 def _load_in_process(model_dir: str) -> None:
     global _process_tokenizer
-    from frontend.tokenizer import load_tokenizer
+    from conveyor.frontend.tokenizer import load_tokenizer
 
     _process_tokenizer = load_tokenizer(model_dir)
     _process_tokenizer.model_max_length = LONGEST  # no warning for prompts past the context
@@ -105,9 +105,9 @@ async def _serve(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from frontend.engine_args import DEFAULT_MODEL_DIR
-    from frontend.server.serving import LOOP_PREPARE_LIMIT, NUM_CPU_THREADS
-    from frontend.tokenizer import load_tokenizer
+    from conveyor.frontend.engine_args import DEFAULT_MODEL_DIR
+    from conveyor.frontend.server.serving import LOOP_PREPARE_LIMIT, NUM_CPU_THREADS
+    from conveyor.frontend.tokenizer import load_tokenizer
 
     try:
         import uvloop
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="conveyor bench tokenize", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks tokenize", description=__doc__)
     parser.add_argument("--model", type=Path, help="model directory (default: the embedded one)")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--requests", type=int, default=4000)

@@ -8,7 +8,7 @@ with every request in full (``NewRequestData``: prompt + outputs so far, every b
 engine without worker-side mirrors must. Encode and decode times are msgspec's, best of several
 rounds. Usage::
 
-    conveyor bench wire [--requests 256] [--prompt-lens 100 1000 10000] [--json]
+    python -m benchmarks wire [--requests 256] [--prompt-lens 100 1000 10000] [--json]
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import time
 import msgspec
 from msgspec.structs import replace
 
-from benchmarks.machine import machine_info
-from engine_core import Request, Scheduler
-from protocol import (
+from conveyor.bench.machine import machine_info
+from conveyor.engine_core import Request, Scheduler
+from conveyor.protocol import (
     CacheConfig,
     ModelRunnerOutput,
     NewRequestData,
@@ -33,7 +33,7 @@ from protocol import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from protocol.worker_messages import WORKER_COMMAND, ExecuteModel
+from conveyor.protocol.worker_messages import WORKER_COMMAND, ExecuteModel
 
 BLOCK_SIZE = 16
 # A Qwen-sized vocabulary: token ids take 3-5 bytes each in msgpack, as in real traffic.
@@ -171,7 +171,9 @@ def print_table(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="conveyor bench wire", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks wire", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--requests", type=int, default=256, help="running decode requests")
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[100, 1000, 10000])
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -25,16 +25,16 @@ from typing import Union
 import msgspec
 import zmq
 
-from engine_core.client_registry import ClientRegistry
-from protocol import (
+from conveyor.engine_core.client_registry import ClientRegistry
+from conveyor.protocol import (
     Abort,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     SchedulerStats,
 )
-from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
-from protocol.messages import (
+from conveyor.protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
+from conveyor.protocol.messages import (
     AddRequests,
     AllFreeReport,
     CheckAllFree,
@@ -47,7 +47,7 @@ from protocol.messages import (
     Hello,
     Ready,
 )
-from runtime.zmq_security import SecureBinder, keys_from_env
+from conveyor.runtime.zmq_security import SecureBinder, keys_from_env
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The engine-core process: ``main(config, address)`` -> handshake -> busy loop -> clean exit.
 
-Runs in the engine-core process (``python -m entrypoints.engine``, which builds the executor and
+Runs in the engine-core process (``python -m conveyor.entrypoints.engine``, which builds the executor and
 calls ``main``). Three threads, one job each: the
 socket thread (``ClientIO``) decodes client frames into a queue and sends output frames; the main
 thread runs the busy loop (drain the queue, then schedule -> execute -> update) and blocks on the
@@ -24,17 +24,33 @@ from collections.abc import Callable
 
 import msgspec
 
-from engine_core.client_io import BusyLoopInput, ClientGone, ClientInput, ClientIO, IOFailed
-from engine_core.engine_core import EngineCore
-from engine_core.executor import Executor
-from engine_core.stats_logger import StatsLogger
-from protocol import Abort, EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from protocol.messages import AddRequests, AllFreeReport, CheckAllFree
-from runtime.exit_codes import ExitCode
-from runtime.gc_heap import freeze_startup_heap
-from runtime.parent import tie_to_parent
-from runtime.signals import ShutdownRequested, ignore_shutdown_signals, install_shutdown_signals
-from runtime.zmq_security import (
+from conveyor.engine_core.client_io import (
+    BusyLoopInput,
+    ClientGone,
+    ClientInput,
+    ClientIO,
+    IOFailed,
+)
+from conveyor.engine_core.engine_core import EngineCore
+from conveyor.engine_core.stats_logger import StatsLogger
+from conveyor.executor.abstract import Executor
+from conveyor.protocol import (
+    Abort,
+    EngineConfig,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+)
+from conveyor.protocol.messages import AddRequests, AllFreeReport, CheckAllFree
+from conveyor.runtime.exit_codes import ExitCode
+from conveyor.runtime.gc_heap import freeze_startup_heap
+from conveyor.runtime.parent import tie_to_parent
+from conveyor.runtime.signals import (
+    ShutdownRequested,
+    ignore_shutdown_signals,
+    install_shutdown_signals,
+)
+from conveyor.runtime.zmq_security import (
     CurveKeys,
     CurveKeysError,
     InsecureAddressError,

@@ -21,12 +21,12 @@ from collections.abc import Callable
 
 from msgspec.structs import replace
 
-from engine_core.executor import Executor
-from engine_core.request import Request
-from engine_core.scheduler import Scheduler
-from engine_core.step_cost_profile import profile_workload
-from engine_core.step_trace import StepTracer
-from protocol import (
+from conveyor.engine_core.request import Request
+from conveyor.engine_core.scheduler import Scheduler
+from conveyor.engine_core.step_cost_profile import profile_workload
+from conveyor.engine_core.step_trace import StepTracer
+from conveyor.executor.abstract import Executor
+from conveyor.protocol import (
     EngineConfig,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -35,7 +35,7 @@ from protocol import (
     SamplingParams,
     SchedulerOutput,
 )
-from protocol.sampling_params import find_vocab_problem
+from conveyor.protocol.sampling_params import find_vocab_problem
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ Sliding-window models: when every layer attends only to the last W tokens, a req
 lie wholly behind the window of its next query are freed while it runs (the reason such models
 are cheap to serve long), and their places in its table become the null block. One table serves
 every layer, so a model mixing windowed and global layers frees nothing (the global layers need
-every block); see docs/models.md. Freed blocks keep their prefix-cache entries until evicted:
+every block). Freed blocks keep their prefix-cache entries until evicted:
 a later request hits them as usual, and one whose chain has lost a block hits up to the gap.
 """
 
@@ -19,8 +19,8 @@ import os
 import struct
 from collections.abc import Callable, Sequence
 
-from engine_core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool
-from engine_core.request import Request
+from conveyor.engine_core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool
+from conveyor.engine_core.request import Request
 
 # Parent of a request's first block.
 ROOT_BLOCK_HASH: BlockHash = bytes(16)

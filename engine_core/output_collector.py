@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
-from engine_core.request import Request, RequestStatus
-from protocol import (
+from conveyor.engine_core.request import Request, RequestStatus
+from conveyor.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     Logprobs,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from protocol import FinishReason, RequestTimings, SamplingParams
+from conveyor.protocol import FinishReason, RequestTimings, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Collection, Iterator
 
-from engine_core.request import Request
+from conveyor.engine_core.request import Request
 
 
 class RequestQueue(ABC):

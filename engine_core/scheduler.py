@@ -23,14 +23,14 @@ import bisect
 import time
 from collections.abc import Iterable
 
-from engine_core.kv_cache_manager import KVCacheManager
-from engine_core.output_collector import OutputCollector
-from engine_core.policies import make_policy
-from engine_core.request import Request, RequestStatus
-from engine_core.request_queue import make_request_queue, priority_key
-from engine_core.step_budget import StepBudget, StepPrediction
-from engine_core.step_plan import StepPlan
-from protocol import (
+from conveyor.engine_core.kv_cache_manager import KVCacheManager
+from conveyor.engine_core.output_collector import OutputCollector
+from conveyor.engine_core.policies import make_policy
+from conveyor.engine_core.request import Request, RequestStatus
+from conveyor.engine_core.request_queue import make_request_queue, priority_key
+from conveyor.engine_core.step_budget import StepBudget, StepPrediction
+from conveyor.engine_core.step_plan import StepPlan
+from conveyor.protocol import (
     ITERATION_TOKENS_BUCKETS,
     CacheConfig,
     EngineCoreOutputs,

@@ -24,8 +24,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from engine_core.scheduler import Scheduler
-from protocol import SchedulerStats
+from conveyor.engine_core.scheduler import Scheduler
+from conveyor.protocol import SchedulerStats
 
 logger = logging.getLogger(__name__)
 

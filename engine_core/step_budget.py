@@ -36,9 +36,9 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from engine_core.step_cost import StepCostModel
-from engine_core.step_plan import StepPlan
-from protocol import SchedulerConfig
+from conveyor.engine_core.step_cost import StepCostModel
+from conveyor.engine_core.step_plan import StepPlan
+from conveyor.protocol import SchedulerConfig
 
 # The noise allowance: this quantile of measured / predicted over the last _WINDOW steps whose
 # prediction was at least _NOISE_SHARE of the SLO.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from protocol import SchedulerConfig
+from conveyor.protocol import SchedulerConfig
 
 # The profile's prompt tokens per step, as fractions of its largest step: small and large steps
 # in no order, so the fit tells the per-step, per-token and attention costs apart. The first two

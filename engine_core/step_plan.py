@@ -9,8 +9,8 @@ into the ``SchedulerOutput`` lists, as a decode step of hundreds of requests run
 
 from __future__ import annotations
 
-from engine_core.request import Request
-from protocol import CachedRequestData, NewRequestData, SchedulerOutput
+from conveyor.engine_core.request import Request
+from conveyor.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class StepPlan:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import msgspec
 
-from engine_core.step_budget import StepPrediction
-from protocol import SchedulerOutput, SchedulerStats
+from conveyor.engine_core.step_budget import StepPrediction
+from conveyor.protocol import SchedulerOutput, SchedulerStats
 
 
 class StepTraceRecord(msgspec.Struct, omit_defaults=False):

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from frontend.engine_client.session import EngineLiveness, EngineStartError
-from frontend.engine_client.session import connect as connect_session
-from protocol import ConfigError
-from protocol.codec import CLIENT_TO_ENGINE
-from protocol.messages import Goodbye
-from protocol.node_messages import NODE_MESSAGE, EngineAnnounce
-from runtime.zmq_security import CurveKeys, SecureBinder, connect, with_server_key
+from conveyor.frontend.engine_client.session import EngineLiveness, EngineStartError
+from conveyor.frontend.engine_client.session import connect as connect_session
+from conveyor.protocol import ConfigError
+from conveyor.protocol.codec import CLIENT_TO_ENGINE
+from conveyor.protocol.messages import Goodbye
+from conveyor.protocol.node_messages import NODE_MESSAGE, EngineAnnounce
+from conveyor.runtime.zmq_security import CurveKeys, SecureBinder, connect, with_server_key
 
 logger = logging.getLogger(__name__)
 
@@ -79,19 +79,6 @@ class DataParallelLayout:
     start_rank: int
     address: str
     rpc_port: int
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, size: int) -> DataParallelLayout:
-        local = size if args.data_parallel_size_local is None else args.data_parallel_size_local
-        layout = cls(
-            size,
-            local,
-            args.data_parallel_start_rank,
-            args.data_parallel_address,
-            args.data_parallel_rpc_port,
-        )
-        layout.check(headless=args.headless)
-        return layout
 
     def check(self, headless: bool) -> None:
         if not 1 <= self.size_local <= self.size - self.start_rank:

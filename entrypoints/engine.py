@@ -1,14 +1,13 @@
-"""The engine-core process: ``python -m entrypoints.engine --config-file F --address A``.
+"""The engine-core process: ``python -m conveyor.entrypoints.engine --config-file F --address A``.
 
 Runs in the engine-core process. Started by ``frontend.engine_client.EngineProcess`` (for ``LLM``
 and the supervisor); runnable by hand to serve clients that attach by address:
 
-    python -m entrypoints.engine --config-file engine.msgpack --address ipc:///run/user/1000/e.sock
+    python -m conveyor.entrypoints.engine --config-file engine.msgpack --address ipc:///run/user/1000/e.sock
 
 The config file holds one msgpack-encoded ``protocol.EngineConfig``. The address is ipc:// or
 tcp:// (bind tcp to 127.0.0.1 unless the engine must be reachable from elsewhere, which takes
---allow-remote-clients and CURVE keys in $CONVEYOR_CURVE_KEYS). This module is where the executor is chosen and built: the engine
-core may not import the worker package (nor torch), and here both are in view.
+--allow-remote-clients and CURVE keys in $CONVEYOR_CURVE_KEYS). The executor the engine drives is built by ``conveyor.executor.backends``.
 """
 
 from __future__ import annotations
@@ -19,42 +18,18 @@ from pathlib import Path
 
 import msgspec
 
-from engine_core.core_process import DEFAULT_HEARTBEAT_TIMEOUT_S, main
-from engine_core.executor import Executor, InProcessExecutor
-from engine_core.multiproc_executor import MultiprocExecutor
-from protocol import EngineConfig
-from runtime.dirs import remove_runtime_dir
-from runtime.logs import configure_logging
-from runtime.processes import pid_is_alive
-
-EXECUTOR_BACKENDS = ("mp", "inprocess", "ray")
-
-
-def make_executor(config: EngineConfig, backend: str | None = None) -> Executor:
-    """The executor for ``backend``: "mp" (one worker process per tensor-parallel rank, the
-    default), "inprocess" (one worker inside this process: debugging, TP=1 only) or "ray" (one
-    Ray actor per rank, placed on a running Ray cluster)."""
-    if backend in (None, "mp"):
-        return MultiprocExecutor(config)
-    if backend == "ray":
-        if config.parallel.nodes.nnodes > 1:
-            raise ValueError("with --executor-backend ray, Ray places the ranks: no --nnodes")
-        # Ray is an optional extra: imported only by the engine that asked for it.
-        from entrypoints.ray_workers import RayWorkerProcesses
-
-        return MultiprocExecutor(config, workers=RayWorkerProcesses(config))
-    if backend == "inprocess":
-        if config.parallel.tensor_parallel_size != 1:
-            raise ValueError("the in-process executor runs one worker: tensor_parallel_size=1")
-        # Only this backend loads a model here, so only it pays for importing torch.
-        from worker.worker import Worker
-
-        return InProcessExecutor(Worker(config, rank=0))
-    raise ValueError(f"executor backend must be one of {', '.join(EXECUTOR_BACKENDS)}: {backend!r}")
+from conveyor.engine_core.core_process import DEFAULT_HEARTBEAT_TIMEOUT_S, main
+from conveyor.executor.backends import EXECUTOR_BACKENDS, make_executor
+from conveyor.protocol import EngineConfig
+from conveyor.runtime.dirs import remove_runtime_dir
+from conveyor.runtime.logs import configure_logging
+from conveyor.runtime.processes import pid_is_alive
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m entrypoints.engine", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m conveyor.entrypoints.engine", description=__doc__
+    )
     parser.add_argument("--config-file", type=Path, required=True, help="msgpack EngineConfig")
     parser.add_argument("--address", required=True, help="ipc://PATH or tcp://127.0.0.1:PORT")
     parser.add_argument(

@@ -23,8 +23,8 @@ from pathlib import PurePosixPath
 
 from msgspec.structs import replace
 
-from frontend.engine_client import EngineProcess, EngineStartError
-from protocol import EngineConfig
+from conveyor.frontend.engine_client import EngineProcess, EngineStartError
+from conveyor.protocol import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def make_engines(
     make_engine: Callable[..., EngineProcess] = EngineProcess
     if executor_backend == "ray" and size > 1:
         # Ray places the engine cores too (an optional extra: imported only when asked for).
-        from entrypoints.ray_engines import RayEnginePlacement
+        from conveyor.entrypoints.ray_engines import RayEnginePlacement
 
         make_engine = RayEnginePlacement(len(addresses)).engine
     engines = []

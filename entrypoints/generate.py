@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from frontend import LLM
-from frontend.engine_args import EngineArgs, add_engine_args
-from protocol import SamplingParams
+from conveyor.frontend import LLM
+from conveyor.frontend.engine_args import EngineArgs, add_engine_args
+from conveyor.protocol import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -3,7 +3,7 @@
 on the head (node 0, the same command without ``--headless``).
 
 Runs as the headless supervisor on a host other than the head. It starts this host's worker
-ranks (``python -m worker``, each handed its launch on stdin, as the head's engine does for its
+ranks (``python -m conveyor.worker``, each handed its launch on stdin, as the head's engine does for its
 own), which connect to the head's channels (ZeroMQ over TCP, CURVE when keys are given) and join
 torch.distributed at A:P. Then it watches two things: its workers (one that exits is reported to
 the head as a ``NodeFailure``, and everything here stops, exit 1) and the head's heartbeats (none
@@ -18,24 +18,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import subprocess
 import time
 
 import zmq
 
-from engine_core.node_link import heartbeat_interval_s, local_ranks, node_addresses
-from engine_core.worker_processes import SHUTDOWN_GRACE_S, spawn_worker, worker_env
-from entrypoints.dp_hosts import add_data_parallel_host_args
-from frontend.engine_args import EngineArgs
-from protocol import ConfigError, EngineConfig
-from protocol.node_messages import NODE_MESSAGE, NodeFailure, NodeHeartbeat
-from protocol.worker_messages import WorkerLaunch
-from runtime.dirs import make_runtime_dir, remove_runtime_dir
-from runtime.exit_codes import ExitCode
-from runtime.processes import describe_exit, terminate_processes, wait_for_exit
-from runtime.signals import ShutdownRequested, ignore_shutdown_signals, signals_held
-from runtime.zmq_security import (
+from conveyor.entrypoints.dp_hosts import add_data_parallel_host_args
+from conveyor.entrypoints.serve_config import ServeConfig
+from conveyor.executor.node_link import heartbeat_interval_s, local_ranks, node_addresses
+from conveyor.executor.worker_processes import SHUTDOWN_GRACE_S, spawn_worker, worker_env
+from conveyor.protocol import ConfigError, EngineConfig
+from conveyor.protocol.node_messages import NODE_MESSAGE, NodeFailure, NodeHeartbeat
+from conveyor.protocol.worker_messages import WorkerLaunch
+from conveyor.runtime.dirs import make_runtime_dir, remove_runtime_dir
+from conveyor.runtime.exit_codes import ExitCode
+from conveyor.runtime.processes import describe_exit, terminate_processes, wait_for_exit
+from conveyor.runtime.signals import ShutdownRequested, ignore_shutdown_signals, signals_held
+from conveyor.runtime.zmq_security import (
     CURVE_KEYS_ENV,
     CurveKeys,
     CurveKeysError,
@@ -45,7 +44,7 @@ from runtime.zmq_security import (
     keys_from_env,
 )
 
-logger = logging.getLogger("headless")
+logger = logging.getLogger("conveyor.headless")
 
 _POLL_MS = 100
 
@@ -71,33 +70,27 @@ def add_multi_host_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def check_multi_host_args(args: argparse.Namespace) -> int | None:
-    """Export --curve-keys to every child; refuse, with the reason, keys that cannot be read or
-    a master address off loopback without them. An exit code if refused, else None."""
-    if args.curve_keys:
-        # By path, in the environment: every process started from here finds the same keys.
-        os.environ[CURVE_KEYS_ENV] = os.path.abspath(os.path.expanduser(args.curve_keys))
-    try:
-        keys = keys_from_env()
-        if args.nnodes > 1:
-            check_address(f"tcp://{args.master_addr}:{args.master_port}", keys)
-        if args.headless or args.data_parallel_size_local not in (None, args.data_parallel_size):
-            address = f"tcp://{args.data_parallel_address}:{args.data_parallel_rpc_port}"
-            check_address(address, keys)
-    except (CurveKeysError, InsecureAddressError) as exc:
-        logger.error("%s", exc)
-        return ExitCode.BAD_CONFIG
-    return None
+def check_host_addresses(config: ServeConfig) -> None:
+    """Refuse, with the reason, CURVE keys that cannot be read, or an address other hosts reach
+    (the master's, the data-parallel head's) without them. Raises ``CurveKeysError`` or
+    ``InsecureAddressError``; the keys are those exported to the children."""
+    keys = keys_from_env()
+    nodes = config.engines.engine.parallel.nodes
+    if nodes.nnodes > 1:
+        check_address(f"tcp://{nodes.master_addr}:{nodes.master_port}", keys)
+    layout = config.hosts.data_parallel
+    if layout is not None and (config.hosts.headless or layout.spans_hosts):
+        check_address(layout.announce_address, keys)
 
 
-def run_headless(args: argparse.Namespace) -> int:
+def run_headless(config: ServeConfig) -> int:
     """The headless supervisor's life: check, start the workers, watch, stop; the exit status."""
     try:
-        config = EngineArgs.from_cli(args).create_engine_config()
-        nodes = config.parallel.nodes
+        engine = config.engines.engine
+        nodes = engine.parallel.nodes
         if nodes.nnodes < 2 or nodes.node_rank == 0:
             raise ConfigError("--headless runs node 1 and up of --nnodes >= 2; node 0 is the head")
-        node = HeadlessNode(config, keys_from_env())
+        node = HeadlessNode(engine, keys_from_env())
     except (ConfigError, CurveKeysError, InsecureAddressError) as exc:
         logger.error("%s", exc)
         return ExitCode.BAD_CONFIG

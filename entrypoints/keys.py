@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from runtime.exit_codes import ExitCode
-from runtime.zmq_security import (
+from conveyor.runtime.exit_codes import ExitCode
+from conveyor.runtime.zmq_security import (
     AUTHORIZED_DIR,
     HEAD_KEY_FILE,
     CurveKeysError,

@@ -11,25 +11,25 @@ they die, within the engine restart budget. Stopping (a signal, a fatal death) s
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from entrypoints.dp_hosts import (
+from conveyor.entrypoints.dp_hosts import (
     DataParallelLayout,
     EngineAnnouncer,
     own_address_towards,
     wait_for_remote_engines,
 )
-from entrypoints.engines import (
+from conveyor.entrypoints.engines import (
     local_engine_addresses,
     make_engines,
     remote_engine_address,
     start_engines,
 )
-from entrypoints.supervisor import (
+from conveyor.entrypoints.serve_config import FrontendsConfig, ServeConfig
+from conveyor.entrypoints.supervisor import (
     FrontendProcess,
     FrontendStartError,
     RestartBudget,
@@ -37,51 +37,56 @@ from entrypoints.supervisor import (
     wait_healthy,
     watch,
 )
-from frontend.engine_args import EngineArgs
-from frontend.engine_client import EngineProcess, EngineStartError
-from frontend.server.main import API_KEY_ENV
-from frontend.server.metrics_dir import MULTIPROC_DIR_ENV, make_shared_dir
-from protocol import ConfigError, EngineConfig
-from runtime.exit_codes import ExitCode
-from runtime.processes import ChildProcess
-from runtime.signals import ShutdownRequested, ignore_shutdown_signals
-from runtime.zmq_security import InsecureAddressError, check_address, keys_from_env
+from conveyor.frontend.engine_client import EngineProcess, EngineStartError
+from conveyor.frontend.server.main import API_KEY_ENV
+from conveyor.frontend.server.metrics_dir import MULTIPROC_DIR_ENV, make_shared_dir
+from conveyor.protocol import EngineConfig
+from conveyor.runtime.exit_codes import ExitCode
+from conveyor.runtime.processes import ChildProcess
+from conveyor.runtime.signals import ShutdownRequested, ignore_shutdown_signals
+from conveyor.runtime.zmq_security import InsecureAddressError, check_address, keys_from_env
 
-logger = logging.getLogger("serve")
+logger = logging.getLogger("conveyor.serve")
 
 # What the head does once every engine serves, given all their addresses in rank order.
 OnServing = Callable[[list[str], Path, dict[str, ChildProcess]], None]
 
 
-def serve_host(args: argparse.Namespace, on_serving: OnServing) -> int:
+def serve_host(config: ServeConfig, on_serving: OnServing) -> int:
     """This host's tree, from start to exit status."""
+    engines_config, layout = config.engines, config.hosts.data_parallel
+    assert layout is not None, "a host of tensor-parallel ranks runs no engine (headless)"
+    headless = config.hosts.headless
     try:
-        config = EngineArgs.from_cli(args).create_engine_config()
-        layout = DataParallelLayout.from_args(args, config.parallel.data_parallel_size)
-        addresses = _engine_addresses(args, layout)
-    except (ConfigError, InsecureAddressError) as exc:
+        addresses = _engine_addresses(engines_config.address, headless, layout)
+    except InsecureAddressError as exc:
         logger.error("%s", exc)
         return ExitCode.BAD_CONFIG
     # Another host's engines must face the head: that is their point.
-    allow_remote = args.allow_remote_clients or args.headless
+    allow_remote = engines_config.allow_remote_clients or headless
     engines = make_engines(
-        config, args.executor_backend, args.heartbeat_timeout_s, addresses, allow_remote
+        engines_config.engine,
+        engines_config.executor_backend,
+        engines_config.heartbeat_timeout_s,
+        addresses,
+        allow_remote,
     )
     # Registered before they start: a signal at any point below still stops them.
     children: dict[str, ChildProcess] = {engine.name: engine for engine in engines}
     announcer = None
     try:
-        _start_local_engines(args, engines)
-        if args.headless:
+        model = config.model or "the embedded default model"
+        _start_local_engines(model, engines, engines_config.ready_timeout_s)
+        if headless:
             announced = {e.config.parallel.data_parallel_rank: e.address for e in engines}
             announcer = EngineAnnouncer(layout, keys_from_env(), announced)
             announcer.start()
         else:
-            all_addresses = _all_engine_addresses(config, layout, engines)
+            all_addresses = _all_engine_addresses(engines_config.engine, layout, engines)
             # The frontends' ready files go beside engine 0's socket: the engine removes the
             # folder when it exits, so nothing is left even when this process is SIGKILLed.
             on_serving(all_addresses, engines[0].runtime_dir, children)
-        logger.error("%s; stopping everything", watch_children(args, children, layout.size))
+        logger.error("%s; stopping everything", watch_children(config, children, layout.size))
         return ExitCode.FAILED
     except ShutdownRequested as signal_name:
         logger.info("%s: stopping everything", signal_name)
@@ -93,29 +98,29 @@ def serve_host(args: argparse.Namespace, on_serving: OnServing) -> int:
         ignore_shutdown_signals()  # stopping the children must not itself be interrupted
         if announcer is not None:
             announcer.stop()
-        stop_all(children, args.stop_timeout_s, args.drain_timeout_s)
+        stop_all(children, config.stop_timeout_s, config.frontends.drain_timeout_s)
 
 
 def _engine_addresses(
-    args: argparse.Namespace, layout: DataParallelLayout
+    address: str | None, headless: bool, layout: DataParallelLayout
 ) -> dict[int, str | None]:
     """Where this host's engines listen: on the head, as --address says; on another host, the
     rpc port + rank on the interface facing the head (refused off loopback without keys)."""
-    if not args.headless:
-        return local_engine_addresses(args.address, layout.local_ranks, layout.size)
+    if not headless:
+        return local_engine_addresses(address, layout.local_ranks, layout.size)
     host = own_address_towards(layout.address, layout.rpc_port)
     addresses = {r: remote_engine_address(host, layout.rpc_port, r) for r in layout.local_ranks}
     keys = keys_from_env()
-    for address in addresses.values():
-        check_address(address, keys)
+    for remote in addresses.values():
+        check_address(remote, keys)
     return dict(addresses)
 
 
-def _start_local_engines(args: argparse.Namespace, engines: list[EngineProcess]) -> None:
-    served = start_engines(engines, args.ready_timeout_s)
+def _start_local_engines(model: str, engines: list[EngineProcess], ready_timeout_s: float) -> None:
+    served = start_engines(engines, ready_timeout_s)
     for engine, engine_config in zip(engines, served):
         blocks = engine_config.cache.num_blocks
-        logger.info("%s serves %s with %d KV blocks", engine.name, args.model, blocks)
+        logger.info("%s serves %s with %d KV blocks", engine.name, model, blocks)
         print(f"ready: {engine.name} pid={engine.pid} address={engine.address}", flush=True)
 
 
@@ -133,38 +138,38 @@ def _all_engine_addresses(
     return [addresses[rank] for rank in range(layout.size)]
 
 
-def watch_children(
-    args: argparse.Namespace, children: dict[str, ChildProcess], num_engines: int
-) -> str:
+def watch_children(config: ServeConfig, children: dict[str, ChildProcess], num_engines: int) -> str:
     """Watch until a death stops everything (with one engine in all, its death does at once)."""
-    restarts = RestartBudget(args.frontend_max_restarts, args.frontend_restart_window_s)
+    frontend_budget = config.frontends.restarts
+    restarts = RestartBudget(frontend_budget.max_restarts, frontend_budget.window_s)
     engine_restarts = None
     if num_engines > 1:
-        engine_restarts = RestartBudget(args.engine_max_restarts, args.engine_restart_window_s)
-    return watch(children, restarts, engine_restarts, args.ready_timeout_s)
+        engine_budget = config.engines.restarts
+        engine_restarts = RestartBudget(engine_budget.max_restarts, engine_budget.window_s)
+    return watch(children, restarts, engine_restarts, config.engines.ready_timeout_s)
 
 
 def start_frontends(
-    args: argparse.Namespace,
+    frontends: FrontendsConfig,
     addresses: list[str],
-    options: list[str],
     runtime_dir: Path,
     children: dict[str, ChildProcess],
 ) -> None:
     """Start every frontend, then wait for each: they load their tokenizers in parallel."""
     # By the environment, which, unlike a command line, other users cannot read.
-    env = {API_KEY_ENV: args.resolved_api_key} if args.resolved_api_key else {}
+    env = {API_KEY_ENV: frontends.api_key} if frontends.api_key else {}
     metrics_dir = None
-    if not args.disable_metrics:
+    if frontends.metrics:
         # One folder for all: a scrape of any frontend reports the whole server.
         metrics_dir = make_shared_dir(runtime_dir)
         env[MULTIPROC_DIR_ENV] = str(metrics_dir)
-    frontends = []
-    for index in range(args.frontends):
+    options = list(frontends.options)
+    started = []
+    for index in range(frontends.count):
         frontend = FrontendProcess(index, addresses, options, runtime_dir, env, metrics_dir)
         children[f"frontend-{index}"] = frontend
-        frontends.append(frontend.start())
-    deadline = time.monotonic() + args.frontend_ready_timeout_s
-    for frontend in frontends:
+        started.append(frontend.start())
+    deadline = time.monotonic() + frontends.ready_timeout_s
+    for frontend in started:
         frontend.wait_ready(max(deadline - time.monotonic(), 0.0))
-    wait_healthy(args.host, args.port, max(deadline - time.monotonic(), 1.0))
+    wait_healthy(frontends.host, frontends.port, max(deadline - time.monotonic(), 1.0))

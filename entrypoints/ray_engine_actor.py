@@ -1,7 +1,7 @@
 """One data-parallel engine core as a Ray actor (``--data-parallel-size N --executor-backend ray``).
 
 Runs in a Ray worker process that Ray placed in the supervisor's engine placement group, on the
-supervisor's node. Ray only places and supervises it: ``run`` is ``python -m entrypoints.engine``'s
+supervisor's node. Ray only places and supervises it: ``run`` is ``python -m conveyor.entrypoints.engine``'s
 own ``run``, binding the same ZeroMQ address the frontends connect to and speaking the same msgspec
 messages. Ray is imported only inside the methods and the engine only inside ``run``, so the
 supervisor, which names this class to Ray, loads neither. The caller wraps it with ``ray.remote``.
@@ -15,8 +15,8 @@ import threading
 import time
 from pathlib import Path
 
-from runtime.dirs import remove_runtime_dir
-from runtime.processes import pid_is_alive
+from conveyor.runtime.dirs import remove_runtime_dir
+from conveyor.runtime.processes import pid_is_alive
 
 _SUPERVISOR_POLL_S = 0.5
 
@@ -38,7 +38,7 @@ class RayEngine:
         supervisor's pid (it is on this node) and stops the engine as its own death would,
         removing the runtime folder the supervisor can no longer remove.
         """
-        from entrypoints.engine import run
+        from conveyor.entrypoints.engine import run
 
         os.environ.update(env)  # a key folder's path and the log level, never a key
         _watch_supervisor(supervisor_pid, Path(runtime_dir))

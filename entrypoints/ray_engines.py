@@ -6,7 +6,7 @@ Ray only places and supervises: one placement group for this host's engines, one
 engines bind the addresses the frontends already use (ipc:// folders, loopback tcp) and those
 are this node's. Engines on other nodes would need ``tcp://`` addresses with CURVE keys there;
 that is not done. Each engine's tensor-parallel ranks get a placement group of their own
-(``entrypoints.ray_workers``, made by the engine actor, which owns it): a restarted engine gets
+(``conveyor.executor.ray_workers``, made by the engine actor, which owns it): a restarted engine gets
 a fresh one, and its ranks may be placed on any node, as with one engine.
 
 ``RayEngineProcess`` is an ``EngineProcess`` to the supervisor: its exit code is the end of the
@@ -24,19 +24,19 @@ import os
 import signal
 from typing import Any
 
-from engine_core.core_process import ENGINE_FAULT_ENV
-from entrypoints.ray_engine_actor import RayEngine
-from entrypoints.ray_workers import (
+from conveyor.engine_core.core_process import ENGINE_FAULT_ENV
+from conveyor.entrypoints.ray_engine_actor import RayEngine
+from conveyor.executor.ray_workers import (
     DEFAULT_PLACEMENT_TIMEOUT_S,
     RayPlacementError,
     ranks_group_name,
 )
-from frontend.engine_client import EngineProcess, EngineStartError
-from protocol import EngineConfig
-from runtime.dirs import remove_runtime_dir
-from runtime.logs import LOG_LEVEL_ENV
-from runtime.signals import install_shutdown_signals
-from runtime.zmq_security import CURVE_KEYS_ENV
+from conveyor.frontend.engine_client import EngineProcess, EngineStartError
+from conveyor.protocol import EngineConfig
+from conveyor.runtime.dirs import remove_runtime_dir
+from conveyor.runtime.logs import LOG_LEVEL_ENV
+from conveyor.runtime.signals import install_shutdown_signals
+from conveyor.runtime.zmq_security import CURVE_KEYS_ENV
 
 logger = logging.getLogger(__name__)
 

@@ -38,31 +38,32 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from entrypoints.engine import EXECUTOR_BACKENDS
-from entrypoints.headless import add_multi_host_args, check_multi_host_args, run_headless
-from entrypoints.launch import serve_host, start_frontends
-from entrypoints.supervisor import base_url
-from frontend.engine_args import (
+from conveyor.entrypoints.headless import add_multi_host_args, check_host_addresses, run_headless
+from conveyor.entrypoints.launch import serve_host, start_frontends
+from conveyor.entrypoints.serve_config import FrontendsConfig, ServeConfig
+from conveyor.entrypoints.supervisor import base_url
+from conveyor.executor.backends import EXECUTOR_BACKENDS
+from conveyor.frontend.engine_args import (
     DEFAULT_SERVED_MODEL_NAME,
     add_engine_args,
 )
-from frontend.engine_client.session import DEFAULT_READY_TIMEOUT_S, HEARTBEAT_INTERVAL_S
-from frontend.server.main import (
+from conveyor.frontend.engine_client.session import DEFAULT_READY_TIMEOUT_S, HEARTBEAT_INTERVAL_S
+from conveyor.frontend.server.main import (
     add_api_key_args,
     add_connection_args,
     add_observability_args,
     add_router_args,
     check_observability_args,
     observability_options,
-    resolve_api_key,
-    router_options,
 )
-from runtime.exit_codes import ExitCode
-from runtime.logs import LOG_LEVEL_ENV, configure_logging
-from runtime.processes import ChildProcess
-from runtime.signals import ShutdownRequested, install_shutdown_signals
+from conveyor.protocol import ConfigError
+from conveyor.runtime.exit_codes import ExitCode
+from conveyor.runtime.logs import LOG_LEVEL_ENV, configure_logging
+from conveyor.runtime.processes import ChildProcess
+from conveyor.runtime.signals import ShutdownRequested, install_shutdown_signals
+from conveyor.runtime.zmq_security import CURVE_KEYS_ENV, CurveKeysError, InsecureAddressError
 
-logger = logging.getLogger("serve")
+logger = logging.getLogger("conveyor.serve")
 
 DEMO_MAX_TOKENS = 48
 
@@ -114,10 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_multi_host_args(parser)
     add_engine_args(parser)
     args = parser.parse_args(argv)
-    if args.model_tag is not None:
-        if args.model is not None and args.model != args.model_tag:
-            parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree")
-        args.model = args.model_tag
+    if None not in (args.model_tag, args.model) and args.model != args.model_tag:
+        parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree")
     if args.frontends < 0:
         parser.error(f"--frontends must be >= 0, got {args.frontends}")
     if (
@@ -192,52 +191,37 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def frontend_options(args: argparse.Namespace) -> list[str]:
-    """The ``python -m frontend`` flags every frontend gets (the API key travels by env)."""
-    options = ["--host", args.host, "--port", str(args.port)]
-    options += ["--served-model-name", args.served_model_name]
-    options += ["--drain-timeout-s", str(args.drain_timeout_s)]
-    if args.max_queued_requests is not None:
-        options += ["--max-queued-requests", str(args.max_queued_requests)]
-    if args.max_request_body_bytes is not None:
-        options += ["--max-request-body-bytes", str(args.max_request_body_bytes)]
-    options += ["--request-read-timeout-s", str(args.request_read_timeout_s)]
-    options += ["--keep-alive-timeout-s", str(args.keep_alive_timeout_s)]
-    options += ["--max-header-bytes", str(args.max_header_bytes)]
-    options += router_options(args)
-    options += observability_options(args)
-    return options
+def serve(config: ServeConfig) -> int:
+    frontends = config.frontends
 
-
-def serve(args: argparse.Namespace) -> int:
     def on_serving(
         addresses: list[str], runtime_dir: Path, children: dict[str, ChildProcess]
     ) -> None:
         # Frontends start only now, so they never talk to an engine still loading.
-        if args.frontends:
-            start_frontends(args, addresses, frontend_options(args), runtime_dir, children)
-            print(f"ready: http://{args.host}:{args.port}", flush=True)
-            if args.demo_prompt is not None:
-                show_completion(args, args.demo_prompt)
+        if frontends.count:
+            start_frontends(frontends, addresses, runtime_dir, children)
+            print(f"ready: http://{frontends.host}:{frontends.port}", flush=True)
+            if frontends.demo_prompt is not None:
+                show_completion(frontends, frontends.demo_prompt)
 
-    return serve_host(args, on_serving)
+    return serve_host(config, on_serving)
 
 
-def demo_body(args: argparse.Namespace, prompt: str) -> dict[str, object]:
+def demo_body(served_model_name: str, prompt: str) -> dict[str, object]:
     """A greedy completion request; the server adds the model's own defaults for the rest (the
     embedded model's repetition penalty: greedy decoding of a small model loops)."""
-    body: dict[str, object] = {"model": args.served_model_name, "prompt": prompt}
+    body: dict[str, object] = {"model": served_model_name, "prompt": prompt}
     body.update(max_tokens=DEMO_MAX_TOKENS, temperature=0)
     return body
 
 
-def show_completion(args: argparse.Namespace, prompt: str) -> None:
+def show_completion(frontends: FrontendsConfig, prompt: str) -> None:
     """One greedy completion through our own HTTP API: proof that the whole path serves."""
-    url = f"{base_url(args.host, args.port)}/v1/completions"
-    body = demo_body(args, prompt)
+    url = f"{base_url(frontends.host, frontends.port)}/v1/completions"
+    body = demo_body(frontends.served_model_name, prompt)
     headers = {"Content-Type": "application/json"}
-    if args.resolved_api_key:
-        headers["Authorization"] = f"Bearer {args.resolved_api_key}"
+    if frontends.api_key:
+        headers["Authorization"] = f"Bearer {frontends.api_key}"
     request = urllib.request.Request(url, json.dumps(body).encode(), headers)
     try:
         with urllib.request.urlopen(request, timeout=60.0) as response:
@@ -256,23 +240,30 @@ def show_completion(args: argparse.Namespace, prompt: str) -> None:
     )
 
 
+def export_to_children(config: ServeConfig) -> None:
+    """What every process started from here reads from the environment it inherits."""
+    if config.log_level:
+        os.environ[LOG_LEVEL_ENV] = config.log_level
+    if config.hosts.curve_keys_dir:
+        # By path: every process started from here finds the same keys.
+        os.environ[CURVE_KEYS_ENV] = config.hosts.curve_keys_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     # Installed before anything starts, so no signal can leave a half-started child behind.
     install_shutdown_signals()
     try:
         args = parse_args(argv)
         configure_logging("serve", args.log_level)
-        args.resolved_api_key = resolve_api_key(args)
-        if args.log_level:
-            # Every child reads the level from the environment it inherits.
-            os.environ[LOG_LEVEL_ENV] = args.log_level
-        if args.served_model_name is None:
-            args.served_model_name = args.model or DEFAULT_SERVED_MODEL_NAME
-        refused = check_multi_host_args(args)
-        if refused is not None:
-            return refused
+        try:
+            config = ServeConfig.from_args(args)
+            export_to_children(config)
+            check_host_addresses(config)
+        except (ConfigError, CurveKeysError, InsecureAddressError) as exc:
+            logger.error("%s", exc)
+            return ExitCode.BAD_CONFIG
         # --headless with --nnodes: tensor-parallel ranks; without: data-parallel engines.
-        return run_headless(args) if args.headless and args.nnodes > 1 else serve(args)
+        return run_headless(config) if config.runs_tensor_parallel_ranks_only else serve(config)
     except ShutdownRequested:
         return ExitCode.OK
 

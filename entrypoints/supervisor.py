@@ -20,14 +20,13 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from entrypoints.engines import restart_engine
-from frontend.engine_client import EngineProcess
-from frontend.server.metrics_dir import forget_process
-from runtime.processes import ChildProcess
+from conveyor.entrypoints.engines import restart_engine
+from conveyor.frontend.engine_client import EngineProcess
+from conveyor.frontend.server.metrics_dir import forget_process
+from conveyor.runtime.processes import FRONTEND_MODULE, ChildProcess
 
 logger = logging.getLogger(__name__)
 
-FRONTEND_MODULE = "frontend"
 _POLL_INTERVAL_S = 0.05
 _WATCH_INTERVAL_S = 0.2
 
@@ -37,7 +36,7 @@ class FrontendStartError(RuntimeError):
 
 
 class FrontendProcess(ChildProcess):
-    """One HTTP frontend child (``python -m frontend``). ``start`` it, ``wait_ready``, ``stop`` it."""
+    """One HTTP frontend child (``python -m conveyor.frontend``). ``start`` it, ``wait_ready``, ``stop`` it."""
 
     def __init__(
         self,

@@ -18,9 +18,9 @@ from typing import Any
 
 import msgspec
 
-from frontend.model_source import resolve_model
-from frontend.tool_calls import PARSERS
-from protocol import (
+from conveyor.frontend.model_source import resolve_model
+from conveyor.frontend.tool_calls import PARSERS
+from conveyor.protocol import (
     CacheConfig,
     EngineConfig,
     ObservabilityConfig,
@@ -29,7 +29,7 @@ from protocol import (
     check_engine_config,
     load_model_config,
 )
-from protocol.config import (
+from conveyor.protocol.config import (
     ATTENTION_BACKENDS,
     KV_CACHE_DTYPES,
     POLICIES,
@@ -38,7 +38,7 @@ from protocol.config import (
     NodeConfig,
     read_sampling_defaults,
 )
-from runtime import cpu_isa
+from conveyor.runtime import cpu_isa
 
 logger = logging.getLogger(__name__)
 
@@ -412,7 +412,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_node_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
-    """Where the hosts of one tensor-parallel group meet (docs/serving.md, Multiple hosts)."""
+    """Where the hosts of one tensor-parallel group meet."""
     group = parser.add_argument_group("tensor parallelism across hosts")
     group.add_argument("--nnodes", type=int, default=d.nnodes, help="hosts sharing the ranks")
     group.add_argument(

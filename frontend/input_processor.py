@@ -27,10 +27,10 @@ from typing import Any
 
 import msgspec
 
-from frontend.output_processor import ChoiceState
-from frontend.structured_outputs import GrammarChecker, StructuredOutputError
-from protocol import CacheConfig, EngineConfig, EngineCoreRequest, SamplingParams
-from protocol.sampling_params import find_vocab_problem
+from conveyor.frontend.output_processor import ChoiceState
+from conveyor.frontend.structured_outputs import GrammarChecker, StructuredOutputError
+from conveyor.protocol import CacheConfig, EngineConfig, EngineCoreRequest, SamplingParams
+from conveyor.protocol.sampling_params import find_vocab_problem
 
 # Arguments of ``apply_chat_template`` itself: a request's template variables may not replace them.
 RESERVED_TEMPLATE_KWARGS = frozenset(

@@ -17,14 +17,14 @@ from typing import Any, Union
 
 from tqdm.auto import tqdm
 
-from frontend.engine_args import engine_args_from_kwargs
-from frontend.engine_client import InProcessEngineClient, MPEngineClient
-from frontend.input_processor import Choice, InputProcessor
-from frontend.output_processor import OutputProcessor, ProcessedOutputs
-from frontend.outputs import RequestOutput
-from frontend.tokenizer import load_tokenizer
-from protocol import FAILED_FINISH_REASONS, SamplingParams, SchedulerStats
-from runtime.gc_heap import freeze_startup_heap, unfreeze_heap
+from conveyor.frontend.engine_args import engine_args_from_kwargs
+from conveyor.frontend.engine_client import InProcessEngineClient, MPEngineClient
+from conveyor.frontend.input_processor import Choice, InputProcessor
+from conveyor.frontend.output_processor import OutputProcessor, ProcessedOutputs
+from conveyor.frontend.outputs import RequestOutput
+from conveyor.frontend.tokenizer import load_tokenizer
+from conveyor.protocol import FAILED_FINISH_REASONS, SamplingParams, SchedulerStats
+from conveyor.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 
 PromptType = Union[str, list[int]]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
-from protocol.config import ConfigError
+from conveyor.protocol.config import ConfigError
 
 
 def hub_cache_dir() -> Path:

@@ -24,9 +24,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend.outputs import CompletionOutput
-from frontend.tokenizer import IncrementalDetokenizer, text_token_ids
-from protocol import (
+from conveyor.frontend.outputs import CompletionOutput
+from conveyor.frontend.tokenizer import IncrementalDetokenizer, text_token_ids
+from conveyor.protocol import (
     FAILED_FINISH_REASONS,
     EngineCoreOutput,
     EngineCoreOutputs,

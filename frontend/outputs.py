@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol import FinishReason
+from conveyor.protocol import FinishReason
 
 # Per generated position: token id -> log-probability (the sampled token and its top-k rivals).
 PositionLogprobs = dict[int, float]

@@ -20,7 +20,7 @@ import json
 import threading
 from typing import Any
 
-from protocol import SamplingParams, StructuredOutputsParams
+from conveyor.protocol import SamplingParams, StructuredOutputsParams
 
 # llguidance's per-schema options: compact separators, no whitespace run the model could loop in.
 JSON_OPTIONS = {"whitespace_flexible": False}

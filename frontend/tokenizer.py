@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from protocol import EngineCoreOutput
+from conveyor.protocol import EngineCoreOutput
 
 # Prompt tokens kept as left context: decoders that drop a word's leading space at the start of
 # a decode (SentencePiece) need a few real tokens before the first output token.

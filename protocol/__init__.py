@@ -4,7 +4,7 @@ This is the only package the frontend, the engine core and the workers all impor
 imports torch.
 """
 
-from protocol.config import (
+from conveyor.protocol.config import (
     CacheConfig,
     ConfigError,
     EngineConfig,
@@ -15,7 +15,7 @@ from protocol.config import (
     check_engine_config,
     load_model_config,
 )
-from protocol.messages import (
+from conveyor.protocol.messages import (
     FAILED_FINISH_REASONS,
     ITERATION_TOKENS_BUCKETS,
     Abort,
@@ -32,7 +32,7 @@ from protocol.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
-from protocol.sampling_params import SamplingParams, StructuredOutputsParams
+from conveyor.protocol.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "FAILED_FINISH_REASONS",

@@ -11,7 +11,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from protocol.messages import (
+from conveyor.protocol.messages import (
     EngineCoreClientMessage,
     EngineCoreInput,
     EngineCoreOutputs,

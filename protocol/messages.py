@@ -16,7 +16,7 @@ from typing import Literal, Union
 
 import msgspec
 
-from protocol.sampling_params import SamplingParams
+from conveyor.protocol.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error", "rejected"]
 # A request that ended without running to a stop: it failed ("error") or the engine would not

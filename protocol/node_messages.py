@@ -1,7 +1,7 @@
 """Messages between the head node and the headless hosts that run the rest of its tensor-parallel
 ranks: heartbeats both ways, and a host's last word when one of its workers is gone.
 
-Shared by the engine-core process on the head (``engine_core.node_link``) and the headless
+Shared by the engine-core process on the head (``conveyor.executor.node_link``) and the headless
 supervisor on each other host (``entrypoints.headless``). The workers' own commands and replies
 travel as today (``protocol.worker_messages``); these say only whether each host is still there,
 which a host that vanished (power, network, ``kill -9`` of its whole tree) cannot say itself.
@@ -17,7 +17,7 @@ from typing import Union
 
 import msgspec
 
-from protocol.codec import WireCodec
+from conveyor.protocol.codec import WireCodec
 
 
 class NodeHeartbeat(msgspec.Struct, tag=30, array_like=True, gc=False):

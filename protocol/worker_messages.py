@@ -1,6 +1,6 @@
 """Control messages between the multi-process executor and its worker processes.
 
-Shared by the engine-core process (``engine_core.multiproc_executor``) and the worker processes
+Shared by the engine-core process (``conveyor.executor.multiproc``) and the worker processes
 (``worker.worker_process``). Structs only, tagged so one typed decoder per direction tells the
 kinds apart; a frame of any other shape fails to decode and is logged and dropped by the receiver.
 
@@ -17,9 +17,9 @@ from typing import Union
 
 import msgspec
 
-from protocol.codec import WireCodec
-from protocol.config import EngineConfig
-from protocol.messages import ModelRunnerOutput, SchedulerOutput
+from conveyor.protocol.codec import WireCodec
+from conveyor.protocol.config import EngineConfig
+from conveyor.protocol.messages import ModelRunnerOutput, SchedulerOutput
 
 # A worker's stdin starts with one launch frame: this 4-byte big-endian length, then the encoded
 # WorkerLaunch. The engine then keeps the pipe open and silent; EOF tells the worker it is gone.

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from runtime.processes import proc_stat_fields
+from conveyor.runtime.processes import proc_stat_fields
 
 PREFIX = "conveyor-"
 OWNER_FILE = "owner"

@@ -6,9 +6,9 @@ every object the collector tracks; once started, that is mostly what start-up bu
 modules and parameters, torch's and transformers' module state, the tokenizer, the block pool),
 none of which a collection will ever free. In the in-process engine that was ~220,000 objects,
 and the full collection that came every few seconds of serving stopped the step it landed in for
-~100 ms (measured: one 106 ms pause in a 6.2 s `equal` run; docs/performance.md, "The start-up
-heap and the garbage collector"). ``gc.freeze()`` moves everything alive at that point to a
-permanent generation that collections skip: later collections walk only what serving allocates.
+~100 ms (measured: one 106 ms pause in a 6.2 s `equal` run). ``gc.freeze()`` moves everything
+alive at that point to a permanent generation that collections skip: later collections walk only
+what serving allocates.
 Reference counting still frees frozen objects; only cycles among them wait for ``unfreeze``.
 """
 

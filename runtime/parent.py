@@ -21,8 +21,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from runtime.dirs import remove_runtime_dir
-from runtime.exit_codes import ExitCode
+from conveyor.runtime.dirs import remove_runtime_dir
+from conveyor.runtime.exit_codes import ExitCode
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,11 @@
-"""Child processes: spawn ``python -m <module>``, stop them politely then firmly, scan the tree.
+"""Child processes: spawn ``python -P -m <module>``, stop them politely then firmly, scan the tree.
 
 Runs in whichever process starts children: the supervisor (engine core, frontends), the engine core
 (workers), an ``LLM`` caller (its engine core). Children are always installed modules started with
 this interpreter, never files found relative to a source tree, so an installed conveyor runs from
-any directory. Every wait here is bounded.
+any directory; and the caller's working directory is kept off their import path, so a
+``protocol.py`` or ``conveyor.py`` lying there can never stand in for ours. Every wait here is
+bounded.
 """
 
 from __future__ import annotations
@@ -18,11 +20,31 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from runtime.signals import signals_held
+from conveyor.runtime.signals import signals_held
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.01
+
+# The modules conveyor starts as processes: who starts whom, in one place.
+ENGINE_MODULE = "conveyor.entrypoints.engine"  # by the supervisor and by LLM(...)
+WORKER_MODULE = "conveyor.worker"  # by the engine core's multi-process executor
+FRONTEND_MODULE = "conveyor.frontend"  # by the supervisor
+
+# Python 3.10 has no -P: drop the working directory ('' at sys.path[0] under -c) by hand, before
+# anything is imported from it, then run the module as -m would.
+_RUN_MODULE_WITHOUT_CWD = (
+    "import runpy, sys; del sys.path[0]; module = sys.argv.pop(1); "
+    "runpy.run_module(module, run_name='__main__', alter_sys=True)"
+)
+
+
+def python_command(module: str, args: Sequence[str] = ()) -> list[str]:
+    """``python -m module args...`` with this interpreter, the working directory off the path
+    (``-P``, safe-path mode): what lies in the caller's directory is never imported."""
+    if sys.version_info >= (3, 11):
+        return [sys.executable, "-P", "-m", module, *args]
+    return [sys.executable, "-c", _RUN_MODULE_WITHOUT_CWD, module, *args]
 
 
 def spawn_module(
@@ -32,7 +54,7 @@ def spawn_module(
     env: dict[str, str] | None = None,
     stdin_pipe: bool = False,
 ) -> subprocess.Popen[bytes]:
-    """Start ``python -m module args...`` with this interpreter.
+    """Start ``python -P -m module args...`` with this interpreter (``python_command``).
 
     ``env`` is added to this process's environment (secrets go there, never on a command line
     that every local user can read). Each child gets a session of its own: a Ctrl-C in the
@@ -42,7 +64,7 @@ def spawn_module(
     as this returns: a caller that keeps the handle must store it inside its own
     ``signals_held()`` block.
     """
-    command = [sys.executable, "-m", module, *args]
+    command = python_command(module, args)
     stdin = subprocess.PIPE if stdin_pipe else None
     with signals_held():
         return subprocess.Popen(

@@ -37,8 +37,8 @@ def _paged_signature(dtype: str) -> dict[str, str]:
 
 def variants():
     """(name, kernel, signature, constexprs, options) for every variant compiled."""
-    from worker.attention import triton_kernel as attention
-    from worker.layers import triton_token_kernels as ops
+    from conveyor.worker.attention import triton_kernel as attention
+    from conveyor.worker.layers import triton_token_kernels as ops
 
     shapes = [
         ("decode", "bf16", 16, 64, 1, "", {}),

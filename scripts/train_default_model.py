@@ -10,7 +10,7 @@ The training text is the CPython standard library of the running interpreter, so
 downloaded, with docstrings and comments removed and the code re-printed by `ast.unparse`: prose
 is the hardest text to learn and takes a third of the tokens, and one consistent layout is learnt
 faster than a hundred authors' styles, so in the same minutes the model writes better-formed code.
-The output directory looks exactly like the ones worker/model_maker.py generates
+The output directory looks exactly like the ones benchmarks/fixtures/model_maker.py generates
 (same config keys, tokenizer files, special tokens and ChatML template), so conveyor's loader and
 transformers' Auto classes load it the same way. The run is deterministic: fixed seeds, file
 selection, data order and thread count, so two runs on the same machine with the same library
@@ -40,8 +40,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from worker.model_maker import MAX_POSITION_EMBEDDINGS, model_config
-from worker.tokenizer_maker import ENDOFTEXT, IM_END, write_tokenizer
+from benchmarks.fixtures.model_maker import MAX_POSITION_EMBEDDINGS, model_config
+from benchmarks.fixtures.tokenizer_maker import ENDOFTEXT, IM_END, write_tokenizer
 
 # About 2.4M parameters, trained at about 4,500 tokens/s on 2 Zen 3 cores in float32 (bfloat16
 # autocast is over 20 times slower there: no native bfloat16 arithmetic). The MLP is twice the

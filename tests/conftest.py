@@ -59,7 +59,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture(scope="session")
 def tiny_model_dirs() -> dict[str, Path]:
     """The tiny random-weight model of each family: {"qwen3": dir, "qwen2": dir, "llama": dir}."""
-    from worker.model_maker import ensure_model
+    from benchmarks.fixtures.model_maker import ensure_model
 
     return {arch: ensure_model("tiny", arch) for arch in ARCHS}
 
@@ -68,7 +68,7 @@ def tiny_model_dirs() -> dict[str, Path]:
 def tiny_moe_model_dirs() -> dict[str, Path]:
     """The tiny mixture-of-experts models, {"qwen3_moe": dir, "mixtral": dir}: apart from
     ``tiny_model_dirs`` so the tests that go over every dense family do not build them."""
-    from worker.model_maker import ensure_model
+    from benchmarks.fixtures.model_maker import ensure_model
 
     return {arch: ensure_model("tiny", arch) for arch in MOE_ARCHS}
 

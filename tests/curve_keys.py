@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from runtime.zmq_security import generate_keys
+from conveyor.runtime.zmq_security import generate_keys
 
 
 def trusted_key_dirs(root: Path) -> dict[str, Path]:

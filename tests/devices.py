@@ -22,7 +22,7 @@ import platform
 
 import pytest
 
-from runtime import cpu_isa
+from conveyor.runtime import cpu_isa
 
 DEVICE_VARIABLE = "CONVEYOR_TEST_DEVICE"
 DEVICES = ("cpu", "cuda")
@@ -58,7 +58,7 @@ def pin_test_device() -> None:
         # The two test workers share the cores, and each server a test starts adds a model
         # worker: OpenMP threads spinning at every barrier keep the cores from the other
         # processes' threads, whose own barriers then wait on them. Asleep at barriers instead
-        # of GNU OpenMP's default spinning, tests/frontend took 190 s, not 395 s (testing.md).
+        # of GNU OpenMP's default spinning, tests/frontend took 190 s, not 395 s.
         # Read when torch first loads libgomp, here and in every process started from here.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

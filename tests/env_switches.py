@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from protocol.config import ConfigError
+from conveyor.protocol.config import ConfigError
 
 
 @contextlib.contextmanager

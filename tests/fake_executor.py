@@ -20,9 +20,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine_core.executor import InlineExecutor
-from engine_core.scheduler import Scheduler
-from protocol import (
+from conveyor.engine_core.scheduler import Scheduler
+from conveyor.executor.abstract import InlineExecutor
+from conveyor.protocol import (
     CacheConfig,
     EngineCoreOutputs,
     Logprobs,

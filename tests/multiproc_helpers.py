@@ -10,9 +10,9 @@ import os
 import time
 from pathlib import Path
 
-from engine_core import EngineCore
-from frontend.engine_args import EngineArgs
-from protocol import EngineConfig, EngineCoreRequest, SamplingParams
+from conveyor.engine_core import EngineCore
+from conveyor.frontend.engine_args import EngineArgs
+from conveyor.protocol import EngineConfig, EngineCoreRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 # Lengths around the block size (16) and the token budget (48), so prefills are chunked.

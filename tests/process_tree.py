@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Iterable
 
-from runtime.processes import descendants, proc_stat_fields
+from conveyor.runtime.processes import descendants, proc_stat_fields
 
 __all__ = ["descendants", "is_running", "kill_all", "wait_until_gone"]
 

@@ -38,9 +38,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from worker.attention.backend import AttentionMetadata
-from worker.attention.metadata_builder import build_attention_metadata
-from worker.layers.attention import Attention
+from conveyor.worker.attention.backend import AttentionMetadata
+from conveyor.worker.attention.metadata_builder import build_attention_metadata
+from conveyor.worker.layers.attention import Attention
 
 # Above this many requests a decode step is GPU-bound anyway, and every size costs capture time
 # and graph memory (vLLM stops at 512 too).

@@ -5,10 +5,9 @@ block, from wherever the block manager put them: with 4 KiB pages each block of 
 page of its own, so nearly every block costs a TLB miss and a page walk, and the hardware
 prefetchers stop at every page boundary. Most Linux hosts run transparent huge pages in
 ``madvise`` mode (only regions that ask get them); asking for them made decodes read their cache
-from memory 1.01-1.24x faster on the bench model (docs/performance.md, "Fewer small ops per
-layer, and the KV cache on huge pages"). Where the kernel has no transparent huge pages, or the
-platform no ``madvise``, the mapping is plain anonymous memory, which behaves as ``torch.zeros``
-does.
+from memory 1.01-1.24x faster on the bench model (64 decodes at 128-1,024 cached tokens, the
+longer the more). Where the kernel has no transparent huge pages, or the platform no
+``madvise``, the mapping is plain anonymous memory, which behaves as ``torch.zeros`` does.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from protocol import SamplingParams, SchedulerOutput
+from conveyor.protocol import SamplingParams, SchedulerOutput
 
 
 @dataclass

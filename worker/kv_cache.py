@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.config import ConfigError
-from worker.attention.backend import AttentionBackend
-from worker.host_memory import zeros_on_huge_pages
+from conveyor.protocol.config import ConfigError
+from conveyor.worker.attention.backend import AttentionBackend
+from conveyor.worker.host_memory import zeros_on_huge_pages
 
 # Below this a server cannot hold even one short request plus the block it grows into; failing at
 # start-up with the numbers beats a scheduler that can never admit anything.

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from worker.layers.int8_linear import quantize_model
-from worker.models.decoder import DecoderForCausalLM
-from worker.models.registry import UnsupportedArchitectureError, model_class_for
+from conveyor.worker.layers.int8_linear import quantize_model
+from conveyor.worker.models.decoder import DecoderForCausalLM
+from conveyor.worker.models.registry import UnsupportedArchitectureError, model_class_for
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

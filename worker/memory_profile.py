@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from worker.attention.metadata_builder import build_attention_metadata
-from worker.kv_cache import engine_peak_bytes, num_blocks_for_cuda
+from conveyor.worker.attention.metadata_builder import build_attention_metadata
+from conveyor.worker.kv_cache import engine_peak_bytes, num_blocks_for_cuda
 
 if TYPE_CHECKING:
-    from worker.model_runner import ModelRunner
+    from conveyor.worker.model_runner import ModelRunner
 
 
 def _dummy_lengths(num_tokens: int, max_num_seqs: int, max_model_len: int) -> np.ndarray:

@@ -18,17 +18,17 @@ from typing import Any
 
 import torch
 
-from protocol import EngineConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput
-from worker.attention.selector import select_backend
-from worker.cuda_graphs import (
+from conveyor.protocol import EngineConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput
+from conveyor.worker.attention.selector import select_backend
+from conveyor.worker.cuda_graphs import (
     DecodeGraphs,
     capture_decode_graphs,
     capture_sizes,
     capture_whole_decode_graphs,
 )
-from worker.device_buffers import HostCopier
-from worker.input_batch import InputBatch
-from worker.kv_cache import (
+from conveyor.worker.device_buffers import HostCopier
+from conveyor.worker.input_batch import InputBatch
+from conveyor.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     CudaMemory,
     allocate_kv_caches,
@@ -38,18 +38,18 @@ from worker.kv_cache import (
     num_blocks_for_memory,
     resolve_kv_cache_dtype,
 )
-from worker.layers.cpu_ops import small_linear_enabled
-from worker.loader import load_model, resolve_dtype
-from worker.memory_profile import profile_num_blocks
-from worker.native import warn_if_torch_runs_above_the_isa
-from worker.sampler import Sampler, SamplerOutput, logprobs_to_wire
-from worker.sampling_metadata import (
+from conveyor.worker.layers.cpu_ops import small_linear_enabled
+from conveyor.worker.loader import load_model, resolve_dtype
+from conveyor.worker.memory_profile import profile_num_blocks
+from conveyor.worker.native import warn_if_torch_runs_above_the_isa
+from conveyor.worker.sampler import Sampler, SamplerOutput, logprobs_to_wire
+from conveyor.worker.sampling_metadata import (
     SamplingMetadata,
     make_sampling_metadata,
     with_grammar_bitmask,
 )
-from worker.step_inputs import StepInputBuffers, StepInputs
-from worker.structured_output import GrammarRuntime
+from conveyor.worker.step_inputs import StepInputBuffers, StepInputs
+from conveyor.worker.structured_output import GrammarRuntime
 
 logger = logging.getLogger(__name__)
 

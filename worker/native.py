@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from runtime import cpu_isa
+from conveyor.runtime import cpu_isa
 
 T = TypeVar("T")
 

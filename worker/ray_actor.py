@@ -1,7 +1,7 @@
 """One tensor-parallel rank as a Ray actor (``--executor-backend ray``).
 
 Runs in a Ray worker process that Ray placed in the engine's placement group. Ray only places and
-supervises it: ``run`` is the same loop as ``python -m worker`` (``worker.worker_process``),
+supervises it: ``run`` is the same loop as ``python -m conveyor.worker`` (``worker.worker_process``),
 talking to the engine over the same ZeroMQ sockets with the same msgspec messages. Ray is
 imported only inside the methods, so this module costs nothing where Ray is not installed, and
 so is the worker loop (torch): the engine process, which names this class to Ray, never loads it.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 import socket
 
-from protocol.worker_messages import WORKER_LAUNCH
-from runtime.logs import configure_logging
+from conveyor.protocol.worker_messages import WORKER_LAUNCH
+from conveyor.runtime.logs import configure_logging
 
 
 class RayWorker:
@@ -36,7 +36,7 @@ class RayWorker:
         ``env``: what a worker process would have inherited (gloo's interface, the key folder's
         path, the log level); this actor serves one rank, so it may set them for itself.
         """
-        from worker.worker_process import run_worker
+        from conveyor.worker.worker_process import run_worker
 
         os.environ.update(env)
         launch = WORKER_LAUNCH.decode(launch_frame)

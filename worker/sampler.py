@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.messages import Logprobs
-from worker.device_buffers import to_device
-from worker.sampling_metadata import SamplingMetadata, TokenConstraints
-from worker.structured_output import apply_bitmask
+from conveyor.protocol.messages import Logprobs
+from conveyor.worker.device_buffers import to_device
+from conveyor.worker.sampling_metadata import SamplingMetadata, TokenConstraints
+from conveyor.worker.structured_output import apply_bitmask
 
 
 @dataclass

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protocol.sampling_params import SamplingParams
-from worker.device_buffers import to_device
+from conveyor.protocol.sampling_params import SamplingParams
+from conveyor.worker.device_buffers import to_device
 
 # Below this a temperature only amplifies float noise (logits / 1e-6 overflow into ties or NaN), and
 # the distribution is already a point mass on the argmax: treat the row as greedy.

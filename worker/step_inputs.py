@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.attention.backend import AttentionMetadata
-from worker.attention.metadata_builder import StepLayout, step_layout
-from worker.device_buffers import StagingBuffer, StepUploads
-from worker.input_batch import InputBatch
+from conveyor.worker.attention.backend import AttentionMetadata
+from conveyor.worker.attention.metadata_builder import StepLayout, step_layout
+from conveyor.worker.device_buffers import StagingBuffer, StepUploads
+from conveyor.worker.input_batch import InputBatch
 
 
 @dataclass

@@ -13,8 +13,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
-from worker.model_runner import ModelRunner
+from conveyor.protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
+from conveyor.worker.model_runner import ModelRunner
 
 
 def resolve_device(name: str, rank: int) -> torch.device:

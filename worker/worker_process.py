@@ -1,4 +1,4 @@
-"""A worker process (``python -m worker``): one tensor-parallel rank under the multi-process executor.
+"""A worker process (``python -m conveyor.worker``): one tensor-parallel rank under the multi-process executor.
 
 Runs in a worker process. Boring on purpose: read the launch frame from stdin, start watching the
 parent, connect to the engine's sockets, build the ``Worker`` (model shard, torch.distributed),
@@ -18,7 +18,7 @@ import time
 import msgspec
 import zmq
 
-from protocol.worker_messages import (
+from conveyor.protocol.worker_messages import (
     LAUNCH_LENGTH_PREFIX,
     WORKER_COMMAND,
     WORKER_LAUNCH,
@@ -36,13 +36,13 @@ from protocol.worker_messages import (
     WorkerReady,
     WorkerReply,
 )
-from runtime.exit_codes import ExitCode
-from runtime.gc_heap import freeze_startup_heap
-from runtime.logs import configure_logging
-from runtime.parent import exit_when_pipe_closes
-from runtime.zmq_security import connect, keys_from_env
-from worker.fault_injection import FaultInjector, fault_plan_from_env
-from worker.worker import Worker
+from conveyor.runtime.exit_codes import ExitCode
+from conveyor.runtime.gc_heap import freeze_startup_heap
+from conveyor.runtime.logs import configure_logging
+from conveyor.runtime.parent import exit_when_pipe_closes
+from conveyor.runtime.zmq_security import connect, keys_from_env
+from conveyor.worker.fault_injection import FaultInjector, fault_plan_from_env
+from conveyor.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The dashboard under load, captured: serve, scrape with a real Prometheus, render the panels.
 
-    python -m benchmarks.observability.capture --model DIR --out docs/observability
+    python -m benchmarks dashboard --model DIR --out docs/observability
 
 Runs in the user's process. Starts ``conveyor serve`` (two frontends on one port) and a
 Prometheus server (``prometheus`` on the PATH: Debian's package, or a release) that scrapes the
@@ -29,7 +29,7 @@ from typing import Any
 
 from benchmarks.observability.dashboard import PANELS, Panel
 from benchmarks.policy_study.server import free_port, served
-from frontend.engine_args import EngineArgs
+from conveyor.frontend.engine_args import EngineArgs
 
 SCRAPE_INTERVAL_S = 2
 RATE_WINDOW = "10s"  # $__rate_interval: 4 scrapes, as Grafana's default for a 2 s interval
@@ -99,7 +99,7 @@ def run_phases(base_url: str, out: Path, tokenizer: str) -> list[tuple[str, floa
     times = []
     for name, flags in PHASES:
         start = time.time()
-        command = [sys.executable, "-m", "entrypoints.cli", "bench", "serve", "--base-url",
+        command = [sys.executable, "-m", "conveyor.entrypoints.cli", "bench", "serve", "--base-url",
                    base_url, "--tokenizer", tokenizer, "--no-progress", *flags,
                    "--result-json", str(out / f"load-{name.replace(' ', '-')}.json")]  # fmt: skip
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
@@ -205,7 +205,7 @@ def _draw_heatmap(ax: Any, series: list[dict[str, Any]], origin: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.observability.capture", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks dashboard", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--model", required=True, help="a Hugging Face model directory")
     parser.add_argument("--out", type=Path, default=Path("docs/observability"))

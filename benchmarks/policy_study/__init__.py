@@ -1,4 +1,4 @@
-"""The scheduling-policy study (``python scripts/policy_study.py``): the four policies on offline,
+"""The scheduling-policy study (``python -m benchmarks policy-study``): the four policies on offline,
 online and capacity workloads, written up as a markdown report with plots.
 
 Runs in the study's own process: ``study`` drives it, ``server`` starts and always stops each

@@ -1,7 +1,7 @@
 """The SLO-aware token budget (``--tbt-slo-ms``) against fixed token budgets, on two models.
 
-    python scripts/policy_study.py --adaptive          # bench and small: about half an hour
-    python scripts/policy_study.py --adaptive --smoke  # the tiny model, a minute
+    python -m benchmarks policy-study --adaptive          # bench and small: about half an hour
+    python -m benchmarks policy-study --adaptive --smoke  # the tiny model, a minute
 
 Runs in the policy study's process; the servers it measures are its children. Per model, one
 ``conveyor serve`` per setup, all up at once: stall-free with each fixed token budget, and
@@ -32,17 +32,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.loadgen.capacity import CapacitySpec, make_probe, search_capacity
-from benchmarks.loadgen.client import Endpoint
-from benchmarks.loadgen.datasets import DatasetSpec, PromptMaker, load_tokenizer, make_dataset
-from benchmarks.loadgen.main import run_async
-from benchmarks.loadgen.metrics import summarize
-from benchmarks.loadgen.ready import first_model
-from benchmarks.loadgen.runner import TrafficSpec, open_session, run_requests
-from benchmarks.machine import Timing, machine_info
 from benchmarks.policy_study.adaptive_report import write_adaptive_report
 from benchmarks.policy_study.server import served
 from benchmarks.policy_study.study import PRESETS, StudyConfig, calibrate_slo, engine_args
+from conveyor.bench.loadgen.capacity import CapacitySpec, make_probe, search_capacity
+from conveyor.bench.loadgen.client import Endpoint
+from conveyor.bench.loadgen.datasets import DatasetSpec, PromptMaker, load_tokenizer, make_dataset
+from conveyor.bench.loadgen.main import run_async
+from conveyor.bench.loadgen.metrics import summarize
+from conveyor.bench.loadgen.ready import first_model
+from conveyor.bench.loadgen.runner import TrafficSpec, open_session, run_requests
+from conveyor.bench.machine import Timing, machine_info
 
 ADAPTIVE = "adaptive"
 
@@ -256,7 +256,7 @@ def _row(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_model(config: AdaptiveConfig, size: str, slo_ms: float, out: Path) -> dict[str, Any]:
-    from worker.model_maker import ensure_model
+    from benchmarks.fixtures.model_maker import ensure_model
 
     model = str(ensure_model(size))
     labels = [str(b) for b in config.budgets] + [ADAPTIVE]
@@ -301,13 +301,13 @@ def main(
         )
     out.mkdir(parents=True, exist_ok=True)
     with Timing() as timing:
-        from worker.model_maker import ensure_model
+        from benchmarks.fixtures.model_maker import ensure_model
 
         slo = calibrate_slo(config.study, str(ensure_model(config.models[0])), out)
         print(f"TBT SLO: {slo['slo_tbt_p99_ms']:g} ms", file=sys.stderr, flush=True)
         models = [run_model(config, size, slo["slo_tbt_p99_ms"], out) for size in config.models]
     results = {
-        "command": " ".join(["python", "scripts/policy_study.py", *argv]),
+        "command": " ".join(["python -m benchmarks policy-study", *argv]),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "seconds": timing.seconds,
         "machine": machine_info(),

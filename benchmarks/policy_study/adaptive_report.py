@@ -1,7 +1,7 @@
 """The adaptive-budget study's report: tables, generated sentences and PNG plots.
 
 Runs in the policy study's process, from the results dict (adaptive.json), so a report can be
-rewritten from a saved run (``scripts/policy_study.py --adaptive --report-only``).
+rewritten from a saved run (``python -m benchmarks policy-study --adaptive --report-only``).
 """
 
 from __future__ import annotations

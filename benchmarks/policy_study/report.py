@@ -1,7 +1,7 @@
 """The policy study's report: markdown tables, one generated sentence per result, PNG plots.
 
 Runs in the policy study's process, from a results dict (the study's results.json), so a report
-can be rewritten from a saved run (``scripts/policy_study.py --report-only``).
+can be rewritten from a saved run (``python -m benchmarks policy-study --report-only``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-# The offline workloads the study times every policy on (benchmarks/offline.py has more: the
+# The offline workloads the study times every policy on (bench/offline.py has more: the
 # prompt-heavy `long` one needs a longer context than the study's models are given).
 STUDY_WORKLOADS = ("equal", "mix")
 

@@ -20,8 +20,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from frontend.engine_args import EngineArgs
-from runtime.processes import descendants, proc_stat_fields
+from conveyor.frontend.engine_args import EngineArgs
+from conveyor.runtime.processes import descendants, proc_stat_fields
 
 
 def free_port() -> int:
@@ -65,7 +65,7 @@ def served(
 ) -> Iterator[str]:
     """conveyor serve on a free 127.0.0.1 port (with ``extra`` flags); yields its base URL;
     always stops it all. ``started`` gets the supervisor's pid."""
-    command = [sys.executable, "-m", "entrypoints.cli", "serve", "--host", "127.0.0.1"]
+    command = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--host", "127.0.0.1"]
     command += ["--port", str(free_port()), *engine_flags(args), *extra]
     with log.open("w") as log_file:
         process = subprocess.Popen(

@@ -1,9 +1,9 @@
 """The scheduling-policy study: static, orca, prefill-first and stall-free on the same model.
 
-    python scripts/policy_study.py                 # default: about 10 minutes on a 2-core CPU
-    python scripts/policy_study.py --long          # more requests, rates and probes; longer
-    python scripts/policy_study.py --smoke         # the tiny model, seconds (the test's mode)
-    python scripts/policy_study.py --adaptive      # the SLO-aware budget against fixed ones
+    python -m benchmarks policy-study                 # default: about 10 minutes on a 2-core CPU
+    python -m benchmarks policy-study --long          # more requests, rates and probes; longer
+    python -m benchmarks policy-study --smoke         # the tiny model, seconds (the test's mode)
+    python -m benchmarks policy-study --adaptive      # the SLO-aware budget against fixed ones
 
 Runs in its own process; the engines it measures run in child processes. Writes into --out
 (default policy_study_out/): report.md (tables, one generated sentence per result, machine,
@@ -42,14 +42,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from benchmarks import offline as bench_offline
-from benchmarks.loadgen import main as loadgen
-from benchmarks.machine import Timing, machine_info
 from benchmarks.policy_study.report import STUDY_WORKLOADS, write_report
 from benchmarks.policy_study.server import served
-from frontend.engine_args import EngineArgs
-from protocol.config import POLICIES
-from protocol.sampling_params import SamplingParams
+from conveyor.bench import offline as bench_offline
+from conveyor.bench.loadgen import main as loadgen
+from conveyor.bench.machine import Timing, machine_info
+from conveyor.frontend.engine_args import EngineArgs
+from conveyor.protocol.config import POLICIES
+from conveyor.protocol.sampling_params import SamplingParams
 
 STUDY_POLICIES = ("static", "orca", "prefill-first", "stall-free")  # baseline first
 WHOLE_PROMPT_POLICIES = ("static", "orca", "prefill-first")
@@ -374,14 +374,14 @@ def capacity_by_budget(
 def resolve_model(config: StudyConfig, model: str | None) -> str:
     if model is not None:
         return str(Path(model).resolve())
-    from worker.model_maker import ensure_model
+    from benchmarks.fixtures.model_maker import ensure_model
 
     return str(ensure_model(config.model_size))  # deterministic, cached
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python scripts/policy_study.py",
+        prog="python -m benchmarks policy-study",
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -452,7 +452,9 @@ def main(argv: list[str] | None = None) -> int:
         offline = run_offline(config, model, policies)
         online = run_online(config, model, policies, slo, out, commands)
     results = {
-        "command": shlex.join(["python", "scripts/policy_study.py", *(argv or sys.argv[1:])]),
+        "command": " ".join(
+            ["python -m benchmarks policy-study", shlex.join(argv or sys.argv[1:])]
+        ),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "seconds": timing.seconds,
         "load_average_at_end": os.getloadavg(),

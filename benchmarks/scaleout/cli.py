@@ -1,4 +1,4 @@
-"""``conveyor bench scaleout``: 1 to 16 simulated engines behind the router, per routing policy.
+"""``python -m benchmarks scaleout``: 1 to 16 simulated engines behind the router, per routing policy.
 
 Runs in the benchmark's own process. The step time is fitted to a real engine's step trace
 (``--trace FILE``, or ``--record-trace FILE --model DIR`` to record one first on this workload);
@@ -11,7 +11,7 @@ without either, the fit recorded for the bench model on the 2-core machine is us
 
 Usage::
 
-    conveyor bench scaleout [--record-trace FILE --model DIR | --trace FILE]
+    python -m benchmarks scaleout [--record-trace FILE --model DIR | --trace FILE]
         [--engines 1,2,4,8,16] [--duration-s 120] [--load 0.7] [--json]
 """
 
@@ -23,7 +23,6 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.machine import machine_info
 from benchmarks.scaleout.simulate import SimConfig, SimResult, Simulation
 from benchmarks.scaleout.step_cost_fit import (
     BENCH_MODEL_COST,
@@ -32,7 +31,8 @@ from benchmarks.scaleout.step_cost_fit import (
     fit_trace_file,
 )
 from benchmarks.scaleout.workload import Workload, WorkloadConfig
-from frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN, ROUTER_POLICIES
+from conveyor.bench.machine import machine_info
+from conveyor.frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN, ROUTER_POLICIES
 
 # Sessions per second that saturate one engine are searched for from here, doubling.
 _FIRST_RATE = 0.25
@@ -40,7 +40,7 @@ _SATURATED_BUSY = 0.98
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="conveyor bench scaleout", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks scaleout", description=__doc__)
     parser.add_argument("--trace", type=Path, help="fit the step time to this step trace")
     parser.add_argument("--record-trace", type=Path, help="record a trace first (needs --model)")
     parser.add_argument("--model", help="the model to record the trace with")

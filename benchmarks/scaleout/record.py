@@ -12,8 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.scaleout.workload import Workload, WorkloadConfig
-from frontend import LLM
-from protocol import SamplingParams
+from conveyor import LLM, SamplingParams
 
 
 def record_trace(

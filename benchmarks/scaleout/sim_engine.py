@@ -13,9 +13,9 @@ from __future__ import annotations
 import random
 
 from benchmarks.scaleout.step_cost_fit import StepCost
-from engine_core import Request, Scheduler
-from engine_core.step_trace import attention_pairs
-from protocol import (
+from conveyor.engine_core import Request, Scheduler
+from conveyor.engine_core.step_trace import attention_pairs
+from conveyor.protocol import (
     CacheConfig,
     EngineCoreOutputs,
     ModelRunnerOutput,

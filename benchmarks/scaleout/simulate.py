@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from benchmarks.scaleout.sim_engine import SimEngine
 from benchmarks.scaleout.step_cost_fit import StepCost
 from benchmarks.scaleout.workload import Session, Workload, WorkloadConfig
-from engine_core import Request
-from frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN, Router, RouterConfig
-from protocol import CacheConfig, SamplingParams, SchedulerConfig
+from conveyor.engine_core import Request
+from conveyor.frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN, Router, RouterConfig
+from conveyor.protocol import CacheConfig, SamplingParams, SchedulerConfig
 
 _ARRIVAL, _STEP_DONE = 0, 1
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine_core.step_trace import StepTraceRecord, read_trace
+from conveyor.engine_core.step_trace import StepTraceRecord, read_trace
 
 FEATURES = ("fixed_s", "per_prefill_token_s", "per_decode_token_s", "per_pair_s", "per_req_s")
 
@@ -46,7 +46,7 @@ class StepCost:
 
 
 # The fit of docs/scaleout_step_trace.jsonl: the bench model, float32, on the 2-core AVX2 machine,
-# recorded with `conveyor bench scaleout --record-trace FILE --model BENCH --record-sessions 32`
+# recorded with `python -m benchmarks scaleout --record-trace FILE --model BENCH --record-sessions 32`
 # (2026-11-26). Used when no trace is given; a test checks it is still that file's fit.
 BENCH_TRACE = "docs/scaleout_step_trace.jsonl"
 BENCH_MODEL_COST = StepCost(

@@ -1,4 +1,4 @@
-"""The soak test (``python scripts/soak.py``): a real server under load for minutes, sampled for
+"""The soak test (``python -m benchmarks soak``): a real server under load for minutes, sampled for
 leaks (``samples``) and checked at the end (``soak``).
 
 Runs in the soak's own process; the server runs in child processes.

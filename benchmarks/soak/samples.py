@@ -1,6 +1,6 @@
 """The soak test's measurements: the server's process tree, RSS per process, KV gauges, a table.
 
-Runs in the soak test's process (``scripts/soak.py``). Reads /proc (Linux) and the server's /metrics.
+Runs in the soak test's process (``python -m benchmarks soak``). Reads /proc (Linux) and the server's /metrics.
 """
 
 from __future__ import annotations
@@ -12,13 +12,22 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from runtime.processes import descendants
+from conveyor.runtime.processes import (
+    ENGINE_MODULE,
+    FRONTEND_MODULE,
+    WORKER_MODULE,
+    descendants,
+)
 
 MIB = 1 << 20
 
 
-# The modules conveyor's children run as (``python -m MODULE``).
-_MODULE_ROLES = {b"entrypoints.engine": "engine_core", b"worker": "worker", b"frontend": "frontend"}
+# The modules conveyor's children run as (``python -P -m MODULE``).
+_MODULE_ROLES = {
+    ENGINE_MODULE.encode(): "engine_core",
+    WORKER_MODULE.encode(): "worker",
+    FRONTEND_MODULE.encode(): "frontend",
+}
 
 
 def role_of(pid: int) -> str | None:
@@ -31,7 +40,7 @@ def role_of(pid: int) -> str | None:
         role = _MODULE_ROLES.get(argv[argv.index(b"-m") + 1])
         if role is not None:
             return role
-    # The supervisor: ``conveyor serve ...`` or ``python -m entrypoints.cli serve ...``.
+    # The supervisor: ``conveyor serve ...`` or ``python -m conveyor.entrypoints.cli serve ...``.
     return "serve" if b"serve" in argv else None
 
 

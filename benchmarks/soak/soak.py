@@ -1,6 +1,6 @@
 """Soak test: a real server under 70 % of its capacity for M minutes, watched for leaks.
 
-    python scripts/soak.py --minutes 10 [--model DIR] [--rate R | --fraction 0.7] \
+    python -m benchmarks soak --minutes 10 [--model DIR] [--rate R | --fraction 0.7] \
         [--cancel-rate 0.1] [--sample-interval-s 60] [--result-json soak.json]
 
 Runs in its own process. Starts ``conveyor serve --enable-debug-queries`` on the model (the tiny
@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.soak.samples import role_of, table, take_sample
-from frontend.engine_client import MPEngineClient
-from runtime.processes import descendants
+from conveyor.frontend.engine_client import MPEngineClient
+from conveyor.runtime.processes import descendants
 
-CONVEYOR = [sys.executable, "-m", "entrypoints.cli"]
+CONVEYOR = [sys.executable, "-m", "conveyor.entrypoints.cli"]
 
 _ENGINE_READY = re.compile(r"^ready: engine_core pid=(\d+) address=(\S+)$")
 _HTTP_READY = re.compile(r"^ready: (http://\S+)$")
@@ -48,7 +48,7 @@ _HTTP_READY = re.compile(r"^ready: (http://\S+)$")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python scripts/soak.py", description=__doc__.splitlines()[0]
+        prog="python -m benchmarks soak", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--minutes", type=float, required=True, help="how long the load runs")
     parser.add_argument("--model", default=None, help="default: the tiny test model")
@@ -314,7 +314,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def default_model() -> Path:
-    from worker.model_maker import ensure_model
+    from benchmarks.fixtures.model_maker import ensure_model
 
     return ensure_model()
 

@@ -5,11 +5,11 @@ Runs in the engine-core process.
 
 from __future__ import annotations
 
-from engine_core.policies.base import SchedulingPolicy, SchedulingStep
-from engine_core.policies.orca import OrcaPolicy
-from engine_core.policies.prefill_first import PrefillFirstPolicy
-from engine_core.policies.stall_free import StallFreePolicy
-from engine_core.policies.static import StaticPolicy
+from conveyor.engine_core.policies.base import SchedulingPolicy, SchedulingStep
+from conveyor.engine_core.policies.orca import OrcaPolicy
+from conveyor.engine_core.policies.prefill_first import PrefillFirstPolicy
+from conveyor.engine_core.policies.stall_free import StallFreePolicy
+from conveyor.engine_core.policies.static import StaticPolicy
 
 POLICY_CLASSES: dict[str, type[SchedulingPolicy]] = {
     cls.name: cls for cls in (StallFreePolicy, PrefillFirstPolicy, OrcaPolicy, StaticPolicy)

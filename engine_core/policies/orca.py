@@ -8,7 +8,7 @@ is strictly head-of-line: if the head does not fit, nobody behind it is admitted
 
 from __future__ import annotations
 
-from engine_core.policies.base import SchedulingPolicy, SchedulingStep
+from conveyor.engine_core.policies.base import SchedulingPolicy, SchedulingStep
 
 
 class OrcaPolicy(SchedulingPolicy):

@@ -7,7 +7,7 @@ decodes. Time to first token is short; decodes stall whenever prompts keep arriv
 
 from __future__ import annotations
 
-from engine_core.policies.base import SchedulingPolicy, SchedulingStep
+from conveyor.engine_core.policies.base import SchedulingPolicy, SchedulingStep
 
 
 class PrefillFirstPolicy(SchedulingPolicy):

@@ -7,7 +7,7 @@ requests, and a prompt that does not fit is chunked across steps.
 
 from __future__ import annotations
 
-from engine_core.policies.base import SchedulingPolicy, SchedulingStep
+from conveyor.engine_core.policies.base import SchedulingPolicy, SchedulingStep
 
 
 class StallFreePolicy(SchedulingPolicy):

@@ -8,7 +8,7 @@ tensor would hold them. This is the baseline the conveyor exists to beat.
 
 from __future__ import annotations
 
-from engine_core.policies.base import SchedulingPolicy, SchedulingStep
+from conveyor.engine_core.policies.base import SchedulingPolicy, SchedulingStep
 
 
 class StaticPolicy(SchedulingPolicy):

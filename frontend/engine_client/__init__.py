@@ -9,11 +9,11 @@ The two ZMQ clients share ``EngineClientBase`` (``core_client``): the handshake,
 handling and death are written once. ``EngineProcess`` starts an engine-core process.
 """
 
-from frontend.engine_client.async_client import AsyncEngineClient
-from frontend.engine_client.engine_process import EngineProcess
-from frontend.engine_client.inprocess_client import InProcessEngineClient
-from frontend.engine_client.session import EngineDeadError, EngineStartError
-from frontend.engine_client.sync_client import MPEngineClient
+from conveyor.frontend.engine_client.async_client import AsyncEngineClient
+from conveyor.frontend.engine_client.engine_process import EngineProcess
+from conveyor.frontend.engine_client.inprocess_client import InProcessEngineClient
+from conveyor.frontend.engine_client.session import EngineDeadError, EngineStartError
+from conveyor.frontend.engine_client.sync_client import MPEngineClient
 
 __all__ = [
     "AsyncEngineClient",

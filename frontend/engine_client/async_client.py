@@ -21,16 +21,26 @@ from typing import Union
 
 import zmq
 
-from frontend.engine_client.core_client import EngineClientBase, EngineMessage, launch_engine
-from frontend.engine_client.engine_process import EngineProcess
-from frontend.engine_client.session import (
+from conveyor.frontend.engine_client.core_client import (
+    EngineClientBase,
+    EngineMessage,
+    launch_engine,
+)
+from conveyor.frontend.engine_client.engine_process import EngineProcess
+from conveyor.frontend.engine_client.session import (
     DEFAULT_READY_TIMEOUT_S,
     HEARTBEAT_INTERVAL_S,
     EngineDeadError,
     connect,
 )
-from protocol import Abort, EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from protocol.messages import AllFreeReport, CheckAllFree, Goodbye, Ready
+from conveyor.protocol import (
+    Abort,
+    EngineConfig,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+)
+from conveyor.protocol.messages import AllFreeReport, CheckAllFree, Goodbye, Ready
 
 _StreamItem = Union[EngineCoreOutput, EngineDeadError]
 

@@ -27,17 +27,17 @@ from collections.abc import Callable
 
 import zmq
 
-from frontend.engine_client.engine_process import EngineProcess
-from frontend.engine_client.session import (
+from conveyor.frontend.engine_client.engine_process import EngineProcess
+from conveyor.frontend.engine_client.session import (
     HEARTBEAT_FRAME,
     LIVENESS_INTERVAL_S,
     EngineDeadError,
     EngineLiveness,
     decode_ready_config,
 )
-from protocol import EngineConfig, EngineCoreOutputs, SchedulerStats
-from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
-from protocol.messages import (
+from conveyor.protocol import EngineConfig, EngineCoreOutputs, SchedulerStats
+from conveyor.protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
+from conveyor.protocol.messages import (
     AllFreeReport,
     EngineCoreClientMessage,
     EngineDead,

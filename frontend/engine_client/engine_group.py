@@ -29,10 +29,10 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 
-from frontend.engine_client.async_client import AsyncEngineClient
-from frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN, Router, RouterConfig
-from frontend.engine_client.session import EngineDeadError, EngineStartError
-from protocol import EngineConfig, EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from conveyor.frontend.engine_client.async_client import AsyncEngineClient
+from conveyor.frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN, Router, RouterConfig
+from conveyor.frontend.engine_client.session import EngineDeadError, EngineStartError
+from conveyor.protocol import EngineConfig, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Start an engine-core process (``python -m entrypoints.engine``), wait until it serves, stop it.
+"""Start an engine-core process (``python -m conveyor.entrypoints.engine``), wait until it serves, stop it.
 
 Runs in the process that owns the engine: an ``LLM`` caller, an engine client given a config, or
 the supervisor. The engine gets a private runtime folder (0700) holding its config file and its
@@ -15,18 +15,17 @@ import os
 import msgspec
 import zmq
 
-from frontend.engine_client.session import EngineLiveness, decode_ready_config, handshake
-from protocol import EngineConfig
-from protocol.codec import CLIENT_TO_ENGINE
-from protocol.messages import Goodbye
-from runtime.dirs import make_runtime_dir, remove_runtime_dir, restore_runtime_dir
-from runtime.processes import ChildProcess
-from runtime.zmq_security import connect, keys_from_env
+from conveyor.frontend.engine_client.session import EngineLiveness, decode_ready_config, handshake
+from conveyor.protocol import EngineConfig
+from conveyor.protocol.codec import CLIENT_TO_ENGINE
+from conveyor.protocol.messages import Goodbye
+from conveyor.runtime.dirs import make_runtime_dir, remove_runtime_dir, restore_runtime_dir
+from conveyor.runtime.processes import ENGINE_MODULE, ChildProcess
+from conveyor.runtime.zmq_security import connect, keys_from_env
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_STOP_TIMEOUT_S = 10.0
-ENGINE_MODULE = "entrypoints.engine"
 
 
 class EngineProcess(ChildProcess):

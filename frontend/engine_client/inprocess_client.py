@@ -7,9 +7,9 @@ builds an engine itself, so it is the one that imports the engine core and a wor
 
 from __future__ import annotations
 
-from engine_core import EngineCore
-from engine_core.executor import InProcessExecutor
-from protocol import EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from conveyor.engine_core import EngineCore
+from conveyor.executor.inprocess import InProcessExecutor
+from conveyor.protocol import EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
 
 class InProcessEngineClient:
@@ -17,7 +17,7 @@ class InProcessEngineClient:
 
     def __init__(self, config: EngineConfig) -> None:
         # Imported here: only this client loads a model (and torch) in the caller's process.
-        from worker.worker import Worker
+        from conveyor.worker.worker import Worker
 
         self._core = EngineCore(config, InProcessExecutor(Worker(config, rank=0)))
         # As a client of an engine process gets it in Ready: the engine's own (max_model_len

@@ -28,14 +28,14 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from protocol import SchedulerStats
+from conveyor.protocol import SchedulerStats
 
 ROUTER_POLICIES: tuple[str, ...] = ("prefix-affinity", "least-loaded", "round-robin")
 # How much more loaded (in requests) the prefix's engine may be than the least loaded before
 # a request leaves it: a cached prefix saves its prefill, a queue of a few requests costs a few
-# steps' wait. 8 from the scale-out simulation (`conveyor bench scaleout`, 16 engines at 70 % of
-# capacity, docs/performance.md): 2 and 4 lose cache hits and p99 TTFT, 16 and 32 gain little
-# more hit rate and lengthen p99 TPOT. Tunable with --router-affinity-margin.
+# steps' wait. 8 from the scale-out simulation (`python -m benchmarks scaleout`, 16 engines at
+# 70 % of capacity): 2 and 4 lose cache hits and p99 TTFT, 16 and 32 gain little more hit rate
+# and lengthen p99 TPOT. Tunable with --router-affinity-margin.
 DEFAULT_AFFINITY_MARGIN = 8.0
 # Only a prompt's first tokens are hashed: enough to tell system prompts and conversations apart,
 # while hashing stays a few microseconds (a chained hash per block is ~0.3 us per 16 tokens).

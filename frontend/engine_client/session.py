@@ -15,12 +15,12 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from protocol import EngineConfig
-from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
-from protocol.messages import EngineDead, Heartbeat, Hello, Ready
-from runtime.processes import pid_is_alive
-from runtime.zmq_security import connect as secure_connect
-from runtime.zmq_security import keys_from_env
+from conveyor.protocol import EngineConfig
+from conveyor.protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
+from conveyor.protocol.messages import EngineDead, Heartbeat, Hello, Ready
+from conveyor.runtime.processes import pid_is_alive
+from conveyor.runtime.zmq_security import connect as secure_connect
+from conveyor.runtime.zmq_security import keys_from_env
 
 HEARTBEAT_INTERVAL_S = 2.0
 # How often a waiting client checks that the engine process still exists.

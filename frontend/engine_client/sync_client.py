@@ -21,15 +21,21 @@ from typing import Union
 
 import zmq
 
-from frontend.engine_client.core_client import EngineClientBase, launch_engine
-from frontend.engine_client.session import (
+from conveyor.frontend.engine_client.core_client import EngineClientBase, launch_engine
+from conveyor.frontend.engine_client.session import (
     DEFAULT_READY_TIMEOUT_S,
     HEARTBEAT_INTERVAL_S,
     EngineDeadError,
     connect,
 )
-from protocol import Abort, EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from protocol.messages import AddRequests, AllFreeReport, CheckAllFree, Goodbye
+from conveyor.protocol import (
+    Abort,
+    EngineConfig,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+)
+from conveyor.protocol.messages import AddRequests, AllFreeReport, CheckAllFree, Goodbye
 
 _query_ids = itertools.count()
 # How long step() waits for outputs before handing control back to the caller's loop.

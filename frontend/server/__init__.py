@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server of one frontend process.
 
 Runs in an HTTP frontend process, on a uvloop event loop.
-  ``main``            the process's flags and start-up (``conveyor frontend``, ``python -m frontend``)
+  ``main``            the process's flags and start-up (``conveyor frontend``, ``python -m conveyor.frontend``)
   ``runner``          uvicorn on a shared port, the SIGTERM drain, the ready file
   ``app``             routes, error handlers, attaching to the engine at start-up
   ``gate``            API key, the per-frontend in-flight cap, 503 while draining

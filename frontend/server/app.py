@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app: its routes, its error handlers and its start-up.
 
-Runs in an HTTP frontend process (``python -m frontend``), on a uvloop event loop. At start-up the
+Runs in an HTTP frontend process (``python -m conveyor.frontend``), on a uvloop event loop. At start-up the
 app attaches to its running engines (an ``EngineGroupClient``: one more client of each
 data-parallel engine, routing every request to one of them) and loads the model's tokenizer from
 the directory the engines name; each frontend process is its own engine client, so several of them (sharing one port through SO_REUSEPORT) add tokenizing and streaming CPU.
@@ -28,34 +28,38 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from frontend.engine_client.engine_group import EngineGroupClient
-from frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN
-from frontend.engine_client.session import EngineDeadError
-from frontend.input_processor import context_limit
-from frontend.server.chat import create_chat_completion
-from frontend.server.completions import create_completion
-from frontend.server.connection import DEFAULT_MAX_REQUEST_BODY_BYTES
-from frontend.server.errors import RETRY_AFTER_UNAVAILABLE_S, ApiError, error_response
-from frontend.server.gate import GateMiddleware
-from frontend.server.metrics import PUBLISH_INTERVAL_S, FrontendMetrics
-from frontend.server.request_log import RequestLogger
-from frontend.server.request_models import (
+from conveyor.frontend.engine_client.engine_group import EngineGroupClient
+from conveyor.frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN
+from conveyor.frontend.engine_client.session import EngineDeadError
+from conveyor.frontend.input_processor import context_limit
+from conveyor.frontend.server.chat import create_chat_completion
+from conveyor.frontend.server.completions import create_completion
+from conveyor.frontend.server.connection import DEFAULT_MAX_REQUEST_BODY_BYTES
+from conveyor.frontend.server.errors import RETRY_AFTER_UNAVAILABLE_S, ApiError, error_response
+from conveyor.frontend.server.gate import GateMiddleware
+from conveyor.frontend.server.metrics import PUBLISH_INTERVAL_S, FrontendMetrics
+from conveyor.frontend.server.request_log import RequestLogger
+from conveyor.frontend.server.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     decode_body,
     decode_large_body,
 )
-from frontend.server.response_models import ModelCard, ModelList, encode_json
-from frontend.server.serving import MAX_CHOICES_PER_REQUEST, ClientDisconnected, ServingState
-from frontend.server.tokenize import (
+from conveyor.frontend.server.response_models import ModelCard, ModelList, encode_json
+from conveyor.frontend.server.serving import (
+    MAX_CHOICES_PER_REQUEST,
+    ClientDisconnected,
+    ServingState,
+)
+from conveyor.frontend.server.tokenize import (
     DetokenizeRequest,
     TokenizeRequest,
     detokenize,
     package_version,
     tokenize,
 )
-from frontend.tokenizer import load_tokenizer
-from runtime.gc_heap import freeze_startup_heap
+from conveyor.frontend.tokenizer import load_tokenizer
+from conveyor.runtime.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 

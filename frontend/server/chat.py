@@ -16,11 +16,17 @@ import msgspec
 from starlette.responses import Response
 from starlette.types import Receive
 
-from frontend.input_processor import Choice
-from frontend.output_processor import ChoiceDelta, LogprobRow
-from frontend.server.chat_tools import ChatTools, call_deltas, calls_out, chat_tools, message_dict
-from frontend.server.logprobs import chat_logprobs
-from frontend.server.request_models import (
+from conveyor.frontend.input_processor import Choice
+from conveyor.frontend.output_processor import ChoiceDelta, LogprobRow
+from conveyor.frontend.server.chat_tools import (
+    ChatTools,
+    call_deltas,
+    calls_out,
+    chat_tools,
+    message_dict,
+)
+from conveyor.frontend.server.logprobs import chat_logprobs
+from conveyor.frontend.server.request_models import (
     ChatCompletionRequest,
     ChatMessage,
     chat_max_tokens,
@@ -29,7 +35,7 @@ from frontend.server.request_models import (
     structured_param,
     to_sampling_params,
 )
-from frontend.server.response_models import (
+from conveyor.frontend.server.response_models import (
     ChatChoice,
     ChatChoiceLogprobs,
     ChatCompletionChunk,
@@ -40,7 +46,7 @@ from frontend.server.response_models import (
     UsageInfo,
     sse_event,
 )
-from frontend.server.serving import (
+from conveyor.frontend.server.serving import (
     GenerationRun,
     ServingState,
     as_bad_request,
@@ -50,7 +56,7 @@ from frontend.server.serving import (
     make_choices,
     prepare_size,
 )
-from protocol import SamplingParams
+from conveyor.protocol import SamplingParams
 
 ROLE = "assistant"
 # A short chat (a message or two of a few words) is prepared on the event loop; see

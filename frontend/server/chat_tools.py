@@ -10,15 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.server.errors import bad_request
-from frontend.server.request_models import ChatCompletionRequest, NamedToolChoice
-from frontend.server.response_models import (
+from conveyor.frontend.server.errors import bad_request
+from conveyor.frontend.server.request_models import ChatCompletionRequest, NamedToolChoice
+from conveyor.frontend.server.response_models import (
     FunctionCallOut,
     FunctionDelta,
     ToolCallDelta,
     ToolCallOut,
 )
-from frontend.tool_calls import (
+from conveyor.frontend.tool_calls import (
     PARSERS,
     ToolCall,
     ToolCallParser,
@@ -26,7 +26,7 @@ from frontend.tool_calls import (
     forced_calls,
     forced_schema,
 )
-from protocol import StructuredOutputsParams
+from conveyor.protocol import StructuredOutputsParams
 
 
 @dataclass(frozen=True)

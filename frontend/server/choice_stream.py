@@ -15,12 +15,12 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-from frontend.engine_client.engine_group import EngineGroupClient
-from frontend.input_processor import Choice
-from frontend.output_processor import ChoiceDelta, OutputProcessor
-from frontend.server.metrics import FrontendMetrics
-from frontend.server.request_log import RequestLogger
-from protocol import EngineCoreOutput, RequestTimings
+from conveyor.frontend.engine_client.engine_group import EngineGroupClient
+from conveyor.frontend.input_processor import Choice
+from conveyor.frontend.output_processor import ChoiceDelta, OutputProcessor
+from conveyor.frontend.server.metrics import FrontendMetrics
+from conveyor.frontend.server.request_log import RequestLogger
+from conveyor.protocol import EngineCoreOutput, RequestTimings
 
 _Item = ChoiceDelta | BaseException | None
 RunCpu = Callable[..., Awaitable[Any]]

@@ -11,10 +11,10 @@ import time
 from starlette.responses import Response
 from starlette.types import Receive
 
-from frontend.input_processor import Choice
-from frontend.output_processor import ChoiceDelta
-from frontend.server.logprobs import completion_logprobs
-from frontend.server.request_models import (
+from conveyor.frontend.input_processor import Choice
+from conveyor.frontend.output_processor import ChoiceDelta
+from conveyor.frontend.server.logprobs import completion_logprobs
+from conveyor.frontend.server.request_models import (
     CompletionRequest,
     check_completion_request,
     completion_max_tokens,
@@ -22,13 +22,13 @@ from frontend.server.request_models import (
     structured_param,
     to_sampling_params,
 )
-from frontend.server.response_models import (
+from conveyor.frontend.server.response_models import (
     CompletionChoice,
     CompletionResponse,
     UsageInfo,
     sse_event,
 )
-from frontend.server.serving import (
+from conveyor.frontend.server.serving import (
     GenerationRun,
     ServingState,
     as_bad_request,
@@ -39,7 +39,7 @@ from frontend.server.serving import (
     make_choices,
     prepare_size,
 )
-from protocol import SamplingParams
+from conveyor.protocol import SamplingParams
 
 
 async def create_completion(

@@ -16,13 +16,13 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from frontend.server.errors import (
+from conveyor.frontend.server.errors import (
     RETRY_AFTER_OVERLOADED_S,
     RETRY_AFTER_UNAVAILABLE_S,
     ApiError,
     error_response,
 )
-from frontend.server.serving import ServingState
+from conveyor.frontend.server.serving import ServingState
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # What needs no API key: probes and the version. Everything else (/tokenize spends CPU) does.

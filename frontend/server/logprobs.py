@@ -9,8 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from frontend.output_processor import LogprobRow
-from frontend.server.response_models import ChatLogprobEntry, CompletionLogprobs, TopLogprob
+from conveyor.frontend.output_processor import LogprobRow
+from conveyor.frontend.server.response_models import (
+    ChatLogprobEntry,
+    CompletionLogprobs,
+    TopLogprob,
+)
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:

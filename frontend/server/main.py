@@ -4,7 +4,7 @@
     conveyor frontend --engine ADDRESS_0 --engine ADDRESS_1 --router least-loaded
 
 Runs as an HTTP frontend process. Started N times by ``conveyor serve --frontends N`` (as
-``python -m frontend``), or by hand to add one more frontend to an engine that already runs (its
+``python -m conveyor.frontend``), or by hand to add one more frontend to an engine that already runs (its
 address is in the supervisor's ``ready: engine_core ...`` line). The port is bound with SO_REUSEPORT, so frontends given the same
 port share it. With several data-parallel engines (one --engine each, as ``conveyor serve
 --data-parallel-size N`` prints them), it is a client of all of them and routes each request to
@@ -21,12 +21,12 @@ import logging
 import os
 from pathlib import Path
 
-from frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN, ROUTER_POLICIES
-from frontend.server.connection import DEFAULT_MAX_REQUEST_BODY_BYTES, ConnectionLimits
-from frontend.server.metrics_dir import ensure_multiprocess_dir
-from runtime.exit_codes import ExitCode
-from runtime.logs import configure_logging
-from runtime.parent import tie_to_parent
+from conveyor.frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN, ROUTER_POLICIES
+from conveyor.frontend.server.connection import DEFAULT_MAX_REQUEST_BODY_BYTES, ConnectionLimits
+from conveyor.frontend.server.metrics_dir import ensure_multiprocess_dir
+from conveyor.runtime.exit_codes import ExitCode
+from conveyor.runtime.logs import configure_logging
+from conveyor.runtime.parent import tie_to_parent
 
 # The API key may come from the environment, which, unlike a command line, other users cannot read.
 API_KEY_ENV = "CONVEYOR_API_KEY"
@@ -73,7 +73,7 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
             raise SystemExit(f"--api-key-file: {args.api_key_file} is empty")
         return key
     if args.api_key:
-        logging.getLogger("frontend").warning(
+        logging.getLogger("conveyor.frontend").warning(
             "--api-key on the command line can be read by every local user (ps); use "
             "--api-key-file FILE or $%s",
             API_KEY_ENV,
@@ -116,7 +116,7 @@ def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
 
 
 def add_frontend_process_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags of one frontend process (``conveyor frontend``, ``python -m frontend``)."""
+    """The flags of one frontend process (``conveyor frontend``, ``python -m conveyor.frontend``)."""
     parser.add_argument(
         "--engine",
         required=True,
@@ -178,7 +178,7 @@ def router_options(args: argparse.Namespace) -> list[str]:
 
 
 def add_observability_args(parser: argparse._ActionsContainer) -> None:
-    """Metrics and logs of a frontend (``docs/observability.md``)."""
+    """Metrics and logs of a frontend."""
     parser.add_argument(
         "--disable-metrics",
         action="store_true",
@@ -216,7 +216,7 @@ def check_observability_args(parser: argparse.ArgumentParser, args: argparse.Nam
 
 def parse_args(
     argv: list[str] | None = None,
-    prog: str = "python -m frontend",
+    prog: str = "conveyor frontend",
     description: str = __doc__.split("\n")[0],
 ) -> argparse.Namespace:
     parser = add_frontend_process_args(argparse.ArgumentParser(prog=prog, description=description))
@@ -235,8 +235,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.disable_metrics:
         ensure_multiprocess_dir()
     # Imported only now: prometheus_client picks its (multiprocess) mode when it first loads.
-    from frontend.server.app import ServerSettings
-    from frontend.server.runner import bind_shared_socket, run_server
+    from conveyor.frontend.server.app import ServerSettings
+    from conveyor.frontend.server.runner import bind_shared_socket, run_server
 
     settings = ServerSettings(
         engine_addresses=tuple(args.engine),
@@ -254,7 +254,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         sock = bind_shared_socket(args.host, args.port)
     except OSError as exc:
-        logging.getLogger("frontend").error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+        logging.getLogger("conveyor.frontend").error(
+            "cannot listen on %s:%d: %s", args.host, args.port, exc
+        )
         return ExitCode.BAD_CONFIG
     return run_server(
         settings,

@@ -33,11 +33,16 @@ from collections.abc import Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from frontend.output_processor import ChoiceState
-from frontend.server.metrics_dir import MULTIPROC_DIR_ENV
-from frontend.server.metrics_export import Ratio, ServerCollector
-from frontend.server.metrics_requests import LABELS, PREFIX, RequestMetrics, token_count_buckets
-from protocol import ITERATION_TOKENS_BUCKETS, EngineConfig, RequestTimings, SchedulerStats
+from conveyor.frontend.output_processor import ChoiceState
+from conveyor.frontend.server.metrics_dir import MULTIPROC_DIR_ENV
+from conveyor.frontend.server.metrics_export import Ratio, ServerCollector
+from conveyor.frontend.server.metrics_requests import (
+    LABELS,
+    PREFIX,
+    RequestMetrics,
+    token_count_buckets,
+)
+from conveyor.protocol import ITERATION_TOKENS_BUCKETS, EngineConfig, RequestTimings, SchedulerStats
 
 __all__ = ["PUBLISH_INTERVAL_S", "FrontendMetrics", "token_count_buckets"]
 

@@ -14,7 +14,7 @@ import atexit
 import os
 from pathlib import Path
 
-from runtime.dirs import make_runtime_dir, remove_runtime_dir
+from conveyor.runtime.dirs import make_runtime_dir, remove_runtime_dir
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 from prometheus_client import Counter, Histogram
 
-from frontend.output_processor import ChoiceState
-from protocol import RequestTimings
+from conveyor.frontend.output_processor import ChoiceState
+from conveyor.protocol import RequestTimings
 
 PREFIX = "conveyor:"
 LABELS = ("model_name", "engine")

@@ -16,10 +16,10 @@ from typing import Any
 
 import msgspec
 
-from frontend.input_processor import Choice
-from protocol import SamplingParams
+from conveyor.frontend.input_processor import Choice
+from conveyor.protocol import SamplingParams
 
-logger = logging.getLogger("frontend.requests")
+logger = logging.getLogger("conveyor.frontend.requests")
 
 PROMPT_LOG_TOKENS = 512
 _DEFAULT_PARAMS = msgspec.structs.asdict(SamplingParams())

@@ -17,9 +17,9 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
-from frontend.server.errors import bad_request
-from protocol import SamplingParams, StructuredOutputsParams
-from protocol.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from conveyor.frontend.server.errors import bad_request
+from conveyor.protocol import SamplingParams, StructuredOutputsParams
+from conveyor.protocol.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 # OpenAI's default max_tokens for /v1/completions.
 DEFAULT_COMPLETION_MAX_TOKENS = 16

@@ -1,6 +1,6 @@
 """Running the app: uvicorn on a shared port, a drain on SIGTERM, a ready file, exit codes.
 
-Runs in an HTTP frontend process (``python -m frontend``), on a uvloop event loop.
+Runs in an HTTP frontend process (``python -m conveyor.frontend``), on a uvloop event loop.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any
 
 import uvicorn
 
-from frontend.server.app import ServerSettings, build_app
-from frontend.server.connection import ConnectionLimits, guarded_protocol
-from frontend.server.serving import ServingState
-from runtime.exit_codes import ExitCode
+from conveyor.frontend.server.app import ServerSettings, build_app
+from conveyor.frontend.server.connection import ConnectionLimits, guarded_protocol
+from conveyor.frontend.server.serving import ServingState
+from conveyor.runtime.exit_codes import ExitCode
 
 logger = logging.getLogger(__name__)
 

@@ -27,15 +27,20 @@ import msgspec
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from frontend.engine_client.engine_group import EngineGroupClient
-from frontend.input_processor import Choice, InputProcessor, PromptError
-from frontend.output_processor import ChoiceDelta, ChoiceState
-from frontend.server.choice_stream import stream_choices
-from frontend.server.errors import RETRY_AFTER_OVERLOADED_S, ApiError, bad_request, error_body
-from frontend.server.metrics import FrontendMetrics
-from frontend.server.request_log import RequestLogger
-from frontend.server.response_models import SSE_DONE, UsageInfo, encode_json, sse_event
-from protocol import FAILED_FINISH_REASONS, EngineConfig, SamplingParams
+from conveyor.frontend.engine_client.engine_group import EngineGroupClient
+from conveyor.frontend.input_processor import Choice, InputProcessor, PromptError
+from conveyor.frontend.output_processor import ChoiceDelta, ChoiceState
+from conveyor.frontend.server.choice_stream import stream_choices
+from conveyor.frontend.server.errors import (
+    RETRY_AFTER_OVERLOADED_S,
+    ApiError,
+    bad_request,
+    error_body,
+)
+from conveyor.frontend.server.metrics import FrontendMetrics
+from conveyor.frontend.server.request_log import RequestLogger
+from conveyor.frontend.server.response_models import SSE_DONE, UsageInfo, encode_json, sse_event
+from conveyor.protocol import FAILED_FINISH_REASONS, EngineConfig, SamplingParams
 
 T = TypeVar("T")
 
@@ -48,7 +53,7 @@ NUM_CPU_THREADS = min(4, os.cpu_count() or 1)
 # Input up to this size (characters of prompt text, or prompt token ids) is prepared on the event
 # loop itself: tokenizing runs at about 1 us per character, so this holds the loop for half a
 # millisecond at most, and handing a small request to a thread costs more than that in throughput
-# (``conveyor bench tokenize``: 32-token prompts, 1.2x the requests per second on the loop).
+# (``python -m benchmarks tokenize``: 32-token prompts, 1.2x the requests per second on the loop).
 LOOP_PREPARE_LIMIT = 512
 
 

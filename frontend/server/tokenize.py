@@ -14,11 +14,11 @@ from typing import Any
 
 import msgspec
 
-from frontend.server.chat import conversation_of
-from frontend.server.chat_tools import tool_dict
-from frontend.server.errors import bad_request
-from frontend.server.request_models import ChatMessage, Int64, StrictStruct, ToolDef
-from frontend.server.serving import ServingState, as_bad_request, check_model
+from conveyor.frontend.server.chat import conversation_of
+from conveyor.frontend.server.chat_tools import tool_dict
+from conveyor.frontend.server.errors import bad_request
+from conveyor.frontend.server.request_models import ChatMessage, Int64, StrictStruct, ToolDef
+from conveyor.frontend.server.serving import ServingState, as_bad_request, check_model
 
 PACKAGE = "conveyor-llm"
 

@@ -1,6 +1,6 @@
 """Fixtures for the load generator's tests: a fake server, in this process or in a child.
 
-The fake server (``conveyor bench fake-server``) runs on its own event loop in a background
+The fake server (``python -m benchmarks fake-server``) runs on its own event loop in a background
 thread, so a test can drive it with the load generator's own asyncio.run / main() and read the
 server's counters directly; or in a child process, where its timing does not share the test's
 GIL. Every server a test starts is stopped when the test ends.
@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks.loadgen.fake_server import FakeServer, FakeServerConfig, FakeServerStats
-from runtime.processes import terminate_processes
-from tests.commands import CONVEYOR
+from conveyor.bench.loadgen.fake_server import FakeServer, FakeServerConfig, FakeServerStats
+from conveyor.runtime.processes import terminate_processes
+from tests.commands import CHECKOUT, LAB
 
 
 class ServerThread:
@@ -73,9 +73,9 @@ def fake_server_process() -> Iterator[Callable[..., str]]:
     started: list[subprocess.Popen[str]] = []
 
     def start(*flags: str) -> str:
-        command = [*CONVEYOR, "bench", "fake-server", "--port", "0"]
+        command = [*LAB, "fake-server", "--port", "0"]
         command += ["--max-lifetime-s", "300", "--parent-pid", str(os.getpid()), *flags]
-        started.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
+        started.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=CHECKOUT))
         ready, _, _ = select.select([started[-1].stdout], [], [], 30)
         line = started[-1].stdout.readline() if ready else ""
         assert line.startswith("PORT="), f"the fake server did not start: {line!r}"

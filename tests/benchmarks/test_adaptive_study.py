@@ -9,7 +9,7 @@ from pathlib import Path
 from benchmarks.policy_study.adaptive import PRESETS_ADAPTIVE, setup_args
 from benchmarks.policy_study.adaptive_report import write_adaptive_report
 from benchmarks.policy_study.server import engine_flags
-from frontend.engine_args import EngineArgs, _parse_bytes
+from conveyor.frontend.engine_args import EngineArgs, _parse_bytes
 
 
 def found(capacity: float, lower_bound: bool = False) -> dict:
@@ -47,7 +47,7 @@ def model(size: str, caps: dict[str, float], out: Path) -> dict:
 def test_the_report_compares_adaptive_with_every_fixed_budget_on_every_model(tmp_path):
     config = PRESETS_ADAPTIVE["smoke"]
     results = {
-        "command": "python scripts/policy_study.py --adaptive",
+        "command": "python -m benchmarks policy-study --adaptive",
         "date": "2026-01-01 00:00",
         "seconds": 60.0,
         "machine": {"num_cpus": 2},

@@ -1,4 +1,4 @@
-"""conveyor bench attention: its side-by-side timing of two versions of the compiled kernel."""
+"""python -m benchmarks attention: its side-by-side timing of two versions of the compiled kernel."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import attention as bench
-from worker.attention import cpu_kernel
-from worker.native import find_compiler
+from conveyor.worker.attention import cpu_kernel
+from conveyor.worker.native import find_compiler
 
 pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C compiler on this machine")
 

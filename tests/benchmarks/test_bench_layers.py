@@ -1,4 +1,4 @@
-"""``conveyor bench layers --section int8`` (float32 and int8 timed on every decoder linear) and
+"""``python -m benchmarks layers --section int8`` (float32 and int8 timed on every decoder linear) and
 ``--section small`` (oneDNN and the one-or-two-row kernel)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import attention, layers
-from worker.layers.cpu_ops import load_token_ops
-from worker.layers.int8_linear import load_int8_gemm
+from conveyor.worker.layers.cpu_ops import load_token_ops
+from conveyor.worker.layers.int8_linear import load_int8_gemm
 
 
 @pytest.mark.skipif(load_int8_gemm() is None, reason="no C compiler for the int8 kernel")

@@ -1,10 +1,10 @@
-"""``conveyor bench moe``: every variant agrees with the plain grouping (int8 with its own
+"""``python -m benchmarks moe``: every variant agrees with the plain grouping (int8 with its own
 dequantized weights) and is timed, on both shapes."""
 
 from __future__ import annotations
 
 from benchmarks import moe
-from worker.layers.int8_linear import load_int8_gemm
+from conveyor.worker.layers.int8_linear import load_int8_gemm
 
 
 def test_every_variant_is_checked_and_timed(capsys):

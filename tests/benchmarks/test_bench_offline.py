@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from benchmarks import offline as bench
-from benchmarks.machine import tree_cpu_seconds
+from conveyor.bench import offline as bench
+from conveyor.bench.machine import tree_cpu_seconds
 
 
 def test_workloads_have_the_promised_shapes_and_are_seeded():
@@ -89,9 +89,9 @@ def test_tree_cpu_seconds_counts_a_busy_child():
 
 
 def test_phase_times_account_for_an_in_process_run(tiny_model_dir, capsys):
-    from engine_core.scheduler import Scheduler
-    from worker.attention.cpu_kernel import load_kernel
-    from worker.layers.linear import LinearBase
+    from conveyor.engine_core.scheduler import Scheduler
+    from conveyor.worker.attention.cpu_kernel import load_kernel
+    from conveyor.worker.layers.linear import LinearBase
 
     schedule, matmul = Scheduler.schedule, LinearBase.matmul
     argv = ["--model", str(tiny_model_dir), "--workload", "mix", "--engine", "inprocess"]

@@ -1,4 +1,4 @@
-"""conveyor bench reference: roofline FLOPs, ratios and medians, the prompts both engines get, and
+"""python -m benchmarks reference: roofline FLOPs, ratios and medians, the prompts both engines get, and
 the pipe to the reference engine's process (against a stub vllm; the real one only where the
 reference venv is installed)."""
 
@@ -14,10 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import offline
 from benchmarks import reference as bench
 from benchmarks.reference_client import ReferenceEngine, ReferenceEngineError
 from benchmarks.roofline import DenseShapes, batch_flops, roofline_share
+from conveyor.bench import offline
 from tests.devices import x86_only
 
 SHAPES = DenseShapes(
@@ -255,7 +255,7 @@ def test_a_reference_engine_that_dies_is_an_error_with_its_log(tmp_path: Path):
     python = _venv_with_vllm(tmp_path / "venv", "raise ImportError('no AVX-512 here')\n")
     with pytest.raises(ReferenceEngineError, match="no AVX-512 here"):
         ReferenceEngine.start(python, ["--model", "m"])
-    with pytest.raises(ReferenceEngineError, match="reference-engine.sh"):
+    with pytest.raises(ReferenceEngineError, match="install_reference_engine.sh"):
         ReferenceEngine.start(str(tmp_path / "missing" / "python"), [])
 
 
@@ -263,10 +263,10 @@ def test_a_reference_engine_that_dies_is_an_error_with_its_log(tmp_path: Path):
 @pytest.mark.skipif(
     os.environ.get("CONVEYOR_TEST_REFERENCE") != "1" or not bench.DEFAULT_REFERENCE_PYTHON.exists(),
     reason="runs vLLM's CPU build for over a minute: set CONVEYOR_TEST_REFERENCE=1 where it is "
-    "installed (/work/shared/tools/reference-engine.sh)",
+    "installed (scripts/install_reference_engine.sh)",
 )
 def test_side_by_side_with_the_real_reference_engine(capsys):
-    from worker.model_maker import ensure_model
+    from benchmarks.fixtures.model_maker import ensure_model
 
     # The bench model: vLLM's CPU attention has no kernel for the tiny model's head_dim of 16.
     model_dir = ensure_model("bench", "qwen3")

@@ -1,4 +1,4 @@
-"""``conveyor bench structured``: the three batches produce the same tokens' worth of output and
+"""``python -m benchmarks structured``: the three batches produce the same tokens' worth of output and
 the report carries their rates and step times."""
 
 from __future__ import annotations

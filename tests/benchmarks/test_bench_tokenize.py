@@ -1,4 +1,4 @@
-"""``conveyor bench tokenize``: every way tokenizes every prompt; on the loop, the loop stalls."""
+"""``python -m benchmarks tokenize``: every way tokenizes every prompt; on the loop, the loop stalls."""
 
 from __future__ import annotations
 

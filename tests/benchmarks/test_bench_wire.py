@@ -1,18 +1,16 @@
-"""conveyor bench wire: one JSON object; the diff stays small while the full resend grows."""
+"""python -m benchmarks wire: one JSON object; the diff stays small while the full resend grows."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 
-from tests.commands import CONVEYOR
+from tests.commands import CHECKOUT, LAB
 
 
 def test_bench_wire_json_shows_a_diff_independent_of_prompt_length():
-    command = [*CONVEYOR, "bench", "wire", "--json", "--requests", "32"]
-    out = subprocess.run(
-        [*command, "--prompt-lens", "100", "2000"], capture_output=True, text=True, timeout=60
-    )
+    command = [*LAB, "wire", "--json", "--requests", "32", "--prompt-lens", "100", "2000"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=CHECKOUT)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["machine"]["num_cpus"] >= 1 and report["config"]["requests"] == 32

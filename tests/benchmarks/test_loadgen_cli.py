@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.loadgen import main as loadgen
-from benchmarks.loadgen.capacity import CapacitySpec, make_probe, search_capacity
-from benchmarks.loadgen.fake_server import FakeServer, FakeServerConfig
+from conveyor.bench.loadgen import main as loadgen
+from conveyor.bench.loadgen.capacity import CapacitySpec, make_probe, search_capacity
+from conveyor.bench.loadgen.fake_server import FakeServer, FakeServerConfig
 from tests.commands import CONVEYOR
 from tests.frontend.http_helpers import free_port
 from tests.process_tree import descendants, kill_all, wait_until_gone
@@ -312,7 +312,7 @@ def test_self_test_drives_its_own_server_and_stops_it(tmp_path, capsys):
 def test_the_fake_server_exits_when_its_parent_dies():
     spawn = (
         "import subprocess, sys; "
-        "p = subprocess.Popen([sys.executable, '-m', 'benchmarks.loadgen.fake_server'], "
+        "p = subprocess.Popen([sys.executable, '-m', 'conveyor.bench.loadgen.fake_server'], "
         "stdout=subprocess.PIPE, text=True); "
         "print(p.stdout.readline().strip(), p.pid, flush=True)"
     )

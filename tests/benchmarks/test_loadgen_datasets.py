@@ -1,4 +1,4 @@
-"""benchmarks/loadgen/datasets.py: seeded, length-exact with a tokenizer, prefix groups that share."""
+"""bench/loadgen/datasets.py: seeded, length-exact with a tokenizer, prefix groups that share."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.loadgen.datasets import (
+from conveyor.bench.loadgen.datasets import (
     WORDS,
     DatasetSpec,
     PromptMaker,

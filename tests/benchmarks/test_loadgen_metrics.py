@@ -1,4 +1,4 @@
-"""benchmarks/loadgen/metrics.py and the arrival schedule, on hand-made samples (no server)."""
+"""bench/loadgen/metrics.py and the arrival schedule, on hand-made samples (no server)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.loadgen.client import RequestOutput
-from benchmarks.loadgen.datasets import SampleRequest
-from benchmarks.loadgen.metrics import (
+from conveyor.bench.loadgen.client import RequestOutput
+from conveyor.bench.loadgen.datasets import SampleRequest
+from conveyor.bench.loadgen.metrics import (
     concurrent_requests_per_second,
     format_summary,
     latency_stats,
@@ -20,7 +20,7 @@ from benchmarks.loadgen.metrics import (
     request_tpot,
     summarize,
 )
-from benchmarks.loadgen.runner import RunResult, arrival_offsets, cancel_points
+from conveyor.bench.loadgen.runner import RunResult, arrival_offsets, cancel_points
 
 
 def done(ttft: float, itl: list[float], tokens: int | None = None, start: float = 0.0):

@@ -15,23 +15,23 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from benchmarks.loadgen.client import Endpoint
-from benchmarks.loadgen.datasets import (
+from conveyor.bench.loadgen.client import Endpoint
+from conveyor.bench.loadgen.datasets import (
     DatasetSpec,
     PromptMaker,
     SampleRequest,
     load_tokenizer,
     make_dataset,
 )
-from benchmarks.loadgen.metrics import summarize
-from benchmarks.loadgen.runner import (
+from conveyor.bench.loadgen.metrics import summarize
+from conveyor.bench.loadgen.runner import (
     RunResult,
     TrafficSpec,
     arrival_offsets,
     cancel_points,
     open_session,
 )
-from benchmarks.loadgen.runner import run_requests as runner_run_requests
+from conveyor.bench.loadgen.runner import run_requests as runner_run_requests
 
 
 def word_samples(num: int, input_len: int = 8, output_len: int = 5) -> list[SampleRequest]:

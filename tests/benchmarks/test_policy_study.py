@@ -1,4 +1,4 @@
-"""scripts/policy_study.py end to end in its --smoke mode: the tiny model, a few requests.
+"""python -m benchmarks policy-study end to end in its --smoke mode: the tiny model, a few requests.
 
 Runs the study as a child process (it starts its own engines and servers) and reads what it
 wrote: the report, its plots, and a numeric table row per policy in every section. About 40 s
@@ -12,10 +12,11 @@ import json
 import re
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.commands import LAB
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ("static", "orca", "prefill-first", "stall-free")
@@ -38,7 +39,7 @@ def section_tables(report: str) -> dict[str, list[list[str]]]:
 @pytest.fixture(scope="module")
 def smoke_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("policy_study")
-    command = [sys.executable, str(ROOT / "scripts" / "policy_study.py"), "--smoke"]
+    command = [*LAB, "policy-study", "--smoke"]
     done = subprocess.run(
         [*command, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240
     )
@@ -53,7 +54,7 @@ def test_the_smoke_study_writes_a_report_and_its_plots(smoke_study: Path):
     for plot in PLOTS:
         assert (smoke_study / plot).stat().st_size > 1000, plot
         assert f"({plot})" in report, f"the report does not link {plot}"
-    assert "python scripts/policy_study.py --smoke" in report
+    assert "python -m benchmarks policy-study --smoke" in report
     assert '"num_cpus"' in report, "machine info"
 
 

@@ -19,9 +19,9 @@ from benchmarks.scaleout.step_cost_fit import (
     fit_trace_file,
 )
 from benchmarks.scaleout.workload import Workload, WorkloadConfig
-from engine_core import Request
-from engine_core.step_trace import StepTraceRecord
-from protocol import CacheConfig, SamplingParams, SchedulerConfig
+from conveyor.engine_core import Request
+from conveyor.engine_core.step_trace import StepTraceRecord
+from conveyor.protocol import CacheConfig, SamplingParams, SchedulerConfig
 
 TRUE_COST = StepCost(4e-3, 3e-4, 5e-4, 2e-8, 1e-4)
 

@@ -1,4 +1,4 @@
-"""scripts/soak.py end to end, shortened: a real server, load with cancellations, samples, checks.
+"""python -m benchmarks soak end to end, shortened: a real server, load with cancellations, samples, checks.
 
 Runs the script as a subprocess for 12 s of load at a rate well under the tiny model's capacity
 (given, so no probe), sampling every 3 s; the long run is in docs/reliability.md.
@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.commands import LAB
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 def test_a_short_soak_passes_and_reports_every_process(tiny_model_dir, tmp_path):
     result_json = tmp_path / "soak.json"
-    command = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--minutes", "0.2"]
+    command = [*LAB, "soak", "--minutes", "0.2"]
     command += ["--model", str(tiny_model_dir), "--rate", "5", "--sample-interval-s", "3"]
     command += ["--input-len", "32", "--output-len", "32", "--cancel-rate", "0.2"]
     # A run this short is mostly warm-up: the worker's allocator grows with each new batch size.

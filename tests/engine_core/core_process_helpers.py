@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import time
 
-from frontend.engine_client.sync_client import MPEngineClient
-from protocol import (
+from conveyor.frontend.engine_client.sync_client import MPEngineClient
+from conveyor.protocol import (
     CacheConfig,
     EngineConfig,
     EngineCoreRequest,

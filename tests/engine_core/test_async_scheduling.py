@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core import EngineCore
-from protocol import (
+from conveyor.engine_core import EngineCore
+from conveyor.protocol import (
     CacheConfig,
     EngineConfig,
     EngineCoreRequest,

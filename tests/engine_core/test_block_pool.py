@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from engine_core.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVCacheBlock
+from conveyor.engine_core.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVCacheBlock
 
 
 def _ids(blocks: list[KVCacheBlock]) -> list[int]:

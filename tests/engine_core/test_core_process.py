@@ -21,15 +21,15 @@ import pytest
 import zmq
 from msgspec.structs import replace
 
-from engine_core import EngineCore
-from engine_core.client_registry import ClientRegistry
-from engine_core.core_process import EngineCoreProcess, StepWatchdog, find_address_problem
-from frontend.engine_client import core_client
-from frontend.engine_client.async_client import AsyncEngineClient
-from frontend.engine_client.session import EngineDeadError
-from protocol import EngineConfig, ModelRunnerOutput, ObservabilityConfig, SchedulerOutput
-from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
-from protocol.messages import AddRequests, EngineDead, Heartbeat, Hello, Ready
+from conveyor.engine_core import EngineCore
+from conveyor.engine_core.client_registry import ClientRegistry
+from conveyor.engine_core.core_process import EngineCoreProcess, StepWatchdog, find_address_problem
+from conveyor.frontend.engine_client import core_client
+from conveyor.frontend.engine_client.async_client import AsyncEngineClient
+from conveyor.frontend.engine_client.session import EngineDeadError
+from conveyor.protocol import EngineConfig, ModelRunnerOutput, ObservabilityConfig, SchedulerOutput
+from conveyor.protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
+from conveyor.protocol.messages import AddRequests, EngineDead, Heartbeat, Hello, Ready
 from tests.engine_core.core_process_helpers import (
     BLOCK_SIZE,
     VOCAB,
@@ -199,7 +199,13 @@ def test_only_local_addresses_unless_remote_clients_are_allowed(address, allowed
 def test_the_engine_process_refuses_a_public_address(tmp_path):
     config_file = tmp_path / "config.msgpack"
     config_file.write_bytes(msgspec.msgpack.encode(fake_config()))
-    command = [sys.executable, "-m", "entrypoints.engine", "--config-file", str(config_file)]
+    command = [
+        sys.executable,
+        "-m",
+        "conveyor.entrypoints.engine",
+        "--config-file",
+        str(config_file),
+    ]
     command += ["--address", "tcp://0.0.0.0:0"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "reachable from other hosts" in result.stderr
@@ -467,5 +473,5 @@ def test_a_stopped_engine_says_it_was_shut_down_not_that_it_failed(
     with pytest.raises(EngineDeadError, match="shut down"):
         client.get_outputs(5.0)
     # An attached client warns that it can no longer serve; only a failure is an error.
-    records = [r for r in caplog.records if r.name == "frontend.engine_client.core_client"]
+    records = [r for r in caplog.records if r.name == "conveyor.frontend.engine_client.core_client"]
     assert [r.levelname for r in records] == ["WARNING"]

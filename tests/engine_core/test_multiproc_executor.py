@@ -19,18 +19,18 @@ import msgspec
 import pytest
 import zmq
 
-from engine_core import EngineCore
-from engine_core.multiproc_executor import (
+from conveyor.engine_core import EngineCore
+from conveyor.executor.backends import make_executor
+from conveyor.executor.multiproc import (
     ExecutorError,
     MultiprocExecutor,
     WorkerDiedError,
     WorkerFailedError,
     WorkerTimeoutError,
 )
-from entrypoints.engine import make_executor
-from protocol import EngineConfig, EngineCoreRequest
-from protocol.messages import ModelRunnerOutput
-from protocol.worker_messages import (
+from conveyor.protocol import EngineConfig, EngineCoreRequest
+from conveyor.protocol.messages import ModelRunnerOutput
+from conveyor.protocol.worker_messages import (
     WORKER_COMMAND,
     WORKER_REPLY,
     InitializeCache,
@@ -109,7 +109,7 @@ def test_junk_frames_are_dropped_by_the_worker_and_by_the_engine(mp_engine, expe
 
 
 def test_the_executor_module_does_not_import_torch():
-    code = "import sys, engine_core.multiproc_executor; print('torch' in sys.modules)"
+    code = "import sys, conveyor.executor.multiproc; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
@@ -208,8 +208,8 @@ def _engine_script(config: EngineConfig, tmp_path: Path, then: str) -> str:
     return textwrap.dedent(
         f"""
         import sys, time, msgspec
-        from engine_core.multiproc_executor import MultiprocExecutor
-        from protocol import EngineConfig
+        from conveyor.executor.multiproc import MultiprocExecutor
+        from conveyor.protocol import EngineConfig
         config = msgspec.msgpack.decode(open({str(config_file)!r}, "rb").read(), type=EngineConfig)
         executor = MultiprocExecutor(config, startup_timeout_s=60)
         print(executor._workers.runtime_dir, *executor.worker_pids, flush=True)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core import Request
-from engine_core.policies import POLICY_CLASSES, make_policy
-from protocol import SamplingParams, SchedulerOutput
-from protocol.config import POLICIES
+from conveyor.engine_core import Request
+from conveyor.engine_core.policies import POLICY_CLASSES, make_policy
+from conveyor.protocol import SamplingParams, SchedulerOutput
+from conveyor.protocol.config import POLICIES
 from tests.fake_executor import make_scheduler, run_step
 
 

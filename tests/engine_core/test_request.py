@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core import Request, RequestStatus
-from protocol import SamplingParams
+from conveyor.engine_core import Request, RequestStatus
+from conveyor.protocol import SamplingParams
 
 EOS = 2
 

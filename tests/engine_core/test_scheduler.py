@@ -11,11 +11,15 @@ import subprocess
 
 import pytest
 
-from engine_core import Request, RequestStatus, Scheduler
-from engine_core.request_queue import FCFSRequestQueue, PriorityRequestQueue, make_request_queue
-from protocol import ModelRunnerOutput, SamplingParams
-from protocol.config import POLICIES
-from tests.commands import CONVEYOR
+from conveyor.engine_core import Request, RequestStatus, Scheduler
+from conveyor.engine_core.request_queue import (
+    FCFSRequestQueue,
+    PriorityRequestQueue,
+    make_request_queue,
+)
+from conveyor.protocol import ModelRunnerOutput, SamplingParams
+from conveyor.protocol.config import POLICIES
+from tests.commands import CHECKOUT, LAB
 from tests.fake_executor import FakeExecutor, fake_next_token, make_scheduler, run_step
 
 VOCAB = 50
@@ -361,8 +365,8 @@ def test_runner_output_for_an_unknown_request_is_ignored():
 
 def test_bench_scheduler_script_reports_the_sweep_as_json():
     args = ["--running", "64", "--waiting", "20", "--steps", "10", "--json"]
-    command = [*CONVEYOR, "bench", "scheduler", *args]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    command = [*LAB, "scheduler", *args]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=CHECKOUT)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert set(report) == {"machine", "config", "headline", "rows"}

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine_core import Request
-from engine_core.request_queue import priority_key
-from protocol import SamplingParams, SchedulerOutput
-from protocol.config import POLICIES
+from conveyor.engine_core import Request
+from conveyor.engine_core.request_queue import priority_key
+from conveyor.protocol import SamplingParams, SchedulerOutput
+from conveyor.protocol.config import POLICIES
 from tests.fake_executor import OverlappedSteps, fake_next_token, make_scheduler, run_step
 
 VOCAB = 50

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-from engine_core.stats_logger import StatsLogger, format_stats_line
-from protocol import SchedulerStats
+from conveyor.engine_core.stats_logger import StatsLogger, format_stats_line
+from conveyor.protocol import SchedulerStats
 from tests.engine_core.test_scheduler import make_request, run_to_end
 from tests.fake_executor import make_scheduler
 
@@ -27,7 +27,7 @@ def make_logger(interval_s: float = 10.0):
 
 
 def lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "engine_core.stats_logger"]
+    return [r.getMessage() for r in caplog.records if r.name == "conveyor.engine_core.stats_logger"]
 
 
 def test_a_line_every_interval_while_working_and_none_when_idle(caplog):

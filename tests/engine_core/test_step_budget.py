@@ -8,10 +8,10 @@ import statistics
 
 import pytest
 
-from engine_core import EngineCore
-from engine_core.step_budget import DECODES, MIN_CHUNK, StepPrediction
-from engine_core.step_trace import read_trace
-from protocol import (
+from conveyor.engine_core import EngineCore
+from conveyor.engine_core.step_budget import DECODES, MIN_CHUNK, StepPrediction
+from conveyor.engine_core.step_trace import read_trace
+from conveyor.protocol import (
     CacheConfig,
     ConfigError,
     EngineConfig,

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from engine_core.step_cost import StepCostModel
+from conveyor.engine_core.step_cost import StepCostModel
 from tests.fake_executor import StepCostFormula
 
 FORMULA = StepCostFormula()

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-import entrypoints.cli
-from engine_core import EngineCore
-from engine_core.step_trace import read_trace
-from protocol import (
+import conveyor.entrypoints.cli
+from conveyor.engine_core import EngineCore
+from conveyor.engine_core.step_trace import read_trace
+from conveyor.protocol import (
     CacheConfig,
     EngineConfig,
     EngineCoreRequest,
@@ -80,7 +80,7 @@ def test_plot_trace_summarizes_and_draws(tmp_path, capsys):
         engine.step()
     engine.shutdown()
     out = tmp_path / "steps.png"
-    assert entrypoints.cli.main(["plot-trace", str(trace), "--out", str(out)]) == 0
+    assert conveyor.entrypoints.cli.main(["plot-trace", str(trace), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = capsys.readouterr().out
     assert "prefill_tokens: 10" in summary and "decode_tokens: 3" in summary

@@ -16,9 +16,9 @@ import threading
 import time
 from pathlib import Path
 
-from engine_core import EngineCore
-from entrypoints.engine import make_executor
-from frontend.engine_client import MPEngineClient
+from conveyor.engine_core import EngineCore
+from conveyor.executor.backends import make_executor
+from conveyor.frontend.engine_client import MPEngineClient
 from tests.multiproc_helpers import generate, make_config, make_requests
 from tests.process_tree import descendants
 

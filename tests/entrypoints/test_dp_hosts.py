@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from frontend import LLM
-from frontend.engine_client import MPEngineClient
-from frontend.engine_client.session import EngineStartError
-from protocol import SamplingParams
-from runtime.zmq_security import CURVE_KEYS_ENV, load_keys, with_server_key
+from conveyor.frontend import LLM
+from conveyor.frontend.engine_client import MPEngineClient
+from conveyor.frontend.engine_client.session import EngineStartError
+from conveyor.protocol import SamplingParams
+from conveyor.runtime.zmq_security import CURVE_KEYS_ENV, load_keys, with_server_key
 from tests.commands import CONVEYOR
 from tests.curve_keys import trusted_key_dirs
 from tests.entrypoints.host_helpers import Host, free_ports

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from entrypoints.engines import engine_address, engine_name
+from conveyor.entrypoints.engines import engine_address, engine_name
 
 
 @pytest.mark.parametrize(

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from frontend.engine_client import MPEngineClient
-from frontend.engine_client.session import EngineStartError
-from runtime.zmq_security import CURVE_KEYS_ENV, load_keys
+from conveyor.frontend.engine_client import MPEngineClient
+from conveyor.frontend.engine_client.session import EngineStartError
+from conveyor.runtime.zmq_security import CURVE_KEYS_ENV, load_keys
 from tests.commands import CONVEYOR
 from tests.curve_keys import trusted_key_dirs
 from tests.entrypoints.host_helpers import (

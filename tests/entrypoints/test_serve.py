@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from entrypoints.supervisor import RestartBudget
-from frontend.engine_client import MPEngineClient
-from protocol import EngineCoreRequest, SamplingParams
-from runtime.dirs import runtime_base
+from conveyor.entrypoints.supervisor import RestartBudget
+from conveyor.frontend.engine_client import MPEngineClient
+from conveyor.protocol import EngineCoreRequest, SamplingParams
+from conveyor.runtime.dirs import runtime_base
 from tests.commands import CONVEYOR
 from tests.frontend.http_helpers import free_port
 from tests.process_tree import descendants, kill_all, wait_until_gone

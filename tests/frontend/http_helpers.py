@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conveyor.runtime.processes import FRONTEND_MODULE
 from tests.commands import CONVEYOR
 from tests.process_tree import descendants, kill_all
 
@@ -304,11 +305,11 @@ def read_events(sock: socket.socket, num_events: int) -> bytes:
 
 
 def frontend_pids(supervisor_pid: int) -> list[int]:
-    """The ``python -m frontend`` processes below a supervisor."""
+    """The ``python -m conveyor.frontend`` processes below a supervisor."""
     pids = []
     for pid in descendants(supervisor_pid):
         with contextlib.suppress(OSError):
-            if b"\0frontend\0" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if f"\0{FRONTEND_MODULE}\0".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
                 pids.append(pid)
     return pids
 

@@ -15,9 +15,9 @@ import os
 import sys
 import time
 
-from frontend.output_processor import ChoiceState
-from frontend.server.metrics import FrontendMetrics
-from protocol import (
+from conveyor.frontend.output_processor import ChoiceState
+from conveyor.frontend.server.metrics import FrontendMetrics
+from conveyor.protocol import (
     CacheConfig,
     EngineConfig,
     ModelConfig,

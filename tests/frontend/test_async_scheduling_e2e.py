@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from frontend import LLM
-from protocol import SamplingParams
+from conveyor.frontend import LLM
+from conveyor.protocol import SamplingParams
 
 PROMPTS = [
     "The quick brown fox",
@@ -78,7 +78,7 @@ def test_async_scheduling_through_processes_matches_the_synchronous_engine(
 
 
 def test_the_engine_process_writes_its_step_trace(tiny_model_dir, tmp_path):
-    from engine_core.step_trace import read_trace
+    from conveyor.engine_core.step_trace import read_trace
 
     trace = tmp_path / "steps.jsonl"
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 
-from frontend import LLM
-from frontend.engine_client.sync_client import MPEngineClient
-from protocol import SamplingParams
+from conveyor.frontend import LLM
+from conveyor.frontend.engine_client.sync_client import MPEngineClient
+from conveyor.protocol import SamplingParams
 
 PROMPTS = [f"def f{i}(x):\n    return" for i in range(8)]
 
@@ -19,7 +19,7 @@ PROMPTS = [f"def f{i}(x):\n    return" for i in range(8)]
 def test_the_first_step_of_a_static_batch_holds_every_request(
     tiny_model_dir, tmp_path, monkeypatch
 ):
-    from engine_core.step_trace import read_trace
+    from conveyor.engine_core.step_trace import read_trace
 
     # A busy client: every frame it sends leaves a gap in which the engine can wake and step.
     send = MPEngineClient._send

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from frontend.engine_args import EngineArgs, add_engine_args, engine_args_from_kwargs
-from protocol import ConfigError
+from conveyor.frontend.engine_args import EngineArgs, add_engine_args, engine_args_from_kwargs
+from conveyor.protocol import ConfigError
 from tests.devices import x86_only
 
 
@@ -69,7 +69,7 @@ def test_the_block_size_defaults_to_what_the_attention_backend_accepts(tiny_mode
 
     import torch
 
-    from frontend import engine_args
+    from conveyor.frontend import engine_args
 
     def block_size(**kwargs) -> int:
         config = EngineArgs(model=str(tiny_model_dir), **kwargs).create_engine_config()

@@ -19,18 +19,18 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from frontend import LLM
-from frontend.engine_args import EngineArgs
-from frontend.engine_client import (
+from conveyor.frontend import LLM
+from conveyor.frontend.engine_args import EngineArgs
+from conveyor.frontend.engine_client import (
     AsyncEngineClient,
     EngineDeadError,
     EngineStartError,
     MPEngineClient,
     async_client,
 )
-from frontend.engine_client.core_client import SILENCE_HEARTBEATS, heartbeat_interval
-from frontend.engine_client.engine_process import EngineProcess
-from protocol import EngineCoreRequest, SamplingParams
+from conveyor.frontend.engine_client.core_client import SILENCE_HEARTBEATS, heartbeat_interval
+from conveyor.frontend.engine_client.engine_process import EngineProcess
+from conveyor.protocol import EngineCoreRequest, SamplingParams
 from tests.process_tree import descendants, kill_all, wait_until_gone
 
 SMALL_KV = 16 << 20

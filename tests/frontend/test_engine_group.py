@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from frontend.engine_client.engine_group import EngineGroupClient
-from frontend.engine_client.router import Router, RouterConfig
-from frontend.engine_client.session import EngineDeadError
-from protocol import EngineCoreOutput, EngineCoreRequest, SamplingParams
+from conveyor.frontend.engine_client.engine_group import EngineGroupClient
+from conveyor.frontend.engine_client.router import Router, RouterConfig
+from conveyor.frontend.engine_client.session import EngineDeadError
+from conveyor.protocol import EngineCoreOutput, EngineCoreRequest, SamplingParams
 
 
 class StandInEngine:

@@ -16,10 +16,10 @@ import msgspec
 import pytest
 import zmq
 
-from frontend.engine_client import MPEngineClient
-from frontend.engine_client.core_client import SILENCE_HEARTBEATS
-from protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
-from protocol.messages import EngineHeartbeat, Heartbeat, Hello, Ready
+from conveyor.frontend.engine_client import MPEngineClient
+from conveyor.frontend.engine_client.core_client import SILENCE_HEARTBEATS
+from conveyor.protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
+from conveyor.protocol.messages import EngineHeartbeat, Heartbeat, Hello, Ready
 from tests.multiproc_helpers import make_config
 
 INTERVAL_S = 0.25  # a silence limit of 1.25 s: a loaded 2-core host stalls a thread for 0.5 s

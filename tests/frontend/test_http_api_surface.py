@@ -24,9 +24,9 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from frontend import LLM
-from frontend.tokenizer import load_tokenizer
-from protocol import SamplingParams
+from conveyor.frontend import LLM
+from conveyor.frontend.tokenizer import load_tokenizer
+from conveyor.protocol import SamplingParams
 from tests.frontend.http_helpers import (
     MODEL_NAME,
     ServedHttp,

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from frontend import LLM
-from protocol import SamplingParams
+from conveyor.frontend import LLM
+from conveyor.protocol import SamplingParams
 from tests.commands import CONVEYOR
 from tests.frontend.http_helpers import (
     MODEL_NAME,
@@ -47,7 +47,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def bench_model_dir() -> Path:
-    from worker.model_maker import ensure_model
+    from benchmarks.fixtures.model_maker import ensure_model
 
     return ensure_model("bench", "qwen3")
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_core.core_process import ENGINE_FAULT_ENV
-from frontend.engine_client import MPEngineClient
+from conveyor.engine_core.core_process import ENGINE_FAULT_ENV
+from conveyor.frontend.engine_client import MPEngineClient
 from tests.frontend.http_helpers import (
     ServedHttp,
     accepting_frontend,
@@ -188,7 +188,7 @@ def test_a_killed_frontend_is_restarted_and_the_others_are_unaffected(served):
         assert time.monotonic() - killed_at < HEARTBEAT_TIMEOUT_S + 10.0
         assert served.process.poll() is None, "the supervisor must keep serving"
         log = served.log.read_text()
-        assert re.search(rf"WARNING entrypoints.supervisor: frontend-\d \(pid {victim}\) exited with code -9; "
+        assert re.search(rf"WARNING conveyor.entrypoints.supervisor: frontend-\d \(pid {victim}\) exited with code -9; "
                          r"restarting it", log)  # fmt: skip
         assert re.search(r"client \d+ gone \(heartbeat timeout\): aborted 4 requests", log)
 

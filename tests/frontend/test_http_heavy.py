@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from frontend.tokenizer import load_tokenizer
+from conveyor.frontend.tokenizer import load_tokenizer
 from tests.frontend.http_helpers import (
     MODEL_NAME,
     ServedHttp,

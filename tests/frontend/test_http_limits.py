@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from frontend.server.app import ServerSettings, build_app
-from frontend.server.gate import GateMiddleware
+from conveyor.frontend.server.app import ServerSettings, build_app
+from conveyor.frontend.server.gate import GateMiddleware
 from tests.frontend.http_helpers import (
     MODEL_NAME,
     ServedHttp,

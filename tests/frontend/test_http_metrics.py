@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.loadgen import main as loadgen
+from conveyor.bench.loadgen import main as loadgen
 from tests.frontend.http_helpers import (
     ServedHttp,
     accepting_frontend,
@@ -34,7 +34,9 @@ NUM_REQUESTS = 100
 # Before its timed run the load generator checks the server is ready with one request of its
 # own ("ready check", one output token): the server serves that one too.
 PROBE_REQUESTS = PROBE_TOKENS = 1
-STATS_LINE = re.compile(r"engine_core\[\d+\] INFO engine_core.stats_logger: engine 0: prompt ")
+STATS_LINE = re.compile(
+    r"engine_core\[\d+\] INFO conveyor.engine_core.stats_logger: engine 0: prompt "
+)
 
 
 @pytest.fixture(scope="module")
@@ -140,9 +142,9 @@ def test_vllms_dashboard_works_after_renaming_its_prefix(served, load):
 
 def test_requests_are_logged_at_arrival_and_at_the_end(served, load):
     log = served.log.read_text()
-    arrivals = re.findall(r"INFO frontend.requests: request (cmpl-\w+): 1 prompt\(s\) of \d+ tokens, "
+    arrivals = re.findall(r"INFO conveyor.frontend.requests: request (cmpl-\w+): 1 prompt\(s\) of \d+ tokens, "
                           r"params \{[^}]*'ignore_eos': True", log)  # fmt: skip
-    ends = re.findall(r"INFO frontend.requests: request (cmpl-\w+) finished: length, \d+ tokens "
+    ends = re.findall(r"INFO conveyor.frontend.requests: request (cmpl-\w+) finished: length, \d+ tokens "
                       r"generated, TTFT \d+\.\d+ s, E2E \d+\.\d+ s", log)  # fmt: skip
     num_served = NUM_REQUESTS + PROBE_REQUESTS
     assert len(arrivals) == len(ends) == num_served and set(arrivals) == set(ends)

@@ -19,10 +19,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from entrypoints.serve import DEMO_MAX_TOKENS
-from frontend import LLM
-from frontend.tokenizer import load_tokenizer
-from protocol import SamplingParams
+from conveyor.entrypoints.serve import DEMO_MAX_TOKENS
+from conveyor.frontend import LLM
+from conveyor.frontend.tokenizer import load_tokenizer
+from conveyor.protocol import SamplingParams
 from tests.frontend.http_helpers import (
     MODEL_NAME,
     ServedHttp,
@@ -366,7 +366,7 @@ def test_two_frontends_serve_parallel_requests(served, reference):
 @pytest.fixture(scope="module")
 def attached(served: ServedHttp, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A third frontend, started by hand on its own port against the running engine."""
-    log = tmp_path_factory.mktemp("attached") / "frontend.log"
+    log = tmp_path_factory.mktemp("attached") / "conveyor.frontend.log"
     process, base_url = start_attached_frontend(served.engine_address, log)
     try:
         yield base_url

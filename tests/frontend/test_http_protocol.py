@@ -17,9 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.output_processor import MAX_DECODE_TOKENS_ON_LOOP, ChoiceState, OutputProcessor
-from frontend.server.errors import MAX_MESSAGE_CHARS, ApiError
-from frontend.server.request_models import (
+from conveyor.frontend.output_processor import (
+    MAX_DECODE_TOKENS_ON_LOOP,
+    ChoiceState,
+    OutputProcessor,
+)
+from conveyor.frontend.server.errors import MAX_MESSAGE_CHARS, ApiError
+from conveyor.frontend.server.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_max_tokens,
@@ -30,9 +34,9 @@ from frontend.server.request_models import (
     prompt_list,
     to_sampling_params,
 )
-from frontend.tokenizer import load_tokenizer
-from protocol import EngineCoreOutput, Logprobs, SamplingParams
-from protocol.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from conveyor.frontend.tokenizer import load_tokenizer
+from conveyor.protocol import EngineCoreOutput, Logprobs, SamplingParams
+from conveyor.protocol.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 VOCAB_SIZE = 2048
 

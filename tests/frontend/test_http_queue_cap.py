@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from frontend.engine_client import MPEngineClient
+from conveyor.frontend.engine_client import MPEngineClient
 from tests.frontend.http_helpers import (
     ServedHttp,
     get,

@@ -15,14 +15,18 @@ from typing import Any
 
 import pytest
 
-from frontend.engine_client.session import EngineDeadError
-from frontend.server.chat import create_chat_completion
-from frontend.server.completions import create_completion
-from frontend.server.errors import ApiError
-from frontend.server.request_models import ChatCompletionRequest, CompletionRequest, decode_body
-from frontend.server.serving import ServingState, check_prompts
-from frontend.tokenizer import load_tokenizer
-from protocol import (
+from conveyor.frontend.engine_client.session import EngineDeadError
+from conveyor.frontend.server.chat import create_chat_completion
+from conveyor.frontend.server.completions import create_completion
+from conveyor.frontend.server.errors import ApiError
+from conveyor.frontend.server.request_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_body,
+)
+from conveyor.frontend.server.serving import ServingState, check_prompts
+from conveyor.frontend.tokenizer import load_tokenizer
+from conveyor.protocol import (
     CacheConfig,
     EngineConfig,
     EngineCoreOutput,

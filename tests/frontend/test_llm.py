@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from frontend import LLM
-from frontend.engine_args import DEFAULT_MODEL_DIR
-from frontend.tokenizer import IncrementalDetokenizer
-from protocol import SamplingParams
+from conveyor.frontend import LLM
+from conveyor.frontend.engine_args import DEFAULT_MODEL_DIR
+from conveyor.frontend.tokenizer import IncrementalDetokenizer
+from conveyor.protocol import SamplingParams
 
 SMALL_KV = 32 << 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -232,8 +232,8 @@ def test_incremental_detokenizer_matches_full_decode(llm):
 _SCRIPT = """
 import logging
 import sys
-from frontend import LLM
-from protocol import SamplingParams
+from conveyor.frontend import LLM
+from conveyor.protocol import SamplingParams
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 params = SamplingParams(temperature=0, max_tokens=4)

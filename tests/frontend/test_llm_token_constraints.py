@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from frontend import LLM
-from protocol import SamplingParams
+from conveyor.frontend import LLM
+from conveyor.protocol import SamplingParams
 
 PROMPT = "def main():\n    "
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from frontend.server.metrics import token_count_buckets
-from frontend.server.metrics_dir import MULTIPROC_DIR_ENV, forget_process
+from conveyor.frontend.server.metrics import token_count_buckets
+from conveyor.frontend.server.metrics_dir import MULTIPROC_DIR_ENV, forget_process
 from tests.frontend.http_helpers import metric, parse_metrics
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from frontend import LLM
-from frontend.engine_args import EngineArgs
-from frontend.model_source import hub_cache_dir, looks_like_repo_id, resolve_model
-from protocol import SamplingParams
-from protocol.config import ConfigError
+from conveyor.frontend import LLM
+from conveyor.frontend.engine_args import EngineArgs
+from conveyor.frontend.model_source import hub_cache_dir, looks_like_repo_id, resolve_model
+from conveyor.protocol import SamplingParams
+from conveyor.protocol.config import ConfigError
 
 MAIN = "a" * 40
 TAGGED = "b" * 40

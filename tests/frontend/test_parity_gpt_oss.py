@@ -14,7 +14,8 @@ import copy
 import pytest
 import torch
 
-from frontend import LLM
+from benchmarks.fixtures.model_maker import GPT_OSS_SLIDING_WINDOW, ensure_model
+from conveyor.frontend import LLM
 from tests.frontend import test_parity_hf as common
 from tests.frontend.test_parity_hf import (
     BLOCK_SIZE,
@@ -27,7 +28,6 @@ from tests.frontend.test_parity_hf import (
     _llm,
     _reference,
 )
-from worker.model_maker import GPT_OSS_SLIDING_WINDOW, ensure_model
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from frontend import LLM
-from frontend.engine_args import DEFAULT_MODEL_DIR
-from protocol import SamplingParams
+from conveyor.frontend import LLM
+from conveyor.frontend.engine_args import DEFAULT_MODEL_DIR
+from conveyor.protocol import SamplingParams
 from tests.devices import MODEL_TEST_DTYPE, logprob_tolerance
 
 ARCHS = ("qwen3", "qwen2", "llama")

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from frontend import LLM
-from protocol import SamplingParams
+from conveyor.frontend import LLM
+from conveyor.protocol import SamplingParams
+from conveyor.worker.layers.int8_linear import quantize_int8
 from tests.conftest import MOE_ARCHS
 from tests.frontend.test_parity_hf import (
     ARCHS,
@@ -29,7 +30,6 @@ from tests.frontend.test_parity_hf import (
     _check,
     _reference,
 )
-from worker.layers.int8_linear import quantize_int8
 
 # The linears the engine quantizes, by their transformers names, and the experts' stacked
 # matrices ([experts, out, in] in transformers 5, as in the engine: a row is an output feature).

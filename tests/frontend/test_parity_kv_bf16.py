@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from frontend import LLM
+from conveyor.frontend import LLM
 from tests.frontend.test_parity_hf import (
     ARCHS,
     BLOCK_SIZE,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend import LLM
+from conveyor.frontend import LLM
 from tests.conftest import MOE_ARCHS
 from tests.frontend import test_parity_hf as common
 from tests.frontend.test_parity_hf import (

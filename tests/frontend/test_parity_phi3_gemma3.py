@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.fixtures.model_maker import MAX_POSITION_EMBEDDINGS, ensure_model, model_config
 from tests.frontend import test_parity_hf as common
 from tests.frontend.test_parity_hf import NUM_NEW_TOKENS, PROMPT_LENGTHS, Reference, _reference
 from tests.worker.test_phi3_gemma3 import LONGROPE
-from worker.model_maker import MAX_POSITION_EMBEDDINGS, ensure_model, model_config
 
 FAMILIES = ("phi3", "gemma3", "gemma2")
 
@@ -132,7 +132,7 @@ def test_long_contexts_under_a_tiny_kv_pool_match_hf(windowed):
 def test_long_contexts_through_the_engine_and_worker_processes_match_hf(windowed):
     """The default engine (an engine-core process driving a worker process), async scheduling,
     chunked prefill and a pool that forces preemption, past the window."""
-    from frontend import LLM
+    from conveyor.frontend import LLM
 
     with LLM(
         str(windowed.model_dir),

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from frontend import LLM
+from benchmarks.fixtures.model_maker import MISTRAL_SLIDING_WINDOW, ensure_model
+from conveyor.frontend import LLM
 from tests.frontend import test_parity_hf as common
 from tests.frontend.test_parity_hf import (
     BLOCK_SIZE,
@@ -26,7 +27,6 @@ from tests.frontend.test_parity_hf import (
     _llm,
     _reference,
 )
-from worker.model_maker import MISTRAL_SLIDING_WINDOW, ensure_model
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.engine_client.router import (
+from conveyor.frontend.engine_client.router import (
     AFFINITY_PREFIX_TOKENS,
     NoEngineError,
     Router,
     RouterConfig,
     prefix_block_hashes,
 )
-from protocol import SchedulerStats
+from conveyor.protocol import SchedulerStats
 
 BLOCK = 4
 
@@ -150,7 +150,7 @@ def test_no_engine_up_raises():
 def test_only_the_first_tokens_are_hashed_and_the_table_is_bounded(monkeypatch):
     long_prompt = list(range(AFFINITY_PREFIX_TOKENS * 3))
     assert len(prefix_block_hashes(long_prompt, BLOCK)) == AFFINITY_PREFIX_TOKENS // BLOCK
-    monkeypatch.setattr("frontend.engine_client.router.MAX_AFFINITY_ENTRIES", 64)
+    monkeypatch.setattr("conveyor.frontend.engine_client.router.MAX_AFFINITY_ENTRIES", 64)
     r = router("prefix-affinity")
     for i in range(100):
         r.choose(prompt(i))

@@ -19,8 +19,8 @@ import jsonschema
 import pytest
 from llguidance import LLMatcher
 
-from frontend import LLM
-from protocol import SamplingParams, StructuredOutputsParams
+from conveyor.frontend import LLM
+from conveyor.protocol import SamplingParams, StructuredOutputsParams
 
 PROMPTS = ["Hello", "def f(x):", "{"]
 MAX_TOKENS = 256

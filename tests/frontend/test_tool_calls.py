@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from frontend.tool_calls import (
+from conveyor.frontend.tool_calls import (
     HermesParser,
     Llama3JsonParser,
     ToolCallStream,

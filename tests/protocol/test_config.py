@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from protocol import (
+from conveyor.protocol import (
     CacheConfig,
     ConfigError,
     EngineConfig,
@@ -19,7 +19,7 @@ from protocol import (
     check_engine_config,
     load_model_config,
 )
-from protocol.config import NodeConfig, ParallelConfig
+from conveyor.protocol.config import NodeConfig, ParallelConfig
 
 HF_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],

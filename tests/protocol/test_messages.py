@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from protocol import (
+from conveyor.protocol import (
     Abort,
     CachedRequestData,
     EngineCoreOutput,
@@ -18,7 +18,13 @@ from protocol import (
     SchedulerOutput,
     SchedulerStats,
 )
-from protocol.codec import ENGINE_INPUT, ENGINE_OUTPUT, RUNNER_OUTPUT, SCHEDULER_OUTPUT, WireCodec
+from conveyor.protocol.codec import (
+    ENGINE_INPUT,
+    ENGINE_OUTPUT,
+    RUNNER_OUTPUT,
+    SCHEDULER_OUTPUT,
+    WireCodec,
+)
 
 SAMPLING = SamplingParams(
     temperature=0.7, top_p=0.9, top_k=40, seed=1234, max_tokens=64, stop=["\n\n"], logprobs=2

@@ -7,8 +7,8 @@ import math
 import msgspec
 import pytest
 
-from protocol import SamplingParams
-from protocol.sampling_params import (
+from conveyor.protocol import SamplingParams
+from conveyor.protocol.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_STOP_STRINGS,

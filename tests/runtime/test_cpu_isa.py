@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from runtime import cpu_isa
+from conveyor.runtime import cpu_isa
 from tests.devices import x86_only
 
 
@@ -63,7 +63,7 @@ def test_apply_sets_what_the_user_left_unset(monkeypatch):
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "entrypoints.cli", *args],
+        [sys.executable, "-m", "conveyor.entrypoints.cli", *args],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
@@ -73,15 +73,20 @@ def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 
 @x86_only
 def test_the_command_applies_it_before_running_the_subcommand(monkeypatch):
-    from entrypoints import cli
+    from conveyor.entrypoints import cli
 
     seen = {}
     monkeypatch.setenv(cpu_isa.ENV, "avx2")
     for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
         monkeypatch.delenv(name, raising=False)
-    run = lambda argv: seen.update(os.environ) or 0  # noqa: E731
-    monkeypatch.setitem(cli.COMMANDS, "make-model", (run, "recorder"))
-    assert cli.main(["make-model", "out"]) == 0
+
+    class Recorder(cli.Command):
+        def run(self, argv: list[str]) -> int:
+            seen.update(os.environ)
+            return 0
+
+    monkeypatch.setitem(cli.COMMANDS, "generate", Recorder("unused", "recorder"))
+    assert cli.main(["generate", "out"]) == 0
     assert seen["ATEN_CPU_CAPABILITY"] == "avx2" and seen["ONEDNN_MAX_CPU_ISA"] == "AVX2"
 
 
@@ -91,7 +96,7 @@ def test_torch_reads_the_limit_when_it_is_set_before_import():
     env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
     env[cpu_isa.ENV] = "avx2"
     code = (
-        "from runtime import cpu_isa; cpu_isa.apply(); import torch; "
+        "from conveyor.runtime import cpu_isa; cpu_isa.apply(); import torch; "
         "print(torch.backends.cpu.get_cpu_capability())"
     )
     result = subprocess.run(

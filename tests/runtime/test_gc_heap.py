@@ -23,7 +23,7 @@ def test_freezing_collects_first_then_keeps_frozen_cycles_until_unfrozen():
     # Run apart: freezing is process-wide, and this test must not change the suite's process.
     script = """
         import gc, weakref
-        from runtime.gc_heap import freeze_startup_heap, unfreeze_heap
+        from conveyor.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
         from tests.runtime.test_gc_heap import _cycle
 
         garbage, garbage_ref = _cycle()
@@ -64,8 +64,8 @@ def test_a_worker_freezes_once_its_cache_is_in_place():
     _run(
         """
         import gc
-        from protocol.worker_messages import InitializeCache
-        from worker.worker_process import handle_command
+        from conveyor.protocol.worker_messages import InitializeCache
+        from conveyor.worker.worker_process import handle_command
 
         class Worker:
             def initialize_cache(self, num_blocks):
@@ -83,8 +83,8 @@ def test_an_llm_freezes_its_process_heap_and_gives_it_back_at_shutdown(tiny_mode
     _run(
         f"""
         import gc
-        from frontend import LLM
-        from protocol import SamplingParams
+        from conveyor.frontend import LLM
+        from conveyor.protocol import SamplingParams
 
         llm = LLM({str(tiny_model_dir)!r}, engine="inprocess", kv_cache_memory=16 << 20)
         assert gc.get_freeze_count() > 1000

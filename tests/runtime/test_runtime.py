@@ -16,16 +16,49 @@ from pathlib import Path
 
 import pytest
 
-from runtime.dirs import make_runtime_dir, remove_runtime_dir, runtime_base
-from runtime.exit_codes import ExitCode
-from runtime.logs import LOG_LEVEL_ENV, log_level
-from runtime.processes import ChildProcess, describe_exit, pid_is_alive, terminate
-from runtime.signals import ShutdownRequested, install_shutdown_signals, signals_held
+from conveyor.runtime import processes
+from conveyor.runtime.dirs import make_runtime_dir, remove_runtime_dir, runtime_base
+from conveyor.runtime.exit_codes import ExitCode
+from conveyor.runtime.logs import LOG_LEVEL_ENV, log_level
+from conveyor.runtime.processes import (
+    ChildProcess,
+    describe_exit,
+    pid_is_alive,
+    python_command,
+    terminate,
+)
+from conveyor.runtime.signals import ShutdownRequested, install_shutdown_signals, signals_held
+
+# Files named like ours in the directory a child starts in: each would fail the child if imported.
+DECOYS = ("conveyor", "protocol", "runtime", "worker", "frontend", "engine_core", "entrypoints")
+
+
+def _decoy_directory(path: Path) -> Path:
+    for name in DECOYS:
+        (path / f"{name}.py").write_text(f"raise SystemExit('the decoy {name}.py was imported')\n")
+    return path
+
+
+@pytest.mark.parametrize("form", ["this interpreter's", "python 3.10's"])
+def test_a_child_never_imports_the_callers_directory(tmp_path: Path, form: str):
+    """Children run conveyor's own modules whatever the directory they start in holds: -P on
+    3.11+, and on 3.10 the working directory dropped from the path before anything is imported."""
+    module, args = "conveyor.entrypoints.cli", ["--version"]
+    command = python_command(module, args)
+    if form == "python 3.10's":
+        command = [sys.executable, "-c", processes._RUN_MODULE_WITHOUT_CWD, module, *args]
+    elif sys.version_info >= (3, 11):
+        assert command[1:3] == ["-P", "-m"]
+    done = subprocess.run(
+        command, cwd=_decoy_directory(tmp_path), capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("conveyor "), done.stdout
 
 
 def test_a_child_exits_when_its_stdin_pipe_closes():
     """The parent watch that needs no PDEATHSIG: EOF on a pipe the parent holds means it is gone."""
-    code = "import time\nfrom runtime.parent import exit_when_pipe_closes\n"
+    code = "import time\nfrom conveyor.runtime.parent import exit_when_pipe_closes\n"
     code += "exit_when_pipe_closes(0)\ntime.sleep(30)"
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
     try:
@@ -43,8 +76,8 @@ def test_a_child_tied_to_its_parent_stops_when_the_parent_dies():
     child_code = textwrap.dedent(
         """
         import os, sys, time
-        from runtime.parent import tie_to_parent
-        from runtime.signals import ShutdownRequested, install_shutdown_signals
+        from conveyor.runtime.parent import tie_to_parent
+        from conveyor.runtime.signals import ShutdownRequested, install_shutdown_signals
         install_shutdown_signals()
         tie_to_parent(int(sys.argv[1]))
         print(os.getpid(), flush=True)
@@ -142,7 +175,7 @@ def test_log_lines_name_the_process_and_levels_come_from_the_environment(monkeyp
     monkeypatch.setenv(LOG_LEVEL_ENV, "warning")
     assert log_level() == logging.WARNING and log_level("debug") == logging.DEBUG
     assert log_level("nonsense") == logging.INFO
-    code = "import logging\nfrom runtime.logs import configure_logging\n"
+    code = "import logging\nfrom conveyor.runtime.logs import configure_logging\n"
     code += "configure_logging('worker-3')\nlogging.getLogger('x').info('quiet')\n"
     code += "logging.getLogger('x').warning('hello')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
@@ -155,7 +188,7 @@ def test_a_signal_as_a_child_starts_leaves_its_handle_with_the_child_process(mon
     """The signal lands while the child is spawned (as the supervisor's SIGTERM did while it
     started a frontend): ShutdownRequested is raised, and the ChildProcess has the handle, so
     the cleanup that follows stops the child instead of leaving it running."""
-    from runtime import processes
+    from conveyor.runtime import processes
 
     real_popen = subprocess.Popen
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import zmq
 
-from engine_core.core_process import find_address_problem
-from engine_core.worker_processes import WorkerProcesses
-from entrypoints.keys import main as keys_main
-from protocol.config import NodeConfig
-from runtime.zmq_security import (
+from conveyor.engine_core.core_process import find_address_problem
+from conveyor.entrypoints.keys import main as keys_main
+from conveyor.executor.worker_processes import WorkerProcesses
+from conveyor.protocol.config import NodeConfig
+from conveyor.runtime.zmq_security import (
     CURVE_KEYS_ENV,
     CurveKeys,
     CurveKeysError,
@@ -151,7 +151,7 @@ def test_a_client_whose_key_the_engine_refuses_gets_an_error_in_time_not_a_hang(
     # Its DEALER never gets a connection to send on: the handshake's Hello must not block.
     import time
 
-    from frontend.engine_client.session import EngineLiveness, EngineStartError, handshake
+    from conveyor.frontend.engine_client.session import EngineLiveness, EngineStartError, handshake
 
     context = zmq.Context()
     binder = SecureBinder(context, load_keys(key_dirs["head"]))

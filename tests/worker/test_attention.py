@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from worker.attention import selector
-from worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel
-from worker.attention.flash_attn_backend import FlashAttnBackend, flash_attn_import_error
-from worker.attention.metadata_builder import build_attention_metadata
-from worker.attention.selector import flash_attn_unusable_reason, select_backend
-from worker.attention.torch_backend import TorchAttentionBackend
-from worker.attention.triton_backend import TritonAttentionBackend
+from conveyor.worker.attention import selector
+from conveyor.worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel
+from conveyor.worker.attention.flash_attn_backend import FlashAttnBackend, flash_attn_import_error
+from conveyor.worker.attention.metadata_builder import build_attention_metadata
+from conveyor.worker.attention.selector import flash_attn_unusable_reason, select_backend
+from conveyor.worker.attention.torch_backend import TorchAttentionBackend
+from conveyor.worker.attention.triton_backend import TritonAttentionBackend
 
 HEAD_DIM = 16
 CPU = torch.device("cpu")
@@ -431,21 +431,21 @@ def test_forced_backends_run_as_named_or_fail_saying_why(monkeypatch):
 def test_falling_back_to_torch_ops_on_cuda_is_a_warning_naming_the_fix(caplog, monkeypatch):
     # Building the torch backend touches no device, so this runs anywhere.
     monkeypatch.setattr(selector, "triton_unusable_reason", lambda device: "no triton here")
-    with caplog.at_level("WARNING", logger="worker.attention.selector"):
+    with caplog.at_level("WARNING", logger="conveyor.worker.attention.selector"):
         backend = select_backend(torch.device("cuda"), 16, None, torch.bfloat16)
     assert isinstance(backend, TorchAttentionBackend)
     (record,) = [r for r in caplog.records if r.levelname == "WARNING"]
     assert "multiple of 256" in record.getMessage() and "--block-size" in record.getMessage()
     assert "no triton here" in record.getMessage()
     caplog.clear()
-    with caplog.at_level("INFO", logger="worker.attention.selector"):
+    with caplog.at_level("INFO", logger="conveyor.worker.attention.selector"):
         select_backend(CPU, 16)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
 def test_without_flash_attn_cuda_gets_the_triton_kernel_saying_why(caplog, monkeypatch):
     monkeypatch.setattr(selector, "triton_unusable_reason", lambda device: None)
-    with caplog.at_level("INFO", logger="worker.attention.selector"):
+    with caplog.at_level("INFO", logger="conveyor.worker.attention.selector"):
         backend = select_backend(torch.device("cuda"), 16, None, torch.float32)
     assert isinstance(backend, TritonAttentionBackend)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
@@ -519,7 +519,7 @@ def test_flash_attn_matches_torch_backend_over_two_steps(
 def test_the_cuda_prefill_route_with_repeated_kv_heads_equals_the_gqa_one():
     """The route CUDA takes for a masked prompt chunk (KV heads repeated, no enable_gqa, so the
     memory-efficient kernel can take the mask) gives what the GQA route gives; run on CPU."""
-    from worker.attention.torch_backend import _prefill_attention
+    from conveyor.worker.attention.torch_backend import _prefill_attention
 
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(1, 8, 20, HEAD_DIM, generator=gen)

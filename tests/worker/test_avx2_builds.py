@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.worker.native import find_compiler
 from tests.devices import x86_only
-from worker.native import find_compiler
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = [
@@ -37,7 +37,7 @@ def test_the_avx2_builds_pass_the_kernel_tests(tmp_path):
     # runtime.cpu_isa.apply() is what the `conveyor` command does first; pytest is not that
     # command, so the child applies it before torch loads.
     code = (
-        "import sys; from runtime import cpu_isa; cpu_isa.apply(); import pytest; "
+        "import sys; from conveyor.runtime import cpu_isa; cpu_isa.apply(); import pytest; "
         "sys.exit(pytest.main(sys.argv[1:]))"
     )
     deselect = "not concurrent_builds and not fallback_builds"  # they choose their own flags

@@ -14,6 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from conveyor.worker.attention import cpu_kernel
+from conveyor.worker.attention.batch_plan import KernelRouting, plan_batch
+from conveyor.worker.attention.cpu_kernel import PagedAttentionKernel, find_compiler, load_kernel
+from conveyor.worker.attention.torch_backend import TorchAttentionBackend
 from tests.worker.test_attention import (
     make_request,
     random_mixed_batch,
@@ -23,10 +27,6 @@ from tests.worker.test_attention import (
     step_inputs,
     store_prefix,
 )
-from worker.attention import cpu_kernel
-from worker.attention.batch_plan import KernelRouting, plan_batch
-from worker.attention.cpu_kernel import PagedAttentionKernel, find_compiler, load_kernel
-from worker.attention.torch_backend import TorchAttentionBackend
 
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="the CPU kernel cannot be built")

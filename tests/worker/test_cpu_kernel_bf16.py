@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from frontend.engine_args import EngineArgs
+from conveyor.frontend.engine_args import EngineArgs
+from conveyor.worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel
+from conveyor.worker.attention.torch_backend import TorchAttentionBackend
+from conveyor.worker.model_runner import ModelRunner
 from tests.devices import logprob_tolerance
 from tests.worker.test_attention import Request, step_inputs, store_prefix
 from tests.worker.test_cuda import _prompts, logprob_error, teacher_forced_logprobs
 from tests.worker.test_prefill_kernel import BLOCK_SIZE, make_batch
-from worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel
-from worker.attention.torch_backend import TorchAttentionBackend
-from worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(
     load_kernel(torch.bfloat16) is None, reason="the CPU kernel cannot be built"

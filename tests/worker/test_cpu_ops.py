@@ -11,11 +11,11 @@ import ctypes
 import pytest
 import torch
 
+from conveyor.worker import native
+from conveyor.worker.layers import cpu_ops
+from conveyor.worker.layers.cpu_ops import TokenOps, load_token_ops
+from conveyor.worker.layers.norm import RMSNorm, rms_normalize
 from tests.env_switches import assert_refused, switch_set
-from worker import native
-from worker.layers import cpu_ops
-from worker.layers.cpu_ops import TokenOps, load_token_ops
-from worker.layers.norm import RMSNorm, rms_normalize
 
 EPS = 1e-6
 
@@ -139,7 +139,7 @@ def test_the_layer_takes_the_compiled_op_and_gives_the_torch_result(ops, monkeyp
     assert half(x.bfloat16(), residual.bfloat16())[0].dtype == torch.bfloat16
     assert len(calls) == 3
     # With the library unavailable (no compiler, CONVEYOR_CPU_KERNEL=0) the torch ops run.
-    monkeypatch.setattr("worker.layers.norm.load_token_ops", lambda: None)
+    monkeypatch.setattr("conveyor.worker.layers.norm.load_token_ops", lambda: None)
     fallback = norm(x, residual)
     torch.testing.assert_close(compiled[0], fallback[0], rtol=2e-6, atol=2e-6)
     assert torch.equal(compiled[1], fallback[1])
@@ -280,11 +280,11 @@ def test_silu_and_mul_over_the_whole_float_range():
 
 
 def test_the_layers_take_the_compiled_ops_and_fall_back_to_torch(ops, monkeypatch):
-    from worker.layers.activation import SiluAndMul
+    from conveyor.worker.layers.activation import SiluAndMul
 
     x = torch.randn(9, 2 * 48)
     compiled = SiluAndMul()(x)
-    monkeypatch.setattr("worker.layers.activation.load_token_ops", lambda: None)
+    monkeypatch.setattr("conveyor.worker.layers.activation.load_token_ops", lambda: None)
     fallback = SiluAndMul()(x)
     torch.testing.assert_close(compiled, fallback, rtol=1e-6, atol=1e-6)
     assert not TokenOps.takes_gated(x.bfloat16()) and not TokenOps.takes_gated(x[:, :95])
@@ -365,7 +365,7 @@ def test_small_linear_takes_one_or_two_dense_float32_rows_only():
 
 
 def test_small_batches_take_the_small_linear_and_larger_ones_the_packed_weight(ops, monkeypatch):
-    from worker.layers.gemm import linear, pack_weight
+    from conveyor.worker.layers.gemm import linear, pack_weight
 
     generator = torch.Generator().manual_seed(96)
     weight = torch.randn(96, 128, generator=generator)
@@ -393,7 +393,7 @@ def test_small_batches_take_the_small_linear_and_larger_ones_the_packed_weight(o
         assert calls == [1, 2]
     monkeypatch.setattr(ops, "threaded", True)
     # Without the library (no compiler, CONVEYOR_CPU_KERNEL=0) the packed weight serves them.
-    monkeypatch.setattr("worker.layers.gemm.load_token_ops", lambda: None)
+    monkeypatch.setattr("conveyor.worker.layers.gemm.load_token_ops", lambda: None)
     linear(torch.randn(1, 128), weight, bias, packed)
     assert calls == [1, 2]
 
@@ -401,7 +401,7 @@ def test_small_batches_take_the_small_linear_and_larger_ones_the_packed_weight(o
 def test_conveyor_small_linear_off_keeps_the_packed_weight_and_other_values_are_refused(
     ops, monkeypatch
 ):
-    from worker.layers.gemm import linear, pack_weight
+    from conveyor.worker.layers.gemm import linear, pack_weight
 
     generator = torch.Generator().manual_seed(40)
     weight = torch.randn(40, 64, generator=generator)

@@ -3,7 +3,7 @@ eager, CUDA against CPU, flash-attn against the torch backend at head_dim 128, m
 with a 16k prompt on the torch path, and tensor parallelism over NCCL.
 
 Skipped unless the run asks for the GPU (CONVEYOR_TEST_DEVICE=cuda, tests/devices.py) on a machine
-that has one; ``conveyor gpu-check`` runs them. The head_dim-128 tests use the random model with
+that has one; ``python -m benchmarks gpu-check`` runs them. The head_dim-128 tests use the random model with
 Qwen3-0.6B's shapes (generated once into the model cache, about 1.2 GB).
 """
 
@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from frontend import LLM
-from frontend.engine_args import EngineArgs
-from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from protocol.config import ConfigError
+from conveyor.frontend import LLM
+from conveyor.frontend.engine_args import EngineArgs
+from conveyor.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from conveyor.protocol.config import ConfigError
+from conveyor.worker.attention.flash_attn_backend import FlashAttnBackend, flash_attn_import_error
+from conveyor.worker.attention.metadata_builder import build_attention_metadata
+from conveyor.worker.attention.torch_backend import TorchAttentionBackend
+from conveyor.worker.model_runner import ModelRunner
 from tests.devices import logprob_tolerance, requires_cuda
 from tests.worker.test_attention import Request, make_requests, reference_attention, step_inputs
-from worker.attention.flash_attn_backend import FlashAttnBackend, flash_attn_import_error
-from worker.attention.metadata_builder import build_attention_metadata
-from worker.attention.torch_backend import TorchAttentionBackend
-from worker.model_runner import ModelRunner
 
 pytestmark = [pytest.mark.cuda, requires_cuda()]
 
@@ -36,7 +36,7 @@ needs_flash_attn = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def qwen3_0_6b_dir():
-    from worker.model_maker import ensure_model
+    from benchmarks.fixtures.model_maker import ensure_model
 
     return ensure_model("qwen3-0.6b", "qwen3")
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from frontend.engine_args import EngineArgs
-from worker.attention.metadata_builder import build_attention_metadata
-from worker.cuda_graphs import (
+from conveyor.frontend.engine_args import EngineArgs
+from conveyor.worker.attention.metadata_builder import build_attention_metadata
+from conveyor.worker.cuda_graphs import (
     AttentionOutputs,
     DecodeGraphs,
     PieceSplitter,
@@ -21,8 +21,8 @@ from worker.cuda_graphs import (
     capture_sizes,
     padded_size,
 )
-from worker.loader import load_model
-from worker.model_runner import ModelRunner
+from conveyor.worker.loader import load_model
+from conveyor.worker.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 
@@ -143,8 +143,8 @@ def test_a_whole_graph_reads_every_step_it_replays_from_the_fixed_buffers(tiny_m
     # The contract whole-forward graphs rest on (the capture itself runs on a GPU,
     # tests/worker/test_cuda.py): with the step padded into the fixed buffers, the forward the
     # graph recorded gives the eager runner's tokens, batch after batch, padding included.
-    from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-    from worker.attention.triton_backend import triton_unusable_reason
+    from conveyor.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+    from conveyor.worker.attention.triton_backend import triton_unusable_reason
 
     # On CPU the kernel runs under Triton's interpreter, which tests/devices.py turns on for CPU
     # runs only (a CUDA run of the suite checks real captures in tests/worker/test_cuda.py).
@@ -226,7 +226,7 @@ class FakeCaptures:
 @pytest.fixture
 def faked_capture(tiny_model_dir, monkeypatch):
     """A CPU runner whose backend claims whole-forward graphs, with both captures faked."""
-    import worker.model_runner as model_runner
+    import conveyor.worker.model_runner as model_runner
 
     def make(fail_whole: tuple[int, ...] = ()) -> tuple[ModelRunner, FakeCaptures]:
         config = EngineArgs(
@@ -271,7 +271,7 @@ def test_whole_graphs_failing_on_the_stand_in_leave_the_pieces_budgeted(faked_ca
 def test_whole_graphs_failing_on_the_real_cache_run_eagerly_with_a_warning(faked_capture, caplog):
     runner, fake = faked_capture(fail_whole=(2,))
     assert runner.capture_cuda_graphs() == FakeCaptures.WHOLE
-    with caplog.at_level("WARNING", logger="worker.model_runner"):
+    with caplog.at_level("WARNING", logger="conveyor.worker.model_runner"):
         runner.initialize_cache(12)
     # No pieces now: the budget holds the whole graphs' 66 MiB, not the pieces' 1.7 GiB.
     assert fake.calls == [("whole", 1), ("whole", 12)]

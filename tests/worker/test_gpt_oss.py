@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from worker.layers.mxfp4 import dequantize_mxfp4
-from worker.loader import ModelLoadError, load_model
-from worker.model_maker import ensure_model
+from benchmarks.fixtures.model_maker import ensure_model
+from conveyor.worker.layers.mxfp4 import dequantize_mxfp4
+from conveyor.worker.loader import ModelLoadError, load_model
 
 CPU = torch.device("cpu")
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from protocol.config import ConfigError
-from worker import kv_cache
-from worker.attention.torch_backend import TorchAttentionBackend
-from worker.host_memory import HUGE_PAGE_BYTES, zeros_on_huge_pages
+from conveyor.protocol.config import ConfigError
+from conveyor.worker import kv_cache
+from conveyor.worker.attention.torch_backend import TorchAttentionBackend
+from conveyor.worker.host_memory import HUGE_PAGE_BYTES, zeros_on_huge_pages
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from worker.input_batch import InputBatch
+from conveyor.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from conveyor.worker.input_batch import InputBatch
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -12,9 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.layers import int8_linear
-from worker.layers.int8_linear import Int8Weight, load_int8_gemm, quantize_int8, quantize_model
-from worker.layers.linear import (
+from conveyor.worker.layers import int8_linear
+from conveyor.worker.layers.int8_linear import (
+    Int8Weight,
+    load_int8_gemm,
+    quantize_int8,
+    quantize_model,
+)
+from conveyor.worker.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -189,8 +194,8 @@ def test_quantize_model_takes_the_decoder_linears_and_leaves_routers():
 
 
 def test_load_model_quantizes_the_decoder_linears_before_packing(tiny_model_dirs):
-    from worker.layers.embedding import ParallelLMHead
-    from worker.loader import ModelLoadError, load_model
+    from conveyor.worker.layers.embedding import ParallelLMHead
+    from conveyor.worker.loader import ModelLoadError, load_model
 
     model = load_model(tiny_model_dirs["qwen2"], torch.float32, "cpu", quantization="int8")
     linears = [
@@ -207,8 +212,8 @@ def test_load_model_quantizes_the_decoder_linears_before_packing(tiny_model_dirs
 
 
 def _random_experts(kind: str) -> torch.nn.Module:
-    from worker.layers.fused_moe import MoEExperts
-    from worker.models.gpt_oss import GptOssExperts
+    from conveyor.worker.layers.fused_moe import MoEExperts
+    from conveyor.worker.models.gpt_oss import GptOssExperts
 
     if kind == "gpt_oss":  # biases on both matrices, the clamped SwiGLU
         experts = GptOssExperts(4, 32, 24, swiglu_limit=7.0)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocol.config import ConfigError
-from worker.attention.flash_attn_backend import FlashAttnBackend
-from worker.attention.torch_backend import TorchAttentionBackend
-from worker.kv_cache import (
+from conveyor.protocol.config import ConfigError
+from conveyor.worker.attention.flash_attn_backend import FlashAttnBackend
+from conveyor.worker.attention.torch_backend import TorchAttentionBackend
+from conveyor.worker.kv_cache import (
     allocate_kv_caches,
     claim_cuda_memory,
     engine_peak_bytes,

@@ -14,13 +14,13 @@ import dataclasses
 import pytest
 import torch
 
-from frontend.engine_args import EngineArgs
-from protocol import ConfigError
+from conveyor.frontend.engine_args import EngineArgs
+from conveyor.protocol import ConfigError
+from conveyor.worker.attention.cpu_kernel import load_kernel
+from conveyor.worker.attention.torch_backend import TorchAttentionBackend
 from tests.worker import test_cpu_kernel_bf16 as bf16_tests
 from tests.worker.test_attention import Request
 from tests.worker.test_prefill_kernel import BLOCK_SIZE, make_batch
-from worker.attention.cpu_kernel import load_kernel
-from worker.attention.torch_backend import TorchAttentionBackend
 
 needs_kernel = pytest.mark.skipif(
     load_kernel(torch.float32, torch.bfloat16) is None, reason="the CPU kernel cannot be built"
@@ -117,7 +117,7 @@ def test_writes_round_to_nearest_even_as_torch_does():
 
 
 def test_a_float32_model_gets_twice_the_blocks_in_the_same_bytes(tiny_model_dir):
-    from worker.model_runner import ModelRunner
+    from conveyor.worker.model_runner import ModelRunner
 
     blocks = {}
     for cache_dtype in ("auto", "bfloat16"):

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from worker.layers import (
+from conveyor.worker.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -21,7 +21,7 @@ from worker.layers import (
     rms_normalize,
     rotate_,
 )
-from worker.layers.gemm import PACKED_MAX_ROWS, pack_weight, packed_row_limit
+from conveyor.worker.layers.gemm import PACKED_MAX_ROWS, pack_weight, packed_row_limit
 
 HEAD_DIM = 32
 MAX_POSITIONS = 2048
@@ -308,8 +308,8 @@ def test_vocab_parallel_embedding_and_head_with_padded_last_shard():
 def _tensor_parallel_rank(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
+    from conveyor.worker.loader import load_model
     from tests.worker.test_models import dense_logits, random_prompts
-    from worker.loader import load_model
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
@@ -334,8 +334,8 @@ def test_two_rank_tensor_parallel_model_matches_one_rank(tiny_model_dirs, tmp_pa
 
     import torch.multiprocessing as mp
 
+    from conveyor.worker.loader import load_model
     from tests.worker.test_models import dense_logits, random_prompts
-    from worker.loader import load_model
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from worker.loader import ModelLoadError, load_model, resolve_dtype
+from conveyor.worker.loader import ModelLoadError, load_model, resolve_dtype
 
 CPU = torch.device("cpu")
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.attention.metadata_builder import build_attention_metadata
+from conveyor.worker.attention.metadata_builder import build_attention_metadata
 
 CPU = torch.device("cpu")
 

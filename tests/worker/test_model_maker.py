@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import entrypoints.cli
-from worker.model_maker import (
+import benchmarks.__main__
+from benchmarks.fixtures.model_maker import (
     cached_model_name,
     ensure_model,
     model_config,
     write_model_dir,
 )
-from worker.tokenizer_maker import CHAT_TEMPLATE
+from benchmarks.fixtures.tokenizer_maker import CHAT_TEMPLATE
 
 TEXT = "def greet(name):\n    return f'Hello, {name}!'  # naïve café, 東京, emoji 🚂 \t tabs"
 
@@ -153,7 +153,7 @@ def test_ensure_model_is_made_once_under_concurrent_callers(tmp_path, monkeypatc
 
 def test_conveyor_make_model(tmp_path: Path, capsys):
     def main(argv: list[str]) -> int:
-        return entrypoints.cli.main(["make-model", *argv])
+        return benchmarks.__main__.main(["make-model", *argv])
 
     assert main([str(tmp_path / "m"), "--size", "tiny", "--arch", "qwen2", "--seed", "3"]) == 0
     assert "Qwen2ForCausalLM" in capsys.readouterr().out

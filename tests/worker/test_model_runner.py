@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from frontend.engine_args import EngineArgs
-from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from protocol.config import ConfigError
-from worker.model_runner import ModelRunner
+from conveyor.frontend.engine_args import EngineArgs
+from conveyor.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from conveyor.protocol.config import ConfigError
+from conveyor.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
 BLOCK_SIZE = 16
@@ -154,7 +154,7 @@ def test_logprobs_rows_align_with_sampled_tokens(runner):
 
 
 def test_worst_case_profiling_step_runs_and_releases_its_cache(config):
-    from worker.memory_profile import _dummy_lengths, run_worst_case_step
+    from conveyor.worker.memory_profile import _dummy_lengths, run_worst_case_step
 
     lengths = _dummy_lengths(2048, 4, 256)
     assert lengths.sum() == 2048 and lengths.max() <= 256 and len(lengths) == 8

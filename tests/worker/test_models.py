@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from worker.attention.backend import AttentionBackend
-from worker.attention.metadata_builder import build_attention_metadata
-from worker.attention.torch_backend import TorchAttentionBackend
-from worker.loader import load_model
-from worker.models.decoder import DecoderForCausalLM
+from conveyor.worker.attention.backend import AttentionBackend
+from conveyor.worker.attention.metadata_builder import build_attention_metadata
+from conveyor.worker.attention.torch_backend import TorchAttentionBackend
+from conveyor.worker.loader import load_model
+from conveyor.worker.models.decoder import DecoderForCausalLM
 
 CPU = torch.device("cpu")
 ATOL = 1e-4
@@ -233,7 +233,7 @@ def test_attention_layers_are_distinct_and_refuse_to_run_unbound(tiny_model_dir:
 def test_each_layers_window_is_read_as_transformers_reads_it():
     from transformers import MistralConfig, Qwen2Config
 
-    from worker.models.decoder import kv_sliding_window, layer_sliding_windows
+    from conveyor.worker.models.decoder import kv_sliding_window, layer_sliding_windows
 
     # Qwen2: windows only from max_window_layers on, and only with use_sliding_window.
     qwen2 = Qwen2Config(

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from worker.layers import fused_moe
-from worker.layers.fused_moe import FusedMoE, MoEExperts, select_experts
-from worker.loader import ModelLoadError, load_model
-from worker.models.checkpoint import param_name_of
+from conveyor.worker.layers import fused_moe
+from conveyor.worker.layers.fused_moe import FusedMoE, MoEExperts, select_experts
+from conveyor.worker.loader import ModelLoadError, load_model
+from conveyor.worker.models.checkpoint import param_name_of
 
 HIDDEN, INTER, NUM_EXPERTS = 16, 8, 6
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.layers.mxfp4 import dequantize_mxfp4
+from conveyor.worker.layers.mxfp4 import dequantize_mxfp4
 
 
 def test_codes_and_scales_decode_as_the_format_defines():

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.worker import native
 from tests.devices import x86_only
-from worker import native
 
 LOG = logging.getLogger("tests.native")
 
@@ -61,7 +61,7 @@ def test_a_torch_that_runs_wider_kernels_than_the_hold_is_reported(monkeypatch, 
     native.warn_if_torch_runs_above_the_isa.cache_clear()
     try:
         monkeypatch.setenv("CONVEYOR_CPU_ISA", "avx2")
-        with caplog.at_level(logging.WARNING, logger="worker.native"):
+        with caplog.at_level(logging.WARNING, logger="conveyor.worker.native"):
             assert native.warn_if_torch_runs_above_the_isa() == wider
             native.warn_if_torch_runs_above_the_isa()
         assert caplog.text.count("torch already runs") == (1 if wider else 0)

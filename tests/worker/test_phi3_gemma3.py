@@ -17,19 +17,19 @@ from transformers.activations import ACT2FN
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
 
-import entrypoints.cli
-from protocol.config import ConfigError, load_model_config
-from tests.worker import test_model_maker
-from worker.layers import (
+import benchmarks.__main__
+from benchmarks.fixtures.model_maker import ensure_model, write_model_dir
+from conveyor.protocol.config import ConfigError, load_model_config
+from conveyor.worker.layers import (
     GeluAndMul,
     GemmaRMSNorm,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RotaryEmbedding,
 )
-from worker.loader import ModelLoadError, load_model
-from worker.model_maker import ensure_model, write_model_dir
-from worker.models.decoder import head_dim_of, kv_sliding_window, layer_sliding_windows
+from conveyor.worker.loader import ModelLoadError, load_model
+from conveyor.worker.models.decoder import head_dim_of, kv_sliding_window, layer_sliding_windows
+from tests.worker import test_model_maker
 
 CPU = torch.device("cpu")
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 3, 5
@@ -57,7 +57,7 @@ def test_greedy_output_depends_on_the_whole_context(arch: str, hf_model):
 
 def test_conveyor_make_model_writes_the_new_families(tmp_path: Path, capsys):
     for arch in ARCHS:
-        assert entrypoints.cli.main(["make-model", str(tmp_path / arch), "--arch", arch]) == 0
+        assert benchmarks.__main__.main(["make-model", str(tmp_path / arch), "--arch", arch]) == 0
         expected = write_model_dir(tmp_path / f"{arch}-again", "tiny", arch)
         assert (tmp_path / arch / "model.safetensors").read_bytes() == (
             expected / "model.safetensors"

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from conveyor.worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel
+from conveyor.worker.attention.torch_backend import TorchAttentionBackend
 from tests.worker.test_attention import Request, make_requests, step_inputs, store_prefix
-from worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel
-from worker.attention.torch_backend import TorchAttentionBackend
 
 BLOCK_SIZE = 16
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason="the CPU kernel cannot be built")

@@ -8,9 +8,9 @@ import msgspec
 import pytest
 import torch
 
-from protocol.sampling_params import SamplingParams
-from worker.sampler import Sampler, SamplerOutput, apply_penalties, logprobs_to_wire
-from worker.sampling_metadata import SamplingMetadata, make_sampling_metadata
+from conveyor.protocol.sampling_params import SamplingParams
+from conveyor.worker.sampler import Sampler, SamplerOutput, apply_penalties, logprobs_to_wire
+from conveyor.worker.sampling_metadata import SamplingMetadata, make_sampling_metadata
 
 CPU = torch.device("cpu")
 sampler = Sampler()

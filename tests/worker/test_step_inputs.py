@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from worker.attention.metadata_builder import build_attention_metadata
-from worker.device_buffers import StagingBuffer
-from worker.input_batch import InputBatch
-from worker.step_inputs import StepInputBuffers
+from conveyor.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from conveyor.worker.attention.metadata_builder import build_attention_metadata
+from conveyor.worker.device_buffers import StagingBuffer
+from conveyor.worker.input_batch import InputBatch
+from conveyor.worker.step_inputs import StepInputBuffers
 
 CPU = torch.device("cpu")
 BLOCK = 4

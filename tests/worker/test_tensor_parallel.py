@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from engine_core import EngineCore
-from engine_core.multiproc_executor import MultiprocExecutor, WorkerDiedError, WorkerFailedError
-from entrypoints.engine import make_executor
-from protocol import EngineConfig, EngineCoreRequest
+from conveyor.engine_core import EngineCore
+from conveyor.executor.backends import make_executor
+from conveyor.executor.multiproc import MultiprocExecutor, WorkerDiedError, WorkerFailedError
+from conveyor.protocol import EngineConfig, EngineCoreRequest
 from tests.multiproc_helpers import (
     GREEDY,
     generate,

@@ -12,6 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from conveyor.worker.attention.selector import select_backend
+from conveyor.worker.attention.torch_backend import TorchAttentionBackend
+from conveyor.worker.attention.triton_backend import (
+    TritonAttentionBackend,
+    triton_import_error,
+    triton_unusable_reason,
+)
 from tests.devices import TEST_DEVICE
 from tests.worker.test_attention import (
     HEAD_DIM,
@@ -21,13 +28,6 @@ from tests.worker.test_attention import (
     slot_view,
     step_inputs,
     store_prefix,
-)
-from worker.attention.selector import select_backend
-from worker.attention.torch_backend import TorchAttentionBackend
-from worker.attention.triton_backend import (
-    TritonAttentionBackend,
-    triton_import_error,
-    triton_unusable_reason,
 )
 
 pytestmark = [
@@ -192,8 +192,8 @@ def test_triton_is_named_where_it_cannot_run(monkeypatch):
 
 def test_an_engine_on_the_triton_backend_gives_the_torch_backends_tokens(tiny_model_dir):
     # Chunked prompts (a 32-token budget), shared prefixes and decodes through the whole engine.
-    from frontend import LLM
-    from protocol import SamplingParams
+    from conveyor.frontend import LLM
+    from conveyor.protocol import SamplingParams
 
     rng = np.random.default_rng(0)
     shared = rng.integers(3, 200, 20).tolist()
@@ -241,9 +241,9 @@ def test_a_decode_step_padded_for_a_whole_graph_matches_and_writes_only_its_slot
     # A whole-forward CUDA graph of 8 replays a step of 4 decodes with 4 padding requests
     # (worker/step_inputs.py pads the fixed buffers): the real rows must come out as without the
     # padding, and the cache must change at the real slots alone.
-    from worker.attention.backend import AttentionMetadata
-    from worker.attention.metadata_builder import StepLayout
-    from worker.step_inputs import _padded_decode
+    from conveyor.worker.attention.backend import AttentionMetadata
+    from conveyor.worker.attention.metadata_builder import StepLayout
+    from conveyor.worker.step_inputs import _padded_decode
 
     gen = torch.Generator().manual_seed(5)
     shapes = [(n, 1) for n in (0, 15, 16, 40)]
@@ -291,7 +291,7 @@ def test_a_decode_step_padded_for_a_whole_graph_matches_and_writes_only_its_slot
 
 
 def test_decode_steps_split_each_requests_keys_only_while_the_device_is_underfilled():
-    from worker.attention.triton_backend import decode_segments
+    from conveyor.worker.attention.triton_backend import decode_segments
 
     # An H200 (132 multiprocessors), Qwen3-0.6B's 8 KV heads: about two programs each.
     assert [decode_segments(n, 8, 132) for n in (1, 2, 4, 8, 16, 17, 64)] == [16, 16, 8, 4, 2, 1, 1]
@@ -309,7 +309,7 @@ def test_decode_steps_split_each_requests_keys_only_while_the_device_is_underfil
     ids=["2 runs", "8 runs", "8 runs, window", "8 runs, sinks and soft-cap"],
 )
 def test_split_k_decode_steps_match_dense_attention(multiprocessors, extras):
-    from worker.attention.triton_backend import decode_segments
+    from conveyor.worker.attention.triton_backend import decode_segments
 
     # Contexts of 0 to 300 keys over blocks of 16: runs of whole 64-key tiles, some empty.
     gen = torch.Generator().manual_seed(multiprocessors)
@@ -324,7 +324,7 @@ def test_split_k_decode_steps_match_dense_attention(multiprocessors, extras):
 def test_a_split_k_decode_padded_for_a_whole_graph_gives_zeros_in_its_padding_rows():
     # Padding requests (no context, slot -1) through the split and the merge: zeros, as unsplit;
     # the workspace a graph would capture is the same tensor whatever the step's size.
-    from worker.attention.backend import AttentionMetadata
+    from conveyor.worker.attention.backend import AttentionMetadata
 
     gen = torch.Generator().manual_seed(9)
     requests = make_requests(gen, list(range(1, 30)), [(40, 1), (130, 1)], 16, 8, 2, torch.float32)
@@ -366,7 +366,7 @@ def test_a_split_k_decode_padded_for_a_whole_graph_gives_zeros_in_its_padding_ro
 def test_an_eager_decode_larger_than_any_graph_leaves_the_graphs_tiles_in_place():
     # The whole-forward graphs hold the decode tiles' address: a bigger eager step (more
     # requests than the largest captured size) must not replace them.
-    from worker.cuda_graphs import MAX_CAPTURE_SIZE
+    from conveyor.worker.cuda_graphs import MAX_CAPTURE_SIZE
 
     backend = TritonAttentionBackend()
     tiles, firsts = backend._decode_tiles_for(8, DEVICE)
@@ -384,9 +384,9 @@ def test_an_eager_decode_larger_than_any_graph_leaves_the_graphs_tiles_in_place(
     ids=lambda text: text,
 )
 def test_every_tile_shape_bench_attention_can_try_computes_the_same_attention(text):
-    # conveyor bench attention --triton-configs times other shapes: each must stay correct, on
+    # python -m benchmarks attention --triton-configs times other shapes: each must stay correct, on
     # prompt chunks (queries spanning several tiles) and decodes alike, with GQA.
-    from worker.attention.triton_backend import KernelConfig
+    from conveyor.worker.attention.triton_backend import KernelConfig
 
     config = KernelConfig.parse(text)
     requests, num_blocks = random_mixed_batch(11, 16, 8, 2, num_reqs=6)
@@ -398,7 +398,7 @@ def test_every_tile_shape_bench_attention_can_try_computes_the_same_attention(te
 def test_long_fresh_prompt_chunks_go_to_sdpa_and_the_rest_to_the_kernel(monkeypatch, case):
     # On CUDA a chunk with nothing cached before it, of 1,024+ tokens, runs through SDPA's
     # causal kernel; here the threshold is 40 and SDPA is let serve float32 on the CPU.
-    from worker.attention import triton_backend
+    from conveyor.worker.attention import triton_backend
 
     monkeypatch.setattr(triton_backend, "_SDPA_MIN_CHUNK", 40)
     monkeypatch.setattr(TritonAttentionBackend, "_sdpa_serves", lambda self, query: True)
@@ -444,7 +444,7 @@ def test_long_fresh_prompt_chunks_go_to_sdpa_and_the_rest_to_the_kernel(monkeypa
 
 
 def test_long_prompt_chunks_in_two_byte_dtypes_take_the_long_chunk_tiles():
-    from worker.attention.triton_backend import (
+    from conveyor.worker.attention.triton_backend import (
         _DEFAULT_CONFIG,
         _LONG_CHUNK,
         _LONG_CHUNK_CONFIG,
@@ -469,7 +469,7 @@ def test_long_prompt_chunks_in_two_byte_dtypes_take_the_long_chunk_tiles():
 
 
 def test_a_kernel_config_is_read_from_its_text_and_refused_when_malformed():
-    from worker.attention.triton_backend import KernelConfig
+    from conveyor.worker.attention.triton_backend import KernelConfig
 
     assert KernelConfig.parse("128x32/w8/s3") == KernelConfig(128, 32, 8, 3)
     assert KernelConfig.parse("64x64").launch_options() == {}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.attention.triton_backend import triton_import_error
+from conveyor.worker.attention.triton_backend import triton_import_error
 
 ROOT = Path(__file__).resolve().parents[2]
 

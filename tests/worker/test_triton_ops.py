@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conveyor.worker.attention.triton_backend import triton_import_error
+from conveyor.worker.layers import triton_ops
+from conveyor.worker.layers.activation import SiluAndMul
+from conveyor.worker.layers.norm import rms_normalize
+from conveyor.worker.layers.rotary import RotaryAngles, rotate_
 from tests.devices import TEST_DEVICE
 from tests.env_switches import assert_refused, switch_set
-from worker.attention.triton_backend import triton_import_error
-from worker.layers import triton_ops
-from worker.layers.activation import SiluAndMul
-from worker.layers.norm import rms_normalize
-from worker.layers.rotary import RotaryAngles, rotate_
 
 pytestmark = [
     pytest.mark.gpu_kernel,
@@ -30,7 +30,7 @@ if triton_import_error() is None:
     import triton
     import triton.language as tl
 
-    from worker.layers.triton_token_kernels import _on_grid, _to
+    from conveyor.worker.layers.triton_token_kernels import _on_grid, _to
 
     @triton.jit
     def _round_to_bfloat16(x_ptr, out_ptr, N: tl.constexpr):
@@ -150,10 +150,10 @@ def test_the_layers_use_them_only_on_cuda_and_the_variable_turns_them_off(monkey
 def test_a_model_on_the_triton_ops_gives_the_torch_ops_tokens(arch, monkeypatch):
     # Through the layers' own dispatch (shapes, strides, the fused qkv views), on CPU by letting
     # the CPU take the Triton path in place of its compiled ops; the same tokens either way.
-    from frontend import LLM
-    from protocol import SamplingParams
-    from worker.layers import activation, norm, rotary
-    from worker.model_maker import ensure_model
+    from benchmarks.fixtures.model_maker import ensure_model
+    from conveyor.frontend import LLM
+    from conveyor.protocol import SamplingParams
+    from conveyor.worker.layers import activation, norm, rotary
 
     calls = {"add_rms_norm": 0, "qk_norm_rope_": 0, "silu_and_mul": 0}
     for name in calls:
@@ -201,7 +201,7 @@ def test_a_kernel_that_cannot_run_turns_them_off_and_the_layers_keep_the_torch_o
 ):
     # A Triton that cannot compile them must cost a WARNING, not the engine: the first forward
     # (the memory profile's, eager) finds out, and every layer falls back from then on.
-    from worker.layers import norm, triton_token_kernels
+    from conveyor.worker.layers import norm, triton_token_kernels
 
     class Broken:
         def __getitem__(self, grid):

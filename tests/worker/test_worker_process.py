@@ -12,8 +12,8 @@ import threading
 import pytest
 import zmq
 
-from protocol import ModelRunnerOutput, SchedulerOutput
-from protocol.worker_messages import (
+from conveyor.protocol import ModelRunnerOutput, SchedulerOutput
+from conveyor.protocol.worker_messages import (
     LAUNCH_LENGTH_PREFIX,
     WORKER_COMMAND,
     WORKER_LAUNCH,
@@ -28,9 +28,14 @@ from protocol.worker_messages import (
     WorkerError,
     WorkerLaunch,
 )
+from conveyor.worker.fault_injection import (
+    FaultInjector,
+    FaultPlan,
+    InjectedFault,
+    parse_fault_plan,
+)
+from conveyor.worker.worker_process import read_launch, serve
 from tests.multiproc_helpers import make_config
-from worker.fault_injection import FaultInjector, FaultPlan, InjectedFault, parse_fault_plan
-from worker.worker_process import read_launch, serve
 
 
 class StandInWorker:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from worker.device_buffers import array_to_device
+from conveyor.worker.device_buffers import array_to_device
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def plan_batch(
     ``kernel_routing``, every request goes to the kernel instead."""
     query_lens = np.diff(query_start_loc)
     if kernel_routing is not None:
-        # conveyor bench attention --chunk-lens: the kernel is as fast as or faster than the
+        # python -m benchmarks attention --chunk-lens: the kernel is as fast as or faster than the
         # gathered-K/V SDPA path at every chunk length (1 .. 4096) and context measured.
         req_ids = np.arange(len(query_lens))
         kernel_items = _kernel_items(

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker import native
-from worker.native import find_compiler
+from conveyor.worker import native
+from conveyor.worker.native import find_compiler
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from worker.attention.backend import AttentionBackend, AttentionMetadata
+from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
 
 FLASH_BLOCK_SIZE_MULTIPLE = 256
 FLASH_DTYPES = (torch.float16, torch.bfloat16)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.attention.backend import AttentionMetadata
-from worker.device_buffers import array_to_device
+from conveyor.worker.attention.backend import AttentionMetadata
+from conveyor.worker.device_buffers import array_to_device
 
 
 @dataclass

@@ -15,17 +15,17 @@ import logging
 
 import torch
 
-from worker.attention.backend import AttentionBackend
-from worker.attention.cpu_kernel import BUILDS as KERNEL_BUILDS
-from worker.attention.cpu_kernel import kernel_disabled, load_kernel
-from worker.attention.flash_attn_backend import (
+from conveyor.worker.attention.backend import AttentionBackend
+from conveyor.worker.attention.cpu_kernel import BUILDS as KERNEL_BUILDS
+from conveyor.worker.attention.cpu_kernel import kernel_disabled, load_kernel
+from conveyor.worker.attention.flash_attn_backend import (
     FLASH_BLOCK_SIZE_MULTIPLE,
     FLASH_DTYPES,
     FlashAttnBackend,
     flash_attn_import_error,
 )
-from worker.attention.torch_backend import TorchAttentionBackend
-from worker.attention.triton_backend import TritonAttentionBackend, triton_unusable_reason
+from conveyor.worker.attention.torch_backend import TorchAttentionBackend
+from conveyor.worker.attention.triton_backend import TritonAttentionBackend, triton_unusable_reason
 
 logger = logging.getLogger(__name__)
 

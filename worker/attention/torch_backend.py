@@ -20,15 +20,15 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from worker.attention.backend import AttentionBackend, AttentionMetadata
-from worker.attention.batch_plan import (
+from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
+from conveyor.worker.attention.batch_plan import (
     BatchPlan,
     DecodeChunk,
     KernelRouting,
     PrefillRequest,
     plan_batch,
 )
-from worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel
+from conveyor.worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel
 
 # Gathered K+V bytes per decode chunk. On CPU a chunk this size stays in the L3 cache between the
 # gather and the attention that reads it: for 64 decodes at ctx 128-256 (AMD EPYC, 1 and 2

@@ -15,10 +15,11 @@ key (sliding window). A soft-cap (Gemma 2) and a sink logit per head (gpt-oss) a
 same pass. The host splits each request into tiles from the metadata's host copies, once a step
 for all layers, so nothing waits on the device.
 
-Two exceptions, both measured on an H200 (docs/performance.md, "The fourth session"): a decode
-step too small to fill the GPU splits each request's keys into runs that a second kernel merges
-(split-K, ``decode_segments``), and a long prompt chunk with nothing cached before it goes to
-SDPA's causal kernel on its own keys (``_fresh_long_prompts``).
+Two exceptions. A decode step too small to fill the GPU (one program per request and KV head:
+Qwen3-0.6B at batch 1 is 8 programs on an H200's 132 multiprocessors) splits each request's keys
+into runs that a second kernel merges (split-K, ``decode_segments``). A long prompt chunk with
+nothing cached before it goes to SDPA's causal kernel on its own keys (``_fresh_long_prompts``),
+which on an H200 ran such chunks of 2k-8k tokens 1.4-2.3x as fast as this kernel.
 
 Tested against the torch backend on CPU through Triton's interpreter (TRITON_INTERPRET=1) and on
 CUDA (tests/worker/test_triton_attention.py).
@@ -34,10 +35,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker.attention.backend import AttentionBackend, AttentionMetadata
-from worker.attention.torch_backend import TorchAttentionBackend, as_cached
-from worker.cuda_graphs import MAX_CAPTURE_SIZE
-from worker.device_buffers import array_to_device
+from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
+from conveyor.worker.attention.torch_backend import TorchAttentionBackend, as_cached
+from conveyor.worker.cuda_graphs import MAX_CAPTURE_SIZE
+from conveyor.worker.device_buffers import array_to_device
 
 # Score-matrix rows per program: a decode-only step has one token per request, so its tiles are
 # the GQA group padded to the 16 rows tl.dot needs; prompt chunks take 64 rows (tokens x group).
@@ -49,7 +50,7 @@ _KEYS_PER_TILE = 64
 @dataclass(frozen=True)
 class KernelConfig:
     """The paged-attention kernel's tile shape and launch settings, where the defaults are not
-    wanted (``conveyor bench attention --triton-configs`` times several side by side): score
+    wanted (``python -m benchmarks attention --triton-configs`` times several side by side): score
     rows per program, keys per step of its loop (powers of two, at least 16, the smallest
     ``tl.dot`` takes), and Triton's warps and software-pipeline stages (None: Triton's)."""
 
@@ -110,8 +111,7 @@ def decode_segments(num_reqs: int, num_kv_heads: int, multiprocessors: int) -> i
 # of at most 128 dims, take bigger tiles: on two H200s 128 x 128 with 8 warps and 3 stages was
 # 4-9% faster than the defaults on chunks of 2k and 8k tokens after 0 and 8k cached ones, and
 # 13% slower on a 512-token chunk beside 63 decodes (every decode's tile gets those rows),
-# hence the threshold (docs/performance.md, "The fourth session"). float32 tiles of that size
-# would need twice the shared memory.
+# hence the threshold. float32 tiles of that size would need twice the shared memory.
 _LONG_CHUNK = 1024
 _LONG_CHUNK_CONFIG = KernelConfig(128, 128, num_warps=8, num_stages=3)
 
@@ -145,7 +145,7 @@ def _multiprocessors(device: torch.device) -> int:
 
 def _kernels():
     """The jitted kernels; their module is imported on first use, not with this one."""
-    from worker.attention import triton_kernel
+    from conveyor.worker.attention import triton_kernel
 
     return triton_kernel
 

@@ -3,10 +3,10 @@
 Runs in worker processes.
 """
 
-from worker.layers.activation import GeluAndMul, SiluAndMul
-from worker.layers.attention import Attention
-from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from worker.layers.linear import (
+from conveyor.worker.layers.activation import GeluAndMul, SiluAndMul
+from conveyor.worker.layers.attention import Attention
+from conveyor.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from conveyor.worker.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -14,8 +14,8 @@ from worker.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
-from worker.layers.norm import GemmaRMSNorm, RMSNorm, gemma_rms_normalize, rms_normalize
-from worker.layers.rotary import (
+from conveyor.worker.layers.norm import GemmaRMSNorm, RMSNorm, gemma_rms_normalize, rms_normalize
+from conveyor.worker.layers.rotary import (
     RotaryAngles,
     RotaryEmbedding,
     normalize_and_rotate,

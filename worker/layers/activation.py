@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.layers import triton_ops
-from worker.layers.cpu_ops import TokenOps, load_token_ops
-from worker.layers.triton_ops import use_triton_ops
+from conveyor.worker.layers import triton_ops
+from conveyor.worker.layers.cpu_ops import TokenOps, load_token_ops
+from conveyor.worker.layers.triton_ops import use_triton_ops
 
 
 class SiluAndMul(nn.Module):

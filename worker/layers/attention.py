@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from worker.attention.backend import AttentionBackend, AttentionMetadata
+from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
 
 
 class Attention(nn.Module):

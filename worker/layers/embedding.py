@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.layers.gemm import linear, pack_weight
-from worker.layers.linear import ShardId
-from worker.layers.parallel import all_gather_last_dim, all_reduce
+from conveyor.worker.layers.gemm import linear, pack_weight
+from conveyor.worker.layers.linear import ShardId
+from conveyor.worker.layers.parallel import all_gather_last_dim, all_reduce
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -8,7 +8,9 @@ rows go back to their tokens. Experts nobody picked cost nothing. On CPU in floa
 expert's matrices also get the oneDNN-packed copy the dense layers keep for small batches; with
 ``--quantization int8`` each expert's matrices are int8 instead (``quantize_int8``), which matters
 most here: a decode step reads the weights of every expert its tokens picked.
-``conveyor bench moe`` measures this against the alternatives (docs/performance.md).
+Of the five ways ``python -m benchmarks moe`` times on CPU, this one with packed weights was the
+fastest at 1-1,024 tokens: every expert over every token costs E/k times the arithmetic, and
+gathering each token's expert weights copies k weight sets per token (3-36x slower).
 
 Tensor parallelism splits every expert's intermediate dimension across the ranks, as a dense MLP
 is split: gate/up column-parallel, down row-parallel, so each rank computes a partial sum of every
@@ -22,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.layers.gemm import linear, pack_weight
-from worker.layers.int8_linear import Int8Weight
-from worker.layers.linear import ReplicatedLinear
-from worker.layers.parallel import all_reduce, divide
+from conveyor.worker.layers.gemm import linear, pack_weight
+from conveyor.worker.layers.int8_linear import Int8Weight
+from conveyor.worker.layers.linear import ReplicatedLinear
+from conveyor.worker.layers.parallel import all_reduce, divide
 
 # Which part of which expert a checkpoint tensor fills: (expert index, "gate" | "up" | "down").
 ExpertShardId = tuple[int, str]

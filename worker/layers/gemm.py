@@ -3,8 +3,8 @@
 Runs in worker processes. On an AVX2 CPU, MKL's sgemm (what ``F.linear`` calls) is near the
 machine's peak for prefill-sized inputs (thousands of rows) but not at decode sizes (one row per
 running request), where oneDNN with the weight reordered once into its blocked layout is faster;
-where torch runs AVX-512 code, oneDNN's packed path is the faster one at every size (conveyor
-bench layers measures both per shape). So a layer keeps its plain weight, which the loader,
+where torch runs AVX-512 code, oneDNN's packed path is the faster one at every size (``python -m
+benchmarks layers`` measures both per shape). So a layer keeps its plain weight, which the loader,
 tensor-parallel slicing and a tied embedding all read, and may hold a packed copy of it next to
 it for small batches (for every batch on AVX-512: ``packed_row_limit``). The copy doubles the
 layer's weight memory; it is made for float32 and bfloat16 CPU weights, where the measured gain
@@ -15,7 +15,7 @@ shapes), so bfloat16 takes it for every batch.
 
 A float32 linear of one or two rows (a decode step of one or two requests) goes to the compiled
 token ops' ``small_linear`` instead, where they are built: it streams the plain weight at ~1.2x
-the packed copy's speed there (docs/performance.md, "One and two rows");
+the packed copy's speed there (one or two requests decode 1.07-1.2x as fast end to end);
 ``CONVEYOR_SMALL_LINEAR=0`` keeps the packed copy for them.
 """
 
@@ -26,7 +26,11 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from worker.layers.cpu_ops import SMALL_LINEAR_MAX_ROWS, load_token_ops, small_linear_enabled
+from conveyor.worker.layers.cpu_ops import (
+    SMALL_LINEAR_MAX_ROWS,
+    load_token_ops,
+    small_linear_enabled,
+)
 
 logger = logging.getLogger(__name__)
 

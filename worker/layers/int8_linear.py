@@ -6,8 +6,8 @@ quarter of float32's bytes (half of bfloat16's); activations stay in the model's
 products are summed in float32 by ``csrc/int8_gemm.c``, built and cached like the attention
 kernel (``worker.native``). A decode step of a few requests reads each weight once, so it is
 bound by memory bandwidth, and reading a quarter of the bytes makes it up to ~4x faster on a
-model larger than the CPU's caches; at larger batches the kernel runs at float32's speed
-(docs/performance.md, "Weight-only int8 on CPU"). Where the kernel cannot be built, or
+model larger than the CPU's caches; at larger batches the kernel runs at float32's speed.
+Where the kernel cannot be built, or
 ``CONVEYOR_CPU_KERNEL=0``, each call widens the weight with torch ops instead: the same result,
 slower than float32.
 
@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from protocol.config import QUANTIZATION_METHODS
-from worker import native
+from conveyor.protocol.config import QUANTIZATION_METHODS
+from conveyor.worker import native
 
 logger = logging.getLogger(__name__)
 
@@ -188,8 +188,8 @@ class Int8Weight:
 def quantize_model(model: nn.Module, method: str) -> None:
     """Replace the weights of every column- and row-parallel linear and every mixture-of-experts
     expert with their int8 form, in place."""
-    from worker.layers.fused_moe import MoEExperts
-    from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from conveyor.worker.layers.fused_moe import MoEExperts
+    from conveyor.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 
     if method not in QUANTIZATION_METHODS:
         raise ValueError(

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.layers.gemm import linear, pack_weight
-from worker.layers.int8_linear import Int8Weight
-from worker.layers.parallel import all_reduce, divide
+from conveyor.worker.layers.gemm import linear, pack_weight
+from conveyor.worker.layers.int8_linear import Int8Weight
+from conveyor.worker.layers.parallel import all_reduce, divide
 
 # Which part of a fused parameter a checkpoint tensor fills: "q"/"k"/"v", or 0/1 for gate/up.
 ShardId = str | int | None

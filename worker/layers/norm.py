@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.layers import triton_ops
-from worker.layers.cpu_ops import DTYPES as COMPILED_DTYPES
-from worker.layers.cpu_ops import TokenOps, load_token_ops
-from worker.layers.linear import default_weight_loader
-from worker.layers.triton_ops import use_triton_ops
+from conveyor.worker.layers import triton_ops
+from conveyor.worker.layers.cpu_ops import DTYPES as COMPILED_DTYPES
+from conveyor.worker.layers.cpu_ops import TokenOps, load_token_ops
+from conveyor.worker.layers.linear import default_weight_loader
+from conveyor.worker.layers.triton_ops import use_triton_ops
 
 
 def rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

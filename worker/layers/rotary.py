@@ -24,10 +24,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from worker.layers import triton_ops
-from worker.layers.cpu_ops import TokenOps, load_token_ops
-from worker.layers.norm import rms_normalize
-from worker.layers.triton_ops import use_triton_ops
+from conveyor.worker.layers import triton_ops
+from conveyor.worker.layers.cpu_ops import TokenOps, load_token_ops
+from conveyor.worker.layers.norm import rms_normalize
+from conveyor.worker.layers.triton_ops import use_triton_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 

@@ -4,7 +4,7 @@ Runs in worker processes. Between its four matmuls and attention, a Qwen3 layer 
 torch kernels on CUDA: the residual add and RMSNorm as five (add, cast up, norm, cast down,
 scale), twice, q/k norm and RoPE as nine, SiLU times up as two. Inside a whole-forward CUDA graph
 each still costs the GPU 1-3 us however little it does: measured on an H200, they were 44 % of a
-decode step's kernel time at batch 64 (docs/performance.md#gpu). Here each group is one kernel:
+decode step's kernel time at batch 64. Here each group is one kernel:
 
 - ``add_rms_norm``: (x + residual, norm of it) in one pass, or the norm alone;
 - ``qk_norm_rope_``: every query and key head of the step normalised and rotated in place;
@@ -42,8 +42,8 @@ def triton_ops_enabled() -> bool:
     turn them off (a value that is neither on nor off is refused, at the first CUDA forward:
     the memory profile's, at start-up)."""
     # Imported here: the attention package imports the layers.
-    from worker.attention.triton_backend import triton_import_error
-    from worker.kv_cache import switch_from_env
+    from conveyor.worker.attention.triton_backend import triton_import_error
+    from conveyor.worker.kv_cache import switch_from_env
 
     if not switch_from_env(TRITON_OPS_ENV):
         return False
@@ -60,7 +60,7 @@ def _launch(name: str, grid: tuple[int, ...], *args, **meta) -> bool:
     the caller falls back to the torch ops."""
     global failure
     try:
-        from worker.layers import triton_token_kernels
+        from conveyor.worker.layers import triton_token_kernels
 
         getattr(triton_token_kernels, name)[grid](*args, **meta)
     except Exception as error:  # noqa: BLE001 - a kernel that cannot be built or launched

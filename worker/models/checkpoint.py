@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from worker.layers import default_weight_loader
+from conveyor.worker.layers import default_weight_loader
 
 # Checkpoint tensors that land in a slice of one of our fused parameters:
 # (our parameter, the checkpoint's name for the part, shard id).

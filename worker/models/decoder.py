@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.attention.backend import AttentionMetadata
-from worker.layers import (
+from conveyor.worker.attention.backend import AttentionMetadata
+from conveyor.worker.layers import (
     Attention,
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -38,7 +38,7 @@ from worker.layers import (
     VocabParallelEmbedding,
     normalize_and_rotate,
 )
-from worker.models.checkpoint import checkpoint_names, load_checkpoint
+from conveyor.worker.models.checkpoint import checkpoint_names, load_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.attention.backend import AttentionMetadata
-from worker.layers import (
+from conveyor.worker.attention.backend import AttentionMetadata
+from conveyor.worker.layers import (
     Attention,
     GeluAndMul,
     GemmaRMSNorm,
@@ -47,7 +47,7 @@ from worker.layers import (
     rope_parameters_of,
     rotate_,
 )
-from worker.models.decoder import DecoderForCausalLM, head_dim_of, layer_sliding_windows
+from conveyor.worker.models.decoder import DecoderForCausalLM, head_dim_of, layer_sliding_windows
 
 SLIDING, GLOBAL = "sliding_attention", "full_attention"
 

@@ -29,13 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.layers.fused_moe import MoEExperts
-from worker.layers.linear import ReplicatedLinear
-from worker.layers.mxfp4 import dequantize_mxfp4
-from worker.layers.parallel import all_reduce
-from worker.models.checkpoint import checkpoint_names as default_checkpoint_names
-from worker.models.checkpoint import load_checkpoint
-from worker.models.decoder import DecoderForCausalLM, DecoderModel, DecoderSpec
+from conveyor.worker.layers.fused_moe import MoEExperts
+from conveyor.worker.layers.linear import ReplicatedLinear
+from conveyor.worker.layers.mxfp4 import dequantize_mxfp4
+from conveyor.worker.layers.parallel import all_reduce
+from conveyor.worker.models.checkpoint import checkpoint_names as default_checkpoint_names
+from conveyor.worker.models.checkpoint import load_checkpoint
+from conveyor.worker.models.decoder import DecoderForCausalLM, DecoderModel, DecoderSpec
 
 # transformers' default when a config leaves swiglu_alpha out.
 DEFAULT_SWIGLU_ALPHA = 1.702

@@ -15,9 +15,9 @@ from typing import Any
 
 from torch import nn
 
-from worker.layers.fused_moe import FusedMoE
-from worker.models.checkpoint import MIXTRAL_EXPERTS, checkpoint_names
-from worker.models.decoder import DecoderForCausalLM, DecoderModel, DecoderSpec
+from conveyor.worker.layers.fused_moe import FusedMoE
+from conveyor.worker.models.checkpoint import MIXTRAL_EXPERTS, checkpoint_names
+from conveyor.worker.models.decoder import DecoderForCausalLM, DecoderModel, DecoderSpec
 
 
 class MixtralForCausalLM(DecoderForCausalLM):

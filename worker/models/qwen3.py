@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.models.decoder import DecoderForCausalLM, DecoderSpec
+from conveyor.worker.models.decoder import DecoderForCausalLM, DecoderSpec
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):

@@ -15,10 +15,10 @@ from typing import Any
 
 from torch import nn
 
-from worker.layers.fused_moe import FusedMoE
-from worker.models.checkpoint import QWEN_MOE_EXPERTS, checkpoint_names
-from worker.models.decoder import DecoderModel
-from worker.models.qwen3 import Qwen3ForCausalLM
+from conveyor.worker.layers.fused_moe import FusedMoE
+from conveyor.worker.models.checkpoint import QWEN_MOE_EXPERTS, checkpoint_names
+from conveyor.worker.models.decoder import DecoderModel
+from conveyor.worker.models.qwen3 import Qwen3ForCausalLM
 
 
 def is_sparse_layer(config: Any, layer_index: int) -> bool:

@@ -5,15 +5,15 @@ Runs in worker processes.
 
 from __future__ import annotations
 
-from worker.models.decoder import DecoderForCausalLM
-from worker.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
-from worker.models.gpt_oss import GptOssForCausalLM
-from worker.models.llama import LlamaForCausalLM, MistralForCausalLM
-from worker.models.mixtral import MixtralForCausalLM
-from worker.models.phi3 import Phi3ForCausalLM
-from worker.models.qwen2 import Qwen2ForCausalLM
-from worker.models.qwen3 import Qwen3ForCausalLM
-from worker.models.qwen3_moe import Qwen3MoeForCausalLM
+from conveyor.worker.models.decoder import DecoderForCausalLM
+from conveyor.worker.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
+from conveyor.worker.models.gpt_oss import GptOssForCausalLM
+from conveyor.worker.models.llama import LlamaForCausalLM, MistralForCausalLM
+from conveyor.worker.models.mixtral import MixtralForCausalLM
+from conveyor.worker.models.phi3 import Phi3ForCausalLM
+from conveyor.worker.models.qwen2 import Qwen2ForCausalLM
+from conveyor.worker.models.qwen3 import Qwen3ForCausalLM
+from conveyor.worker.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
