@@ -10,6 +10,8 @@ its whole life, so a head started later or restarted learns them too) to the hea
 ``--data-parallel-address``. The head takes the announcements until every remote rank is known,
 checks that each engine answers a session (CURVE: only hosts that trust each other's keys get
 there), and only then starts its frontends, which treat those engines like their local ones.
+Both ends need CURVE keys, loopback included: an announcement names where a rank's prompts go,
+so one taken from anybody who reaches the port would hand that rank to them.
 Nothing else crosses between the supervisors: a remote engine that dies is the remote
 supervisor's to restart, and the head's frontends see it go (its heartbeats stop) and come back.
 """
@@ -33,7 +35,14 @@ from conveyor.protocol import ConfigError
 from conveyor.protocol.codec import CLIENT_TO_ENGINE
 from conveyor.protocol.messages import Goodbye
 from conveyor.protocol.node_messages import NODE_MESSAGE, EngineAnnounce
-from conveyor.runtime.zmq_security import CurveKeys, SecureBinder, connect, with_server_key
+from conveyor.runtime.zmq_security import (
+    CurveKeys,
+    SecureBinder,
+    connect,
+    keys_from_env,
+    require_keys,
+    with_server_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +119,11 @@ class DataParallelLayout:
     def announce_address(self) -> str:
         return f"tcp://{self.address}:{self.rpc_port}"
 
+    def link_keys(self) -> CurveKeys:
+        """This host's keys, without which no rank crosses between hosts (``InsecureAddressError``;
+        ``conveyor serve`` checks it before anything starts)."""
+        return require_keys(self.announce_address, keys_from_env())
+
 
 def own_address_towards(host: str, port: int) -> str:
     """This host's address on the interface it reaches ``host`` by (what the head can reach)."""
@@ -122,10 +136,10 @@ class EngineAnnouncer(threading.Thread):
     """On a headless host: tell the head, once a second, where this host's engines listen."""
 
     def __init__(
-        self, layout: DataParallelLayout, keys: CurveKeys | None, addresses: dict[int, str]
+        self, layout: DataParallelLayout, keys: CurveKeys, addresses: dict[int, str]
     ) -> None:
         super().__init__(name="engine-announcer", daemon=True)
-        server_key = keys.public_key.decode() if keys is not None else ""
+        server_key = keys.public_key.decode()
         self._frames = [
             NODE_MESSAGE.encode(EngineAnnounce(rank, address, server_key))
             for rank, address in addresses.items()
@@ -155,7 +169,7 @@ class EngineAnnouncer(threading.Thread):
 
 
 def wait_for_remote_engines(
-    layout: DataParallelLayout, keys: CurveKeys | None, timeout_s: float
+    layout: DataParallelLayout, keys: CurveKeys, timeout_s: float
 ) -> dict[int, str]:
     """On the head: rank -> address of every engine on another host, once each has announced
     itself and answered a session; ``EngineStartError`` naming the missing ranks otherwise."""
@@ -179,9 +193,10 @@ def wait_for_remote_engines(
 
 
 def _take_announcements(
-    layout: DataParallelLayout, keys: CurveKeys | None, wanted: set[int], deadline: float
+    layout: DataParallelLayout, keys: CurveKeys, wanted: set[int], deadline: float
 ) -> dict[int, str]:
-    """Listen on the rpc port until every wanted rank announced itself (or the deadline)."""
+    """Listen on the rpc port until every wanted rank announced itself (or the deadline): a
+    CURVE server, so only the hosts in authorized/ get a frame through."""
     context = zmq.Context()
     binder = SecureBinder(context, keys)
     pull = context.socket(zmq.PULL)
@@ -210,10 +225,10 @@ def _take_announcements(
     return announced
 
 
-def _trusted_address(message: EngineAnnounce, keys: CurveKeys | None) -> str | None:
+def _trusted_address(message: EngineAnnounce, keys: CurveKeys) -> str | None:
     """The announced address with its server key, if that key is one this host trusts: the
     frontends will send prompts there."""
-    if keys is not None and not keys.allows(message.server_key.encode()):
+    if not keys.allows(message.server_key.encode()):
         logger.warning(
             "data-parallel engine %d announced a server key not in authorized/: ignored",
             message.data_parallel_rank,

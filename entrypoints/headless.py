@@ -4,7 +4,7 @@ on the head (node 0, the same command without ``--headless``).
 
 Runs as the headless supervisor on a host other than the head. It starts this host's worker
 ranks (``python -m conveyor.worker``, each handed its launch on stdin, as the head's engine does for its
-own), which connect to the head's channels (ZeroMQ over TCP, CURVE when keys are given) and join
+own), which connect to the head's channels (ZeroMQ over TCP, CURVE: keys are required) and join
 torch.distributed at A:P. Then it watches two things: its workers (one that exits is reported to
 the head as a ``NodeFailure``, and everything here stops, exit 1) and the head's heartbeats (none
 for the node timeout, or none at all within the join timeout: the head is gone; everything here
@@ -39,9 +39,9 @@ from conveyor.runtime.zmq_security import (
     CurveKeys,
     CurveKeysError,
     InsecureAddressError,
-    check_address,
     connect,
     keys_from_env,
+    require_keys,
 )
 
 logger = logging.getLogger("conveyor.headless")
@@ -66,21 +66,23 @@ def add_multi_host_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         default=None,
         help="this host's CURVE keys and the public keys it trusts (`conveyor keys generate "
-        f"DIR`); needed for any TCP address other hosts can reach (default: ${CURVE_KEYS_ENV})",
+        "DIR`); needed across hosts (--nnodes, --data-parallel-size-local, --headless), loopback "
+        f"included, and for any TCP address other hosts can reach (default: ${CURVE_KEYS_ENV})",
     )
 
 
 def check_host_addresses(config: ServeConfig) -> None:
-    """Refuse, with the reason, CURVE keys that cannot be read, or an address other hosts reach
-    (the master's, the data-parallel head's) without them. Raises ``CurveKeysError`` or
+    """Refuse, with the reason, CURVE keys that cannot be read, or a layout across hosts
+    (``--nnodes`` > 1, data-parallel ranks on other hosts, ``--headless``) without them, even on
+    loopback: its peers are trusted with ranks and prompts. Raises ``CurveKeysError`` or
     ``InsecureAddressError``; the keys are those exported to the children."""
     keys = keys_from_env()
     nodes = config.engines.engine.parallel.nodes
     if nodes.nnodes > 1:
-        check_address(f"tcp://{nodes.master_addr}:{nodes.master_port}", keys)
+        require_keys(node_addresses(nodes, 0).distributed_init_method, keys)
     layout = config.hosts.data_parallel
-    if layout is not None and (config.hosts.headless or layout.spans_hosts):
-        check_address(layout.announce_address, keys)
+    if layout is not None and layout.spans_hosts:
+        require_keys(layout.announce_address, keys)
 
 
 def run_headless(config: ServeConfig) -> int:
@@ -90,7 +92,8 @@ def run_headless(config: ServeConfig) -> int:
         nodes = engine.parallel.nodes
         if nodes.nnodes < 2 or nodes.node_rank == 0:
             raise ConfigError("--headless runs node 1 and up of --nnodes >= 2; node 0 is the head")
-        node = HeadlessNode(engine, keys_from_env())
+        master = node_addresses(nodes, 0).distributed_init_method
+        node = HeadlessNode(engine, require_keys(master, keys_from_env()))
     except (ConfigError, CurveKeysError, InsecureAddressError) as exc:
         logger.error("%s", exc)
         return ExitCode.BAD_CONFIG
@@ -109,7 +112,7 @@ def run_headless(config: ServeConfig) -> int:
 class HeadlessNode:
     """This host's workers, and the heartbeat channel with the head."""
 
-    def __init__(self, config: EngineConfig, keys: CurveKeys | None) -> None:
+    def __init__(self, config: EngineConfig, keys: CurveKeys) -> None:
         self.config = config
         self.nodes = config.parallel.nodes
         tp_size = config.parallel.tensor_parallel_size

@@ -44,7 +44,7 @@ from conveyor.protocol import EngineConfig
 from conveyor.runtime.exit_codes import ExitCode
 from conveyor.runtime.processes import ChildProcess
 from conveyor.runtime.signals import ShutdownRequested, ignore_shutdown_signals
-from conveyor.runtime.zmq_security import InsecureAddressError, check_address, keys_from_env
+from conveyor.runtime.zmq_security import CurveKeys, InsecureAddressError
 
 logger = logging.getLogger("conveyor.serve")
 
@@ -58,6 +58,8 @@ def serve_host(config: ServeConfig, on_serving: OnServing) -> int:
     assert layout is not None, "a host of tensor-parallel ranks runs no engine (headless)"
     headless = config.hosts.headless
     try:
+        # Ranks cross between hosts only with keys (checked at start-up too): read them now.
+        keys = layout.link_keys() if layout.spans_hosts else None
         addresses = _engine_addresses(engines_config.address, headless, layout)
     except InsecureAddressError as exc:
         logger.error("%s", exc)
@@ -78,11 +80,12 @@ def serve_host(config: ServeConfig, on_serving: OnServing) -> int:
         model = config.model or "the embedded default model"
         _start_local_engines(model, engines, engines_config.ready_timeout_s)
         if headless:
+            assert keys is not None, "a headless host's engines are part of a layout across hosts"
             announced = {e.config.parallel.data_parallel_rank: e.address for e in engines}
-            announcer = EngineAnnouncer(layout, keys_from_env(), announced)
+            announcer = EngineAnnouncer(layout, keys, announced)
             announcer.start()
         else:
-            all_addresses = _all_engine_addresses(engines_config.engine, layout, engines)
+            all_addresses = _all_engine_addresses(engines_config.engine, layout, engines, keys)
             # The frontends' ready files go beside engine 0's socket: the engine removes the
             # folder when it exits, so nothing is left even when this process is SIGKILLed.
             on_serving(all_addresses, engines[0].runtime_dir, children)
@@ -105,15 +108,11 @@ def _engine_addresses(
     address: str | None, headless: bool, layout: DataParallelLayout
 ) -> dict[int, str | None]:
     """Where this host's engines listen: on the head, as --address says; on another host, the
-    rpc port + rank on the interface facing the head (refused off loopback without keys)."""
+    rpc port + rank on the interface facing the head (CURVE: its keys are required)."""
     if not headless:
         return local_engine_addresses(address, layout.local_ranks, layout.size)
     host = own_address_towards(layout.address, layout.rpc_port)
-    addresses = {r: remote_engine_address(host, layout.rpc_port, r) for r in layout.local_ranks}
-    keys = keys_from_env()
-    for remote in addresses.values():
-        check_address(remote, keys)
-    return dict(addresses)
+    return {r: remote_engine_address(host, layout.rpc_port, r) for r in layout.local_ranks}
 
 
 def _start_local_engines(model: str, engines: list[EngineProcess], ready_timeout_s: float) -> None:
@@ -125,13 +124,17 @@ def _start_local_engines(model: str, engines: list[EngineProcess], ready_timeout
 
 
 def _all_engine_addresses(
-    config: EngineConfig, layout: DataParallelLayout, engines: list[EngineProcess]
+    config: EngineConfig,
+    layout: DataParallelLayout,
+    engines: list[EngineProcess],
+    keys: CurveKeys | None,
 ) -> list[str]:
-    """Every engine's address in rank order: ours, and those other hosts announce."""
+    """Every engine's address in rank order: ours and, across hosts (``keys`` given), those the
+    other hosts announce."""
     addresses = {e.config.parallel.data_parallel_rank: e.address for e in engines}
-    if layout.spans_hosts:
+    if keys is not None:
         timeout_s = config.parallel.nodes.join_timeout_s
-        remote = wait_for_remote_engines(layout, keys_from_env(), timeout_s)
+        remote = wait_for_remote_engines(layout, keys, timeout_s)
         for rank, address in remote.items():
             print(f"ready: remote engine_core-{rank} address={address}", flush=True)
         addresses.update(remote)

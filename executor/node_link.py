@@ -13,7 +13,8 @@ head sends its own, by which the hosts stop their workers when the head is gone.
     P+3     hosts -> head heartbeats and failures (PULL)
     P+4+r   engine -> rank r commands (one PUSH per rank)
 
-Every one of those ZeroMQ sockets is a CURVE server when keys are given (``runtime.zmq_security``).
+Every one of those ZeroMQ sockets is a CURVE server (``runtime.zmq_security``): a group across
+hosts needs keys, loopback included, since whoever connects there gets a rank's commands.
 """
 
 from __future__ import annotations

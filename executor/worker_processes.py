@@ -10,7 +10,7 @@ one PULL collects the replies of every rank. The sockets are used under a lock, 
 another thread (a signal handler, a finalizer) never races a wait in the engine's busy loop.
 
 With ranks on other hosts (``nnodes > 1``) every channel is TCP on the master address instead
-(CURVE when keys are given; refused off loopback without them), this process starts only the
+(CURVE, and refused without keys even on loopback), this process starts only the
 head's own ranks, and a ``NodeLink`` heartbeats the other hosts (``conveyor.executor.node_link``).
 """
 
@@ -44,7 +44,12 @@ from conveyor.runtime.processes import (
     wait_for_exit,
 )
 from conveyor.runtime.signals import signals_held
-from conveyor.runtime.zmq_security import SecureBinder, faces_network, keys_from_env
+from conveyor.runtime.zmq_security import (
+    SecureBinder,
+    faces_network,
+    keys_from_env,
+    require_keys,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +81,11 @@ class WorkerProcesses:
         self._node_link: NodeLink | None = None
         try:
             self._set_addresses()
-            # Keys only matter (and are only read) when the channels are TCP.
+            # Keys only matter (and are only read) when the channels are TCP: ranks on other
+            # hosts, which must have them, loopback included (whoever connects gets prompts).
             if self.reply_address.startswith("tcp://"):
-                self._binder = SecureBinder(self._context, keys_from_env())
+                keys = require_keys(self.reply_address, keys_from_env())
+                self._binder = SecureBinder(self._context, keys)
             self._bind_sockets()
         except BaseException:
             self._release_sockets()

@@ -4,7 +4,11 @@ that nothing faces the network unauthenticated.
 Runs in every process that opens a TCP socket to another conveyor process: the engine core (its
 clients' socket, its workers' channels), the workers, the frontends, a headless node. ipc://
 sockets stay as they are (a private 0700 folder guards them), and so does loopback TCP unless keys
-are given; a TCP address other hosts can reach is refused without keys, bound or connected.
+are given; a TCP address other hosts can reach is refused without keys, bound or connected. A
+link between the processes of several hosts (data-parallel engines announcing themselves,
+tensor-parallel ranks on other hosts) needs keys even on loopback (``require_keys``): whoever
+answers there is trusted with a rank and its prompts, and every local user can reach a loopback
+port.
 
 Keys live in a folder made by ``conveyor keys generate DIR`` and named by ``--curve-keys DIR`` or
 $CONVEYOR_CURVE_KEYS (a path, so no secret ever sits on a command line):
@@ -37,7 +41,13 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from conveyor.runtime.refused_keys import RefusedKeys
+
 logger = logging.getLogger(__name__)
+# pyzmq's authenticator logs every ZAP request at DEBUG: one line per connection attempt, which
+# anyone who reaches a CURVE port could multiply at will. Its errors still show.
+_zap_logger = logging.getLogger(f"{__name__}.zap")
+_zap_logger.setLevel(logging.WARNING)
 
 CURVE_KEYS_ENV = "CONVEYOR_CURVE_KEYS"
 KEY_NAME = "node"
@@ -139,6 +149,22 @@ def check_address(address: str, keys: CurveKeys | None) -> None:
         )
 
 
+def require_keys(address: str, keys: CurveKeys | None) -> CurveKeys:
+    """``keys``, which a TCP link between the processes of several hosts at ``address`` needs
+    even on loopback; ``InsecureAddressError`` without them."""
+    if keys is None:
+        # Loopback is no shelter: any local user can connect to (or bind first) a loopback port,
+        # and a peer on this link is trusted with a rank and the prompts sent to it.
+        raise InsecureAddressError(
+            f"{address} links conveyor processes of several hosts, which needs CURVE keys even "
+            f"on loopback (any local user can reach a loopback port): make them with `conveyor "
+            f"keys generate DIR` and pass --curve-keys DIR (or ${CURVE_KEYS_ENV}) on every host; "
+            "on one host, --data-parallel-size or --tensor-parallel-size alone keeps every "
+            "process on private ipc:// sockets"
+        )
+    return keys
+
+
 def connect(
     socket: zmq.Socket, address: str, keys: CurveKeys | None, server_key: bytes | None = None
 ) -> None:
@@ -167,7 +193,8 @@ class SecureBinder:
         self.context = context
         self.keys = keys
         self._authenticator: ThreadAuthenticator | None = None
-        self._refused_keys: set[bytes] = set()
+        # Touched only from the authenticator's thread (and by ``close`` once it stopped).
+        self.refused = RefusedKeys()
 
     def bind(self, socket: zmq.Socket, address: str) -> None:
         check_address(address, self.keys)
@@ -180,7 +207,7 @@ class SecureBinder:
 
     def _start_authenticator(self) -> None:
         if self._authenticator is None:
-            authenticator = ThreadAuthenticator(self.context, log=logger)
+            authenticator = ThreadAuthenticator(self.context, log=_zap_logger)
             authenticator.start()
             authenticator.configure_curve_callback("*", self)
             self._authenticator = authenticator
@@ -189,14 +216,12 @@ class SecureBinder:
         """ZAP's question, from the authenticator's thread: may this client key connect?"""
         assert self.keys is not None
         allowed = self.keys.allows(client_key)
-        if not allowed and client_key not in self._refused_keys:
-            # Once per key (a refused client retries every 100 ms). A public key, not a secret:
-            # naming it tells the operator which host to authorize.
-            self._refused_keys.add(client_key)
-            logger.warning("refused connections from unauthorized key %s", client_key.decode())
+        if not allowed:
+            self.refused.add(client_key)
         return allowed
 
     def close(self) -> None:
         if self._authenticator is not None:
             self._authenticator.stop()
             self._authenticator = None
+            self.refused.flush()

@@ -40,7 +40,7 @@ from conveyor.runtime.exit_codes import ExitCode
 from conveyor.runtime.gc_heap import freeze_startup_heap
 from conveyor.runtime.logs import configure_logging
 from conveyor.runtime.parent import exit_when_pipe_closes
-from conveyor.runtime.zmq_security import connect, keys_from_env
+from conveyor.runtime.zmq_security import connect, keys_from_env, require_keys
 from conveyor.worker.fault_injection import FaultInjector, fault_plan_from_env
 from conveyor.worker.worker import Worker
 
@@ -120,8 +120,10 @@ def _describe(exc: BaseException) -> str:
 
 def run_worker(launch: WorkerLaunch) -> int:
     """Build the rank's Worker and serve it; the process exit status."""
-    # TCP channels (ranks on several hosts) are CURVE when the user gave keys.
-    keys = keys_from_env() if launch.reply_address.startswith("tcp://") else None
+    # TCP channels (ranks on several hosts) are CURVE, loopback included: without the head's
+    # key, a worker could be talking to whoever bound the port first.
+    tcp = launch.reply_address.startswith("tcp://")
+    keys = require_keys(launch.reply_address, keys_from_env()) if tcp else None
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
     connect(commands, launch.command_address, keys)

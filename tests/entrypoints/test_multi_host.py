@@ -128,11 +128,14 @@ def test_a_host_whose_key_the_head_does_not_trust_never_joins(hosts, key_dirs):
     assert wait_until_gone(head.tree() + node.tree(), 10.0) == []
 
 
+@pytest.mark.parametrize("address", ["127.0.0.1", "10.1.2.3"], ids=["loopback", "public"])
 @pytest.mark.parametrize("role", [["--node-rank", "0"], ["--node-rank", "1", "--headless"]])
-def test_a_public_master_address_without_keys_is_refused_before_anything_starts(role, monkeypatch):
+def test_hosts_without_keys_are_refused_before_anything_starts(role, address, monkeypatch):
+    """Row 25: even on loopback, where any local user could take a rank's channel."""
     monkeypatch.delenv(CURVE_KEYS_ENV, raising=False)
     command = [*CONVEYOR, "serve", "--frontends", "0", "--tensor-parallel-size", "2"]
-    command += ["--nnodes", "2", "--master-addr", "10.1.2.3", *role]
+    command += ["--nnodes", "2", "--master-addr", address, *role]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
-    assert "tcp://10.1.2.3:29500 is reachable from other hosts and no CURVE keys" in result.stderr
+    assert f"tcp://{address}:29500 links conveyor processes of several hosts" in result.stderr
+    assert "--curve-keys DIR" in result.stderr and "worker" not in result.stderr

@@ -106,10 +106,11 @@ def test_the_engine_binds_off_loopback_only_when_allowed_and_with_keys(key_dirs)
     assert find_address_problem("tcp://10.1.2.3:5555", True, keys) is None
 
 
-def test_workers_on_other_hosts_are_refused_a_public_address_without_keys(monkeypatch):
+@pytest.mark.parametrize("address", ["127.0.0.1", "10.1.2.3"])
+def test_workers_on_other_hosts_are_refused_without_keys_even_on_loopback(address, monkeypatch):
     monkeypatch.delenv(CURVE_KEYS_ENV, raising=False)
-    nodes = NodeConfig(nnodes=2, master_addr="10.1.2.3", master_port=29500)
-    with pytest.raises(InsecureAddressError, match="tcp://10.1.2.3:29501"):
+    nodes = NodeConfig(nnodes=2, master_addr=address, master_port=29500)
+    with pytest.raises(InsecureAddressError, match=f"tcp://{address}:29501 links conveyor"):
         WorkerProcesses(2, nodes)
 
 
