@@ -35,6 +35,7 @@ from conveyor.protocol import (
     SamplingParams,
     SchedulerOutput,
 )
+from conveyor.protocol.messages import reaches_workers
 from conveyor.protocol.sampling_params import find_vocab_problem
 
 logger = logging.getLogger(__name__)
@@ -172,15 +173,15 @@ class EngineCore:
 
     def _step_sync(self) -> dict[int, EngineCoreOutputs]:
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens == 0:
+        if not reaches_workers(scheduler_output):
             # Nothing for the workers; outputs of aborted requests still go out.
             runner_output = ModelRunnerOutput(step_id=scheduler_output.step_id)
         else:
             self._step_submitted(scheduler_output)
             runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if scheduler_output.total_num_scheduled_tokens > 0:
-            self._step_done()
+        if reaches_workers(scheduler_output):
+            self._step_done(scheduler_output)
         self._forget_finished(outputs)
         return outputs
 
@@ -189,18 +190,18 @@ class EngineCore:
         scheduler = self.scheduler
         if not self._in_flight:
             first = scheduler.schedule()
-            if first.total_num_scheduled_tokens == 0:
+            if not reaches_workers(first):
                 outputs = scheduler.update_from_output(first, ModelRunnerOutput(first.step_id))
                 self._forget_finished(outputs)
                 return outputs
             self._submit(first)
         # Scheduled while the oldest step runs: its requests' next tokens are in flight.
         following = scheduler.schedule()
-        if following.total_num_scheduled_tokens > 0:
+        if reaches_workers(following):
             self._submit(following)
         done = self._in_flight.popleft()
         outputs = scheduler.update_from_output(done, self.executor.wait_for_output())
-        self._step_done()
+        self._step_done(done)
         self._forget_finished(outputs)
         return outputs
 
@@ -210,13 +211,15 @@ class EngineCore:
         self._in_flight.append(scheduler_output)
 
     def _step_submitted(self, scheduler_output: SchedulerOutput) -> None:
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return  # grammars to build or a poll for them: no step to time or trace
         if self._timed:
             self._submit_times.append(self._clock())
         if self.tracer is not None:
             self.tracer.step_submitted(scheduler_output, self.scheduler.make_stats())
 
-    def _step_done(self) -> None:
-        if not self._timed:
+    def _step_done(self, scheduler_output: SchedulerOutput) -> None:
+        if not self._timed or scheduler_output.total_num_scheduled_tokens == 0:
             return
         now = self._clock()
         started = max(self._submit_times.popleft(), self._last_step_end)

@@ -39,10 +39,14 @@ from conveyor.protocol import (
     SchedulerOutput,
     SchedulerStats,
 )
+from conveyor.protocol.messages import reaches_workers
 
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 _POOL_TOO_SMALL = "needs more KV cache blocks than the whole pool holds"
+# While requests wait only for their grammars, a step of no tokens lets a worker wait this long
+# for a build to finish: the engine polls without spinning, and answers within it.
+GRAMMAR_POLL_S = 0.05
 
 
 class Scheduler:
@@ -79,6 +83,10 @@ class Scheduler:
         # Preempted while this step was scheduled: not re-admitted before the next one, as a
         # token of theirs may still be in flight (async scheduling) and must be known first.
         self._preempted_now: set[int] = set()
+        # Structured requests whose matchers the workers are building: admitted to ``waiting``
+        # when a worker says the grammar is ready, so a large grammar never holds up a step.
+        self._waiting_for_grammar: dict[int, Request] = {}
+        self._grammars_to_send: list[Request] = []
         self._outputs = OutputCollector()
         self._plan = StepPlan(0)
         self._step_id = 0
@@ -98,18 +106,43 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.queued_time = time.monotonic()
         self.requests[request.req_id] = request
-        self.waiting.add(request)
+        if request.sampling_params.grammar:
+            self._waiting_for_grammar[request.req_id] = request
+            self._grammars_to_send.append(request)
+        else:
+            self.waiting.add(request)
 
     def abort_requests(self, req_ids: Iterable[int]) -> None:
         """End the given requests; unknown or already finished ids are ignored."""
         aborted = {req_id: self.requests[req_id] for req_id in req_ids if req_id in self.requests}
         if not aborted:
             return
-        if any(r.status is _RUNNING for r in aborted.values()):
-            self.running = [r for r in self.running if r.req_id not in aborted]
-        self.waiting.remove_requests([r for r in aborted.values() if r.status is not _RUNNING])
+        self._remove_unfinished(aborted)
         for request in aborted.values():
             self._end(request, RequestStatus.FINISHED_ABORTED)
+
+    def _remove_unfinished(self, gone: dict[int, Request]) -> None:
+        """Take these requests out of whichever list or queue holds them."""
+        if any(r.status is _RUNNING for r in gone.values()):
+            self.running = [r for r in self.running if r.req_id not in gone]
+        for req_id in gone.keys() & self._waiting_for_grammar.keys():
+            del self._waiting_for_grammar[req_id]
+            self._grammars_to_send = [r for r in self._grammars_to_send if r.req_id != req_id]
+        self.waiting.remove_requests([r for r in gone.values() if r.status is not _RUNNING])
+
+    def fail_requests(self, req_ids: list[int], reasons: list[str]) -> None:
+        """End the given requests with an "error" finish and its reason (the workers could not
+        go on with them); unknown or already finished ids are ignored."""
+        failed = {
+            req_id: (self.requests[req_id], reason)
+            for req_id, reason in zip(req_ids, reasons)
+            if req_id in self.requests
+        }
+        if not failed:
+            return
+        self._remove_unfinished({req_id: request for req_id, (request, _) in failed.items()})
+        for request, reason in failed.values():
+            self._end(request, RequestStatus.FINISHED_ERROR, reason)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -137,8 +170,14 @@ class Scheduler:
             self.step_budget.finish_step()
         for new_request in output.scheduled_new_reqs:
             self._worker_req_ids.add(new_request.req_id)
-        # A step with no tokens is not executed: its ids wait for one that reaches the workers.
-        if output.total_num_scheduled_tokens > 0:
+        if self._grammars_to_send:
+            output.grammar_req_ids = [r.req_id for r in self._grammars_to_send]
+            output.grammars = [r.sampling_params.grammar or "" for r in self._grammars_to_send]
+            self._grammars_to_send = []
+        elif self._waiting_for_grammar and output.total_num_scheduled_tokens == 0:
+            output.grammar_wait_s = GRAMMAR_POLL_S
+        # A step with nothing for the workers is not executed: its ids wait for one that is.
+        if reaches_workers(output):
             output.finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
             output.preempted_req_ids, self._preempted_req_ids = self._preempted_req_ids, []
         return output
@@ -348,6 +387,14 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         """Append each sampled token, stop what is done; outputs grouped by client_index."""
+        for req_id in model_runner_output.grammars_ready:
+            request = self._waiting_for_grammar.pop(req_id, None)
+            if request is not None:
+                self.waiting.add(request)
+        if model_runner_output.failed_req_ids:
+            self.fail_requests(
+                model_runner_output.failed_req_ids, model_runner_output.failure_reasons
+            )
         finished = self._outputs.add_sampled(self.requests, model_runner_output)
         if finished:
             num_running = len(self.running)
@@ -368,7 +415,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         stats = SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self._waiting_for_grammar),
             kv_cache_usage=kv.usage,
             num_preemptions=self._num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,

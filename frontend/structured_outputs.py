@@ -1,9 +1,10 @@
 """Structured outputs, frontend side: what a caller asks for -> one checked llguidance grammar.
 
 Runs in the frontend process (``LLM`` and HTTP, through the ``InputProcessor``). The grammar
-engine is llguidance: it needs no ahead-of-time compile (its Earley parser computes each
-token mask on demand, tens of microseconds), so a new schema never holds up the engine's
-steps, and its wheel has no dependencies. A request's ``StructuredOutputsParams`` (a JSON schema,
+engine is llguidance: its Earley parser computes each token mask on demand (tens of
+microseconds), and its wheel has no dependencies. The workers build each grammar's matcher on a
+thread of their own while the engine holds the request back, so a new schema never holds up
+the engine's steps. A request's ``StructuredOutputsParams`` (a JSON schema,
 a regex, a choice, a Lark/GBNF grammar or "any JSON object") becomes an llguidance grammar here,
 is checked against the model's tokenizer (an invalid schema or regex is a ``PromptError``
 naming the problem, so an HTTP 400), and travels to the workers as ``SamplingParams.grammar``;
@@ -11,6 +12,13 @@ the workers hold one matcher per request (``worker/structured_output.py``).
 
 JSON is generated compact (no free whitespace between tokens): a model may otherwise fill
 ``max_tokens`` with spaces, which is valid JSON nowhere.
+
+What a constraint may cost is bounded at the door (``MAX_*`` below, then llguidance's own limits,
+``GRAMMAR_LIMITS``, set the same in the frontend and the workers): the check builds a matcher and
+its first mask under them, so what fails early is a 400 in milliseconds, not a request that
+stalls the engine or ends quietly with text that breaks its constraint. A ``choice`` list is a
+regex alternation, not a grammar rule of N alternatives: the lexer takes tens of thousands of
+strings in a fraction of a second, where a grammar row is capped at 2,000 items.
 """
 
 from __future__ import annotations
@@ -21,9 +29,18 @@ import threading
 from typing import Any
 
 from conveyor.protocol import SamplingParams, StructuredOutputsParams
+from conveyor.protocol.sampling_params import GRAMMAR_LIMITS
 
 # llguidance's per-schema options: compact separators, no whitespace run the model could loop in.
 JSON_OPTIONS = {"whitespace_flexible": False}
+# Caps checked before any grammar is built (each refusal names its field): sizes a real schema,
+# pattern or choice list stays far below, and that keep the check and a worker's build of one
+# grammar to a fraction of a second.
+MAX_CHOICES = 16_384
+MAX_CHOICE_CHARS = 1 << 20  # all the strings together
+MAX_JSON_SCHEMA_CHARS = 256 << 10
+MAX_REGEX_CHARS = 64 << 10
+MAX_GRAMMAR_TEXT_CHARS = 256 << 10
 
 
 class StructuredOutputError(ValueError):
@@ -40,6 +57,7 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
             "give exactly one of json, regex, choice, grammar, json_object; got "
             + (", ".join(kinds) or "none")
         )
+    check_sizes(spec)
     if spec.json is not None:
         schema = spec.json
         if isinstance(schema, str):
@@ -57,9 +75,37 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
     if spec.choice is not None:
         if not spec.choice or not all(isinstance(c, str) and c for c in spec.choice):
             raise StructuredOutputError("choice must be a list of non-empty strings")
-        return grammar_from("choice", json.dumps(spec.choice))
+        return grammar_from("regex", "(" + "|".join(map(_regex_literal, spec.choice)) + ")")
     assert spec.grammar is not None
     return grammar_from("grammar", spec.grammar)
+
+
+def check_sizes(spec: StructuredOutputsParams) -> None:
+    """Refuse a constraint over the size caps before any work is spent on it."""
+    if spec.choice is not None:
+        if len(spec.choice) > MAX_CHOICES:
+            raise StructuredOutputError(
+                f"choice may list at most {MAX_CHOICES} strings, got {len(spec.choice)}"
+            )
+        total = sum(len(c) for c in spec.choice if isinstance(c, str))
+        if total > MAX_CHOICE_CHARS:
+            raise StructuredOutputError(
+                f"choice's strings may hold at most {MAX_CHOICE_CHARS} characters together"
+            )
+    texts = (
+        ("regex", spec.regex, MAX_REGEX_CHARS),
+        ("grammar", spec.grammar, MAX_GRAMMAR_TEXT_CHARS),
+        ("json", spec.json if isinstance(spec.json, str) else None, MAX_JSON_SCHEMA_CHARS),
+    )
+    for name, text, cap in texts:
+        if text is not None and len(text) > cap:
+            raise StructuredOutputError(f"{name} may hold at most {cap} characters")
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a regex that matches it alone: every ASCII character but letters, digits and
+    the space escaped (llguidance's regex syntax accepts an escape before any of them)."""
+    return "".join(c if c.isalnum() or c == " " or not c.isascii() else "\\" + c for c in text)
 
 
 class GrammarChecker:
@@ -83,9 +129,18 @@ class GrammarChecker:
             return self._ll_tokenizer
 
     def _check(self, grammar: str) -> str | None:
-        from llguidance import LLMatcher
+        """What is wrong with ``grammar`` (None: nothing found): a matcher built under the
+        workers' limits (its errors are llguidance's validation's) and its first mask, where the
+        lexer's and the parser's start show their limits."""
+        from llguidance import LLMatcher, LLParserLimits
 
-        return LLMatcher.validate_grammar(grammar, self.ll_tokenizer()) or None
+        limits = LLParserLimits(**GRAMMAR_LIMITS)
+        matcher = LLMatcher(self.ll_tokenizer(), grammar, log_level=1, limits=limits)
+        if not matcher.is_error():
+            matcher.compute_bitmask()
+        if not matcher.is_error():
+            return None
+        return matcher.get_error().replace("<non-verbose/>", "").strip() or "failed"
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """``params`` with its ``structured_outputs`` turned into a checked ``grammar``."""

@@ -22,6 +22,9 @@ FinishReason = Literal["stop", "length", "abort", "error", "rejected"]
 # A request that ended without running to a stop: it failed ("error") or the engine would not
 # queue it ("rejected": the waiting queue was at max_waiting_requests; retrying later may work).
 FAILED_FINISH_REASONS: tuple[str, ...] = ("error", "rejected")
+# How the reason of an "error" finish begins when a request's grammar failed in the worker (the
+# frontend answers it as the client's constraint, not as an engine fault).
+STRUCTURED_OUTPUT_FAILURE = "structured output: "
 
 
 # ---------------------------------------------------------------- frontend -> engine core
@@ -168,6 +171,22 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     finished_req_ids: list[int] = []
     # Requests preempted since the previous step: keep the mirror, drop them from the batch.
     preempted_req_ids: list[int] = []
+    # Structured requests not yet scheduled, and their grammars: the workers build each matcher
+    # off the step and report it in ``grammars_ready``; until then the request waits.
+    grammar_req_ids: list[int] = []
+    grammars: list[str] = []
+    # With no tokens to run: how long a worker may wait for a grammar build to end before it
+    # answers (how the engine polls while only grammars are pending; 0: no poll).
+    grammar_wait_s: float = 0.0
+
+
+def reaches_workers(scheduler_output: SchedulerOutput) -> bool:
+    """Whether a step has anything for the workers (tokens, grammars to build, a poll)."""
+    return (
+        scheduler_output.total_num_scheduled_tokens > 0
+        or bool(scheduler_output.grammar_req_ids)
+        or scheduler_output.grammar_wait_s > 0
+    )
 
 
 # ---------------------------------------------------------------- worker rank 0 -> engine core
@@ -180,6 +199,12 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     req_ids: list[int] = []
     sampled_token_ids: list[int] = []
     logprobs: Logprobs | None = None
+    # Requests the worker could not go on with (a grammar matcher in error), and why: they end
+    # with an "error" finish; the token sampled for them this step is dropped.
+    failed_req_ids: list[int] = []
+    failure_reasons: list[str] = []
+    # Requests whose grammar was built since the previous step (in any step's output).
+    grammars_ready: list[int] = []
 
 
 # ---------------------------------------------------------------- session control (ZMQ clients)

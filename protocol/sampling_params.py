@@ -27,6 +27,22 @@ MAX_LOGIT_BIAS_VALUE = 100.0
 MAX_ALLOWED_TOKEN_IDS = 1 << 17
 # A grammar's text travels with every choice of its request.
 MAX_GRAMMAR_CHARS = 1 << 20
+# llguidance's parser limits, set here rather than left to its defaults so that the frontend's
+# check and the workers' matchers agree on what a grammar may cost (the check builds a matcher
+# and its first mask under these; a later step that exceeds them fails its request). The
+# per-step caps keep one structured row's mask to a few milliseconds (llguidance: ~14k lexer
+# fuel and ~20k Earley items per millisecond).
+GRAMMAR_LIMITS: dict[str, int | bool] = {
+    "max_items_in_row": 2000,
+    "initial_lexer_fuel": 1_000_000,
+    "step_lexer_fuel": 200_000,
+    "step_max_items": 50_000,
+    "max_lexer_states": 250_000,
+    "max_grammar_size": 500_000,
+    # Errors name the limit, not the parser's state and the whole grammar (an error reason
+    # travels to the client and into logs).
+    "verbose_errors": False,
+}
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):

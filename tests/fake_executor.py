@@ -31,6 +31,7 @@ from conveyor.protocol import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from conveyor.protocol.messages import reaches_workers
 
 
 def fake_next_token(token_ids: list[int], vocab_size: int) -> int:
@@ -88,7 +89,7 @@ class FakeExecutor(InlineExecutor):
 
     def run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.initialized_num_blocks is not None, "a step before initialize_cache"
-        assert scheduler_output.total_num_scheduled_tokens > 0, "an empty step was executed"
+        assert reaches_workers(scheduler_output), "an empty step was executed"
         if self.scheduler_outputs:
             assert scheduler_output.step_id > self.scheduler_outputs[-1].step_id
         self.scheduler_outputs.append(scheduler_output)
@@ -103,7 +104,10 @@ class FakeExecutor(InlineExecutor):
         if self.check_kv:
             for req_id, num_tokens in scheduled:
                 self._check_reads(req_id, num_tokens)
-        return self._sample(scheduler_output.step_id, scheduled)
+        output = self._sample(scheduler_output.step_id, scheduled)
+        # Grammars "build" at once: their requests may be scheduled from the next step.
+        output.grammars_ready = list(scheduler_output.grammar_req_ids)
+        return output
 
     def _drop_left(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
@@ -224,7 +228,7 @@ def run_step(
 ) -> tuple[SchedulerOutput, dict[int, EngineCoreOutputs]]:
     """schedule -> execute -> update, as EngineCore.step does (no execution for an empty step)."""
     scheduler_output = scheduler.schedule()
-    if scheduler_output.total_num_scheduled_tokens == 0:
+    if not reaches_workers(scheduler_output):
         runner_output = ModelRunnerOutput(step_id=scheduler_output.step_id)
     else:
         if executor.initialized_num_blocks is None:
@@ -249,7 +253,7 @@ class OverlappedSteps:
             executor.initialize_cache(executor.num_blocks)
 
     def _submit(self, scheduler_output: SchedulerOutput) -> bool:
-        if scheduler_output.total_num_scheduled_tokens == 0:
+        if not reaches_workers(scheduler_output):
             return False
         self.in_flight.append((scheduler_output, self.executor.execute_model(scheduler_output)))
         return True

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from conveyor.protocol import EngineConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput
+from conveyor.protocol.messages import STRUCTURED_OUTPUT_FAILURE
 from conveyor.worker.attention.selector import select_backend
 from conveyor.worker.cuda_graphs import (
     DecodeGraphs,
@@ -314,13 +315,14 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         batch = self.batch
         batch.apply(scheduler_output)
-        if self._grammars is None and any(
-            new.sampling_params.grammar for new in scheduler_output.scheduled_new_reqs
-        ):
-            self._grammars = self._make_grammar_runtime()
+        self._prepare_grammars(scheduler_output)
         rows = batch.scheduled_rows()
         if len(rows) == 0:
-            return ModelRunnerOutput(step_id=scheduler_output.step_id)
+            # Grammars to build, or the engine polling for them: nothing else to do meanwhile.
+            return ModelRunnerOutput(
+                step_id=scheduler_output.step_id,
+                grammars_ready=self._grammars_ready(scheduler_output.grammar_wait_s),
+            )
         graphs = self.decode_graphs
         inputs = self.inputs.prepare(
             batch, rows, self.block_size, graphs.padded_size if graphs and graphs.whole else None
@@ -333,8 +335,10 @@ class ModelRunner:
         sampling = self._sampling_metadata(row_list, params, ended) if row_list else None
         hidden = self._forward(inputs)
         if sampling is None:
-            return ModelRunnerOutput(step_id=scheduler_output.step_id)
-        output = self._sample(hidden, sampling, matchers)
+            return ModelRunnerOutput(
+                step_id=scheduler_output.step_id, grammars_ready=self._grammars_ready()
+            )
+        output, failed = self._sample(hidden, sampling, matchers)
         sampled = output.sampled_token_ids.numpy()
         batch.append_sampled(inputs.sampling_rows, sampled)
         if any(p.grammar for p in params):
@@ -347,7 +351,31 @@ class ModelRunner:
             req_ids=[batch.req_ids[row] for row in row_list],
             sampled_token_ids=sampled.tolist(),
             logprobs=logprobs_to_wire(output, [p.logprobs for p in params]),
+            failed_req_ids=[batch.req_ids[row_list[i]] for i in failed],
+            failure_reasons=[STRUCTURED_OUTPUT_FAILURE + reason for reason in failed.values()],
+            grammars_ready=self._grammars_ready(),
         )
+
+    def _grammars_ready(self, wait_s: float = 0.0) -> list[int]:
+        return self._grammars.take_ready(wait_s) if self._grammars is not None else []
+
+    def _prepare_grammars(self, scheduler_output: SchedulerOutput) -> None:
+        """Start building the matchers of structured requests off the step: those the engine
+        holds back until their grammar is built (reported in ``grammars_ready``), and any
+        arriving request whose template is gone (built again before it first samples)."""
+        arriving = [
+            new.sampling_params.grammar
+            for new in scheduler_output.scheduled_new_reqs
+            if new.sampling_params.grammar
+        ]
+        if not (arriving or scheduler_output.grammar_req_ids):
+            return
+        if self._grammars is None:
+            self._grammars = self._make_grammar_runtime()
+        for req_id, grammar in zip(scheduler_output.grammar_req_ids, scheduler_output.grammars):
+            self._grammars.prepare_for(req_id, grammar)
+        for grammar in arriving:
+            self._grammars.prepare(grammar)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the tokens that sample: a graph replay when one fits, else eager."""
@@ -365,16 +393,19 @@ class ModelRunner:
 
     def _sample(
         self, hidden: torch.Tensor, sampling: SamplingMetadata, matchers: list[tuple[int, Any]]
-    ) -> SamplerOutput:
-        """Logits, then the sampler; its output on the host."""
+    ) -> tuple[SamplerOutput, dict[int, str]]:
+        """Logits, then the sampler; its output on the host, and the sampling rows whose grammar
+        failed (with the reason)."""
+        failed: dict[int, str] = {}
         if matchers:
             # The one sampling input filled after the forward was launched: the grammar masks
             # are host work (Rust threads, GIL released) that overlaps the GPU's forward.
-            bitmask = self._grammars.bitmask(matchers)
+            bitmask, failed_rows = self._grammars.bitmask(matchers)
             grammar_rows = [i for i, _ in matchers]
+            failed = {grammar_rows[row]: reason for row, reason in failed_rows.items()}
             sampling = with_grammar_bitmask(sampling, bitmask, grammar_rows, self.device)
         logits = self.model.compute_logits(hidden)
-        return self._host_copier.to_host(self.sampler(logits, sampling))
+        return self._host_copier.to_host(self.sampler(logits, sampling)), failed
 
     def _sampling_metadata(
         self, rows: list[int], params: list[SamplingParams], grammar_ended: set[int]

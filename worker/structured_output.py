@@ -15,23 +15,38 @@ sampled, in order, with nothing on the wire. That stays right wherever the engin
   mask, so every rank's matcher agrees;
 * stop strings: the frontend aborts the request; its matcher goes with its state.
 
-The grammar (llguidance's JSON or Lark text) was checked by the frontend; a matcher that still
-fails (a client writing to the engine socket directly) lets only EOS through, so the request
-ends at once instead of failing the worker. llguidance builds masks on demand, in its own
-threads and without the GIL (``fill_next_token_bitmask_par``), so there is no compile step to
-wait for.
+The grammar (llguidance's JSON or Lark text) was checked by the frontend, but some failures
+only show at a later token (a row of more alternatives than llguidance allows, a grammar with no
+finite string): a matcher in error fails its request (``ModelRunnerOutput.failed_req_ids``, an
+"error" finish naming the reason), never a quiet EOS that would read as a finished answer.
+
+Building a matcher for a large grammar takes a while (up to a second), so it never happens
+inside a step: the engine sends a structured request's grammar ahead (``SchedulerOutput.grammars``)
+and holds the request back until a worker reports it built (``prepare_for``, ``take_ready``);
+the build runs on a thread of its own, once per grammar text (a request's n choices and the same
+schema sent again copy the built template), and the step only copies the template. llguidance
+computes masks on demand, in its own threads and without the GIL.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from conveyor.protocol.sampling_params import GRAMMAR_LIMITS
+
 logger = logging.getLogger(__name__)
+
+# Built grammars kept for the next request that uses one (a copy costs microseconds).
+_TEMPLATES_KEPT = 64
+# An error's reason goes to the client and the logs: its first line is the message.
+_MAX_REASON_CHARS = 500
 
 
 class GrammarRuntime:
@@ -49,6 +64,14 @@ class GrammarRuntime:
         # prompt computation rather than in front of its first sampling step.
         self._loaded = threading.Event()
         threading.Thread(target=self._load, name="grammar-tokenizer", daemon=True).start()
+        # One thread: builds are rare and large; they must not take the cores from the steps.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-build")
+        self._templates: OrderedDict[str, Future[Any]] = OrderedDict()
+        self._templates_lock = threading.Lock()
+        # Requests whose grammar is built, not yet reported to the engine (which holds them
+        # back until then); notified when one is added.
+        self._ready: list[int] = []
+        self._ready_changed = threading.Condition()
 
     def _load(self) -> None:
         try:
@@ -65,21 +88,62 @@ class GrammarRuntime:
         finally:
             self._loaded.set()
 
-    def new_matcher(self, grammar: str) -> Any:
-        """A matcher at the start of ``grammar``."""
-        from llguidance import LLMatcher
+    def prepare_for(self, req_id: int, grammar: str) -> None:
+        """Build ``grammar`` (``prepare``) and, once it is built, report ``req_id`` ready
+        (``take_ready``), however the build ended: a failed build fails the request when it
+        first samples."""
+
+        def built(_: Future[Any]) -> None:
+            with self._ready_changed:
+                self._ready.append(req_id)
+                self._ready_changed.notify_all()
+
+        self.prepare(grammar).add_done_callback(built)
+
+    def take_ready(self, wait_s: float = 0.0) -> list[int]:
+        """The requests whose grammars were built since the last call; with ``wait_s``, wait up
+        to that long for one if there is none yet."""
+        with self._ready_changed:
+            if not self._ready and wait_s > 0:
+                self._ready_changed.wait(wait_s)
+            ready, self._ready = self._ready, []
+            return ready
+
+    def prepare(self, grammar: str) -> Future[Any]:
+        """Start building ``grammar``'s matcher on the grammar thread, if not built or under way."""
+        with self._templates_lock:
+            future = self._templates.get(grammar)
+            if future is None:
+                future = self._pool.submit(self._build, grammar)
+                self._templates[grammar] = future
+                if len(self._templates) > _TEMPLATES_KEPT:
+                    self._templates.popitem(last=False)
+            else:
+                self._templates.move_to_end(grammar)
+            return future
+
+    def _build(self, grammar: str) -> Any:
+        from llguidance import LLMatcher, LLParserLimits
 
         self._loaded.wait()
         if self._error is not None:
             raise RuntimeError(f"structured outputs are unavailable: {self._error}")
-        matcher = LLMatcher(self._tokenizer, grammar, log_level=1)
-        if matcher.is_error():
-            logger.warning("a grammar failed in the worker (EOS only): %s", matcher.get_error())
+        limits = LLParserLimits(**GRAMMAR_LIMITS)
+        matcher = LLMatcher(self._tokenizer, grammar, log_level=1, limits=limits)
+        if not matcher.is_error():
+            # The first mask builds the lexer's start: part of the build, not of a step.
+            matcher.compute_bitmask()
         return matcher
 
-    def bitmask(self, rows: list[tuple[int, Any]]) -> torch.Tensor:
-        """[len(rows), ceil(V / 32)] int32: the allowed tokens of each listed row, in order (a
-        matcher in error allows only EOS)."""
+    def new_matcher(self, grammar: str) -> Any:
+        """A matcher at the start of ``grammar``: a copy of its built template (waiting for the
+        build if ``prepare`` has not finished it)."""
+        return self.prepare(grammar).result().deep_copy()
+
+    def bitmask(self, rows: list[tuple[int, Any]]) -> tuple[torch.Tensor, dict[int, str]]:
+        """[len(rows), ceil(V / 32)] int32: the allowed tokens of each listed row, in order, and
+        the rows whose matcher is in error, with its reason (their mask allows only EOS, so the
+        row still samples something; the request fails)."""
         # All bits set: every token allowed. (llguidance.torch has these helpers, but importing
         # it compiles a kernel with torch.compile: seconds of start-up for two lines.)
         words = (self.vocab_size + 31) // 32
@@ -90,13 +154,17 @@ class GrammarRuntime:
             self._executor.unsafe_compute_mask_ptr(
                 healthy, bitmask.data_ptr(), words * 4, len(rows)
             )
+        failed = {}
         for row, (_, matcher) in enumerate(rows):
-            if matcher.is_error():
+            if matcher.is_error():  # before this mask, or while computing it
+                failed[row] = (matcher.get_error().strip().splitlines() or ["?"])[0][
+                    :_MAX_REASON_CHARS
+                ]
                 bitmask[row] = 0
                 for eos in self._eos_token_ids:
                     word = int(bitmask[row, eos // 32]) | (1 << (eos % 32))
                     bitmask[row, eos // 32] = word - (1 << 32) if word >= 1 << 31 else word
-        return bitmask
+        return bitmask, failed
 
     @staticmethod
     def accept(matcher: Any, token_id: int) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import time
 import uuid
@@ -41,8 +42,11 @@ from conveyor.frontend.server.metrics import FrontendMetrics
 from conveyor.frontend.server.request_log import RequestLogger
 from conveyor.frontend.server.response_models import SSE_DONE, UsageInfo, encode_json, sse_event
 from conveyor.protocol import FAILED_FINISH_REASONS, EngineConfig, SamplingParams
+from conveyor.protocol.messages import STRUCTURED_OUTPUT_FAILURE
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 # One HTTP request may not fan out into more engine requests than this (prompts x n): a small
 # body must not be able to queue unbounded work.
@@ -192,7 +196,11 @@ def raise_on_error(choices: Sequence[ChoiceState]) -> None:
             raise overloaded(str(choice.stop_reason))
     for choice in choices:
         if choice.finish_reason == "error":
-            raise ApiError(500, f"the engine failed the request: {choice.stop_reason}")
+            reason = str(choice.stop_reason)
+            if reason.startswith(STRUCTURED_OUTPUT_FAILURE):
+                # The constraint, not the engine: it cannot be met past some token.
+                raise ApiError(400, f"the constraint could not be followed: {reason}")
+            raise ApiError(500, f"the engine failed the request: {reason}")
 
 
 def overloaded(reason: str) -> ApiError:

@@ -293,6 +293,71 @@ def test_abort_frees_reports_once_and_is_idempotent():
     assert [o.request_id for o in outputs[0].outputs] == ["1"]
 
 
+def test_a_request_the_worker_fails_ends_in_an_error_with_its_reason_and_frees_its_blocks():
+    """A worker that cannot go on with a request (its grammar failed) reports it with the step's
+    tokens: the request ends "error" with the reason, its token of that step is dropped, the
+    others carry on, and the next diff tells the workers to drop it."""
+    scheduler, executor = make_scheduler()
+    for req_id in (0, 1):
+        scheduler.add_request(make_request(req_id, max_tokens=20))
+    run_step(scheduler, executor)
+    scheduler_output = scheduler.schedule()
+    runner_output = executor.execute_model(scheduler_output)
+    runner_output.failed_req_ids = [0, 99]
+    runner_output.failure_reasons = ["structured output: no way on", "unknown request"]
+    outputs = scheduler.update_from_output(scheduler_output, runner_output)
+    by_id = {o.request_id: o for o in outputs[0].outputs}
+    assert by_id["0"].finish_reason == "error" and by_id["0"].new_token_ids == []
+    assert by_id["0"].stop_reason == "structured output: no way on"
+    assert by_id["1"].finish_reason is None and len(by_id["1"].new_token_ids) == 1
+    assert scheduler.kv_cache_manager.get_block_ids(0) == []
+    output, _ = run_step(scheduler, executor)
+    assert output.finished_req_ids == [0] and output.scheduled_cached_reqs.req_ids == [1]
+
+
+def test_a_structured_request_waits_for_its_grammar_without_holding_anyone_up():
+    """The grammar goes to the workers once, with the next step; the request is left out of the
+    steps until a worker says its matcher is built, while the others run; with nothing else to
+    do the engine polls the workers (a step of no tokens they may hold briefly); one aborted
+    while it waits leaves no trace."""
+    scheduler, executor = make_scheduler()
+    executor.initialize_cache(executor.num_blocks)
+    scheduler.add_request(make_request(0, max_tokens=20))
+    scheduler.add_request(make_request(1, grammar="a grammar"))
+    scheduler.add_request(make_request(2, grammar="another"))
+    first = scheduler.schedule()
+    assert (first.grammar_req_ids, first.grammars) == ([1, 2], ["a grammar", "another"])
+    assert [new.req_id for new in first.scheduled_new_reqs] == [0]
+    assert scheduler.make_stats().num_waiting == 2
+    runner_output = executor.execute_model(first)
+    runner_output.grammars_ready = []  # still building
+    scheduler.update_from_output(first, runner_output)
+    second = scheduler.schedule()
+    assert second.grammar_req_ids == [] and second.grammar_wait_s == 0  # request 0 runs
+    runner_output = executor.execute_model(second)
+    runner_output.grammars_ready = [1, 7]  # 7: not ours (a finished request, say)
+    scheduler.update_from_output(second, runner_output)
+    scheduler.abort_requests([2])
+    third = scheduler.schedule()
+    assert [new.req_id for new in third.scheduled_new_reqs] == [1]
+    assert third.grammar_req_ids == [] and third.finished_req_ids == []
+    scheduler.update_from_output(third, executor.execute_model(third))
+    scheduler.abort_requests([0, 1])
+    idle = scheduler.schedule()
+    assert idle.total_num_scheduled_tokens == 0 and idle.grammar_wait_s == 0
+    scheduler.update_from_output(idle, ModelRunnerOutput(step_id=idle.step_id))
+    scheduler.check_all_free()
+
+    scheduler.add_request(make_request(3, grammar="a grammar"))
+    sent = scheduler.schedule()
+    assert sent.grammar_req_ids == [3] and sent.total_num_scheduled_tokens == 0
+    scheduler.update_from_output(sent, ModelRunnerOutput(step_id=sent.step_id))
+    poll = scheduler.schedule()
+    assert poll.total_num_scheduled_tokens == 0 and poll.grammar_wait_s > 0
+    scheduler.update_from_output(poll, ModelRunnerOutput(step_id=poll.step_id, grammars_ready=[3]))
+    assert [new.req_id for new in scheduler.schedule().scheduled_new_reqs] == [3]
+
+
 def test_tokens_for_a_request_aborted_during_the_step_are_ignored():
     scheduler, executor = make_scheduler()
     scheduler.add_request(make_request(0))

@@ -55,7 +55,8 @@ STREAM = {"model": MODEL_NAME, "prompt": "def main():", "max_tokens": STREAM_TOK
 @pytest.fixture(scope="module")
 def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedHttp]:
     log = tmp_path_factory.mktemp("heavy") / "serve.log"
-    extra = ["--frontends", "1", "--heartbeat-timeout-s", "3"]
+    # A 5 s step watchdog: a grammar built inside a step would trip it (row 24).
+    extra = ["--frontends", "1", "--heartbeat-timeout-s", "3", "--step-timeout-s", "5"]
     served = start_served_http(tiny_model_dir, log, extra)
     try:
         yield served
@@ -277,3 +278,50 @@ def test_an_accepted_request_that_tokenizes_for_seconds_leaves_other_streams_run
     assert max(measured["text"]) < bound, (
         f"requests took {took}; longest waits {gaps}; bound {bound:.2f} s"
     )
+
+
+def test_heavy_constraints_are_refused_at_once_or_served_without_holding_the_streams(
+    served, reference
+):
+    """Row 24: a 40,000-string choice list and a 1 MB regex (n=16) are 400s within a second; a
+    3,000-property JSON schema with n=16 is served while the streams go on (its matcher is built
+    once, on the worker's grammar thread, and the request waits for it outside the steps), and
+    the engine is never declared hung under a 5 s step watchdog. The same schema with every
+    property optional costs seconds to build and fails at its second token (a grammar row over
+    llguidance's limit): a 400 naming that, after the build, and the streams never wait for it."""
+    common = {"model": MODEL_NAME, "prompt": "{", "max_tokens": 16, "n": 16, "temperature": 1}
+    choice = {**common, "structured_outputs": {"choice": [f"item {i}" for i in range(40_000)]}}
+    pattern = "(" + "|".join(f"w{i}" for i in range(150_000)) + ")"
+    regex = {**common, "structured_outputs": {"regex": pattern}}
+    properties = {f"p{i}": {"type": "integer"} for i in range(3000)}
+    schema = {"type": "object", "properties": properties, "additionalProperties": False}
+    # All required: one way through, served. All optional: after "{" a grammar row of ~12,000
+    # items, over llguidance's limit: the request fails then, a 400, not a quiet "stop".
+    wide = {**common, "structured_outputs": {"json": {**schema, "required": list(properties)}}}
+    optional = {**common, "structured_outputs": {"json": schema}}
+    answers: list[dict] = []
+    took: list[float] = []
+
+    def heavy() -> None:
+        _refused_in_time(
+            served, "/v1/completions", json.dumps(choice).encode(), "structured_outputs"
+        )
+        _refused_in_time(
+            served, "/v1/completions", json.dumps(regex).encode(), "structured_outputs"
+        )
+        status, _, body = post_json(served.base_url, "/v1/completions", wide)
+        assert status == 200, body
+        answers.append(body)
+        start = time.perf_counter()
+        status, _, body = post_json(served.base_url, "/v1/completions", optional)
+        took.append(time.perf_counter() - start)
+        assert status == 400 and "Current row has" in body["error"]["message"], body
+
+    gaps = _while_streams_run(served, reference, heavy)
+    texts = [c["text"] for c in answers[0]["choices"]]
+    assert len(texts) == 16 and all(t.startswith("{") for t in texts), texts
+    measured = [g for g in gaps if g is not None]
+    assert measured, "the streams ended before the heavy requests did: nothing measured"
+    assert max(measured) < MAX_STREAM_GAP_S, f"longest waits {gaps}"
+    assert took[0] < 15.0, f"the failing schema took {took[0]:.2f} s"
+    assert "hung" not in served.log.read_text()

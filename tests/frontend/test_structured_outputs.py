@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,64 @@ def test_invalid_constraints_are_refused_with_the_problem(llm):
             llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=spec), use_tqdm=False)
     with pytest.raises(ValueError, match="exactly one"):
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["a"]))
+
+
+# Constraints llguidance finds unusable only past the first token (a grammar with no finite
+# string, a lexer or parser limit reached at the second mask): each must end its request with an
+# error naming the constraint (or be refused at once), never with EOS read as a finished answer.
+LOOP = {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"]}
+LATE_FAILURES = {
+    "lark without a finite string": StructuredOutputsParams(grammar='start: "a" start'),
+    "gbnf without a finite string": StructuredOutputsParams(grammar='root ::= "a" root'),
+    "regex a{1000000}": StructuredOutputsParams(regex="a{1000000}"),
+    "a $ref loop no value satisfies": StructuredOutputsParams(
+        json={"$defs": {"A": LOOP}, "$ref": "#/$defs/A"}
+    ),
+}
+
+
+@pytest.mark.parametrize("name", LATE_FAILURES)
+def test_a_constraint_that_fails_at_a_later_token_is_an_error_never_a_stop(llm, name):
+    spec = LATE_FAILURES[name]
+    for params in ({"temperature": 0}, {"temperature": 1.0, "seed": 3, "n": 4}):
+        sampling = SamplingParams(structured_outputs=spec, max_tokens=32, **params)
+        try:
+            outputs = llm.generate(PROMPTS[:1], sampling, use_tqdm=False)
+        except ValueError as exc:  # refused at the door: as good
+            assert "invalid" in str(exc), exc
+            continue
+        for choice in outputs[0].outputs:
+            assert choice.finish_reason == "error", (choice.finish_reason, choice.text)
+            assert str(choice.stop_reason).startswith("structured output: "), choice.stop_reason
+    llm.check_all_free()
+
+
+def test_a_choice_among_thousands_is_one_of_them(llm):
+    """A choice list is a regex alternation: 3,000 strings sharing a prefix (a grammar row of
+    3,001 items, over llguidance's 2,000) still give one of them, greedy and sampled."""
+    choices = [f"item {i} of the list" for i in range(3000)]
+    spec = StructuredOutputsParams(choice=choices)
+    texts = _texts(llm, spec, temperature=0) + _texts(llm, spec, temperature=1.0, seed=1, n=3)
+    assert texts and all(text in choices for text in texts), texts
+
+
+def test_constraints_over_the_size_caps_are_refused_at_once(llm):
+    from conveyor.frontend import structured_outputs as caps
+
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1)}}
+    too_big_schema = json.dumps({**schema, "description": "x" * caps.MAX_JSON_SCHEMA_CHARS})
+    for spec, message in (
+        (StructuredOutputsParams(choice=[f"c{i}" for i in range(40_000)]), "at most 16384"),
+        (StructuredOutputsParams(regex="(" + "|".join(f"w{i}" for i in range(150_000)) + ")"),
+         "regex may hold at most"),
+        (StructuredOutputsParams(json=too_big_schema), "json may hold at most"),
+        (StructuredOutputsParams(grammar="start: " + '"a" | ' * 60_000 + '"b"'),
+         "grammar may hold at most"),
+    ):  # fmt: skip
+        start = time.perf_counter()
+        with pytest.raises(ValueError, match=message):
+            llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=spec), use_tqdm=False)
+        assert time.perf_counter() - start < 1.0, message
 
 
 @pytest.mark.slow
