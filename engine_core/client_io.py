@@ -8,7 +8,10 @@ never touches the socket and the thread never blocks the loop. Session traffic (
 Goodbye; each Heartbeat gets an ``EngineHeartbeat`` back, by which a client on another host knows
 we are there) is answered here without the busy loop, and so is any frame from a client that is not
 attached (dropped for silence, say): an ``EngineDead`` for that client alone. A frame that does
-not decode is logged and dropped: one bad client must not stop the engine for everyone.
+not decode is logged and dropped: one bad client must not stop the engine for everyone. A client
+is dropped for its own silence only: when this thread itself did not run for a while (the process
+was stopped, swapped out, its VM paused), nobody could have been heard, so every client gets a
+whole timeout again.
 """
 
 from __future__ import annotations
@@ -125,6 +128,10 @@ class ClientIO:
         self._latest_stats_frame: bytes | None = None
         self._inputs = inputs
         self.registry = ClientRegistry(heartbeat_timeout_s)
+        # A gap between two rounds of this thread longer than this is our stall, not the
+        # clients' silence. Half the timeout: a client last heard one heartbeat before a
+        # shorter gap still has time to be heard after it (clients beat four times a timeout).
+        self._stall_limit_s = max(heartbeat_timeout_s / 2, 5 * _POLL_MS / 1000)
         self._outgoing: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
@@ -180,10 +187,11 @@ class ClientIO:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
-        next_expiry_check = time.monotonic()
+        next_expiry_check = last_round = time.monotonic()
         try:
             while True:
                 events = dict(poller.poll(_POLL_MS))
+                last_round = self._forgive_own_stall(last_round)
                 if self._router in events:
                     self._receive_some()
                 if self._wake_read in events and not self._send_queued():
@@ -196,6 +204,20 @@ class ClientIO:
             self._inputs.put(IOFailed(f"engine socket thread failed: {exc!r}"))
         finally:
             self._close_socket()
+
+    def _forgive_own_stall(self, last_round: float) -> float:
+        """Give every client a whole timeout again if this thread has not run since
+        ``last_round`` for longer than the stall limit; returns this round's time."""
+        now = time.monotonic()
+        if now - last_round > self._stall_limit_s and len(self.registry):
+            logger.warning(
+                "the engine did not run for %.1f s (stopped or starved): no client could be "
+                "heard meanwhile; each gets %g s from now",
+                now - last_round,
+                self.registry.heartbeat_timeout_s,
+            )
+            self.registry.hear_all()
+        return now
 
     def _close_socket(self) -> None:
         self._router.close(linger=_LINGER_MS)

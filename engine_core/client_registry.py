@@ -64,6 +64,13 @@ class ClientRegistry:
     def identities(self) -> list[bytes]:
         return list(self._by_identity)
 
+    def hear_all(self) -> None:
+        """Count every client as heard now: after a stretch in which none could have been (this
+        process was stopped or starved), each gets a whole timeout from here."""
+        now = self._clock()
+        for client in self._by_identity.values():
+            client.last_seen = now
+
     def detach_silent(self) -> list[Client]:
         """Detach and return every client not heard from within the heartbeat timeout."""
         deadline = self._clock() - self.heartbeat_timeout_s

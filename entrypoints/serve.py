@@ -51,6 +51,7 @@ from conveyor.frontend.engine_client.session import DEFAULT_READY_TIMEOUT_S, HEA
 from conveyor.frontend.server.main import (
     add_api_key_args,
     add_connection_args,
+    add_engine_session_args,
     add_observability_args,
     add_router_args,
     check_observability_args,
@@ -167,6 +168,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     add_router_args(group)
     add_connection_args(group)
     group.add_argument("--frontend-ready-timeout-s", type=float, default=60.0)
+    add_engine_session_args(group)
     group.add_argument(
         "--drain-timeout-s",
         type=float,

@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 
 from conveyor.entrypoints.dp_hosts import DataParallelLayout
 from conveyor.frontend.engine_args import DEFAULT_SERVED_MODEL_NAME, EngineArgs
-from conveyor.frontend.server.main import observability_options, resolve_api_key, router_options
+from conveyor.frontend.server.main import (
+    engine_session_options,
+    observability_options,
+    resolve_api_key,
+    router_options,
+)
 from conveyor.protocol import EngineConfig
 
 
@@ -152,5 +157,6 @@ def _frontend_options(args: argparse.Namespace, served_model_name: str) -> list[
     options += ["--keep-alive-timeout-s", str(args.keep_alive_timeout_s)]
     options += ["--max-header-bytes", str(args.max_header_bytes)]
     options += router_options(args)
+    options += engine_session_options(args)
     options += observability_options(args)
     return options

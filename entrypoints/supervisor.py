@@ -4,7 +4,8 @@ Runs in the supervisor (``conveyor serve``). A frontend is told our pid so it st
 and runs in its own session so a terminal's Ctrl-C reaches only the supervisor. It writes a ready
 file once its server accepts connections: with several frontends on one port, asking the port
 cannot tell which of them answered, the file can. A frontend holds no state the engine needs (the
-engine aborts a dead client's requests), so a dead one is restarted, within a ``RestartBudget``.
+engine aborts a dead client's requests), so a dead one is restarted, within a ``RestartBudget``,
+unless it exited for having heard no engine for too long (then everything stops).
 With one engine core, its death stops everything; with several (data parallelism), a dead one is
 restarted in place within a budget of its own while the others serve (``engines``).
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 from conveyor.entrypoints.engines import restart_engine
 from conveyor.frontend.engine_client import EngineProcess
 from conveyor.frontend.server.metrics_dir import forget_process
+from conveyor.runtime.exit_codes import ExitCode
 from conveyor.runtime.processes import FRONTEND_MODULE, ChildProcess
 
 logger = logging.getLogger(__name__)
@@ -121,8 +123,10 @@ def watch(
 ) -> str:
     """Block until a child's death must stop everything; returns what happened to it.
 
-    A dead frontend is restarted in place while ``restarts`` allows it; so is a dead engine
-    while ``engine_restarts`` does (given only with several data-parallel engines: one engine's
+    A dead frontend is restarted in place while ``restarts`` allows it, unless it exited
+    because no engine answered it for too long (``ENGINE_LOST``: an engine alive but stalled
+    for good would leave the server up and refusing everything); so is a dead engine while
+    ``engine_restarts`` does (given only with several data-parallel engines: one engine's
     death stops everything). The others keep serving.
     """
     restarting: set[str] = set()
@@ -135,6 +139,9 @@ def watch(
                     logger.info("%s serves again (pid %d)", name, child.pid)
                 continue
             death = f"{name} (pid {child.pid}) exited with code {code}"
+            if code == ExitCode.ENGINE_LOST and isinstance(child, FrontendProcess):
+                # No engine answered it for minutes: a new frontend would find the same.
+                return f"{death}: no engine answered it for too long"
             budget = _restart_budget(child, restarts, engine_restarts)
             if budget is None:
                 return death

@@ -63,8 +63,13 @@ class AsyncEngineClient(EngineClientBase):
         heartbeat_timeout_s: float | None = None,
         ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
         client_name: str = "",
+        silence_limit_s: float | None = None,
     ) -> AsyncEngineClient:
-        """Start an engine process from ``config`` (and own it), or attach at ``address``."""
+        """Start an engine process from ``config`` (and own it), or attach at ``address``.
+
+        ``heartbeat_timeout_s``: the started engine's patience with a silent client;
+        ``silence_limit_s``: this client's with an engine that answers no heartbeat (None: five
+        heartbeat intervals)."""
         # Spawned from the loop's own (long-lived) thread: the engine's parent-death signal
         # follows the thread that forked it.
         engine, address, liveness = launch_engine(
@@ -81,7 +86,10 @@ class AsyncEngineClient(EngineClientBase):
             if engine is not None:
                 await asyncio.to_thread(engine.stop)
             raise
-        return cls(address, ready, engine, client_name, context, dealer, heartbeat_interval_s)
+        return cls(
+            address, ready, engine, client_name, context, dealer, heartbeat_interval_s,
+            silence_limit_s,
+        )  # fmt: skip
 
     def __init__(
         self,
@@ -92,6 +100,7 @@ class AsyncEngineClient(EngineClientBase):
         context: zmq.Context,
         dealer: zmq.Socket,
         heartbeat_interval_s: float,
+        silence_limit_s: float | None = None,
     ) -> None:
         """Use ``start``: it launches or attaches and does the handshake on ``dealer``."""
         super().__init__(address, ready, engine, client_name)
@@ -107,6 +116,7 @@ class AsyncEngineClient(EngineClientBase):
             lambda message: self._on_loop(self._handle_message, message),
             lambda reason: self._on_loop(self._mark_dead, reason),
             self._loop_responsive,
+            silence_limit_s,
         )
 
     # ------------------------------------------------------------------ from the socket thread

@@ -11,8 +11,10 @@ heartbeats, and checks that the engine process still exists. Heartbeats come fro
 not from the caller's event loop, so a busy loop cannot starve them; an async client lets them go
 out only while its loop still answers (``responsive``), so the engine drops a frontend only when
 it is really stuck, never for a long request. The engine answers each heartbeat: an engine that
-answers none for ``SILENCE_HEARTBEATS`` heartbeats in a row is gone, even where its pid cannot be
-watched (an engine on another host that vanished, a stalled one).
+answers none for the silence limit (``SILENCE_HEARTBEATS`` heartbeats by default) is gone, even
+where its pid cannot be watched (an engine on another host that vanished, a stalled one). Such a
+session ends with a Goodbye, so that an engine that was only stalled aborts its requests when it
+wakes; the client says when it last heard the engine (``unheard_since``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import zmq
 
 from conveyor.frontend.engine_client.engine_process import EngineProcess
 from conveyor.frontend.engine_client.session import (
+    GOODBYE_FRAME,
     HEARTBEAT_FRAME,
     LIVENESS_INTERVAL_S,
     EngineDeadError,
@@ -116,6 +119,12 @@ class EngineClientBase(ABC):
         # engine also sends them to every client once a second while it works).
         self.stats: SchedulerStats | None = None
 
+    @property
+    def unheard_since(self) -> float | None:
+        """When the engine was last heard from (``time.monotonic()``), if its silence is what
+        ended the session; None while it serves, or when it ended otherwise."""
+        return self._io.last_heard if self._io.went_silent else None
+
     @abstractmethod
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         """An output batch for this client (called on the thread or loop that reads frames)."""
@@ -153,16 +162,20 @@ class EngineClientBase(ABC):
         deliver: Callable[[EngineMessage], None],
         on_death: Callable[[str], None],
         responsive: Callable[[], bool] = lambda: True,
+        silence_limit_s: float | None = None,
     ) -> None:
         """Hand ``dealer`` (handshake done) to a socket thread; from now on send with ``_send``.
 
         ``deliver`` and ``on_death`` are called on the socket thread: they act there or pass
-        the news on to where the client's state lives.
+        the news on to where the client's state lives. ``silence_limit_s``: how long an engine
+        may answer no heartbeat before it counts as gone (None: ``SILENCE_HEARTBEATS`` of the
+        requested interval).
         """
         self._context = context
-        # How long a silent engine is given stays with the requested interval: heartbeating more
-        # often for a strict engine must not make this side quicker to give up on it.
-        silence_limit_s = SILENCE_HEARTBEATS * heartbeat_interval_s
+        if silence_limit_s is None:
+            # Stays with the requested interval: heartbeating more often for a strict engine
+            # must not make this side quicker to give up on it.
+            silence_limit_s = SILENCE_HEARTBEATS * heartbeat_interval_s
         beat_s = heartbeat_interval(heartbeat_interval_s, self.engine_heartbeat_timeout_s)
         self._io = SocketThread(
             context, dealer, self._liveness, beat_s, silence_limit_s, deliver, on_death, responsive
@@ -247,6 +260,10 @@ class SocketThread(threading.Thread):
         # When the oldest heartbeat the engine has not answered (nor sent anything since) left.
         self._unanswered_since: float | None = None
         self._last_round = time.monotonic()
+        # When the engine last sent anything (the handshake's Ready counts), and whether its
+        # silence ended the session: read by the client's owner while it attaches again.
+        self.last_heard = self._last_round
+        self.went_silent = False
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -294,6 +311,11 @@ class SocketThread(threading.Thread):
         since = self._unanswered_since
         if since is None or now - since <= self.silence_limit_s:
             return None
+        self.went_silent = True
+        # A stalled engine (stopped, swapped out) reads this when it wakes, and aborts this
+        # session's requests at once instead of running them for nobody until it drops us.
+        with contextlib.suppress(zmq.ZMQError):
+            self._dealer.send(GOODBYE_FRAME, zmq.NOBLOCK)
         return f"the engine answered no heartbeat for {now - since:.1f} s"
 
     def _forward(self) -> bool:
@@ -315,6 +337,7 @@ class SocketThread(threading.Thread):
             except zmq.Again:
                 return True
             self._unanswered_since = None  # any frame: the engine is there
+            self.last_heard = time.monotonic()
             try:
                 message = ENGINE_TO_CLIENT.decode(frame)
             except Exception as exc:

@@ -9,11 +9,15 @@ the stats those clients already receive. What happens when an engine dies:
   saw nothing of them, so only time is lost. Those that have streamed end with
   ``EngineDeadError`` (an error event): a token sent cannot be taken back, and another engine
   would start the sample over.
-* with several engines, the group attaches again once the engine serves at its address (the
-  supervisor restarts it there); meanwhile it is never routed to. /health stays 200 while any
-  engine serves.
-* with one engine, its death is the group's, as it always was: every stream fails, /health says
-  503, and the supervisor stops everything.
+* the group attaches again once the engine answers at its address: one that the supervisor
+  restarted there, one that stalled (stopped, swapped out, a paused VM) past the silence limit
+  and woke, one that dropped this frontend for its own stall. Meanwhile it is never routed to;
+  /health stays 200 while any engine serves. With one engine its loss is the group's: every
+  stream fails and /health and new requests get 503 saying why (how long the engine has not
+  been heard from) until it answers again; a dead one is the supervisor's to act on.
+* when no engine has answered for ``lost_limit_s`` (an engine stopped for good, say), the
+  group gives up (``lost_reason``): the frontend exits for its supervisor to stop everything,
+  so that a process manager can restart the server, never leaving it up and refusing all.
 
 A request one engine refuses at once (its queue cap, ``--max-waiting-requests``) is offered to
 the others, least loaded first; its client sees the refusal (429) only when every engine up has
@@ -27,7 +31,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from conveyor.frontend.engine_client.async_client import AsyncEngineClient
 from conveyor.frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN, Router, RouterConfig
@@ -41,6 +46,11 @@ logger = logging.getLogger(__name__)
 REATTACH_ATTEMPT_S = 1.0
 # How often the group looks for engines that went down.
 WATCH_INTERVAL_S = 0.25
+# No engine answering for this long is a loss for good, not a stall to wait out: longer than a
+# swap storm or a paused VM is worth waiting for, shorter than an operator would stare at 503s.
+LOST_LIMIT_S = 300.0
+
+Attach = Callable[[str], Awaitable[AsyncEngineClient]]
 
 
 class EngineGroupClient:
@@ -55,14 +65,23 @@ class EngineGroupClient:
         affinity_margin: float = DEFAULT_AFFINITY_MARGIN,
         ready_timeout_s: float = 30.0,
         client_name: str = "",
+        silence_limit_s: float | None = None,
+        lost_limit_s: float = LOST_LIMIT_S,
     ) -> EngineGroupClient:
-        """Attach to every engine (all must serve: the supervisor starts frontends only then)."""
+        """Attach to every engine (all must serve: the supervisor starts frontends only then).
+
+        ``silence_limit_s``: how long an engine may answer no heartbeat before it counts as down
+        (None: the client's default); ``lost_limit_s``: how long no engine may answer before
+        the group gives up (``lost_reason``)."""
         if not addresses:
             raise ValueError("no engine address given")
         attached = await asyncio.gather(
             *(
                 AsyncEngineClient.start(
-                    address=address, ready_timeout_s=ready_timeout_s, client_name=client_name
+                    address=address,
+                    ready_timeout_s=ready_timeout_s,
+                    client_name=client_name,
+                    silence_limit_s=silence_limit_s,
                 )
                 for address in addresses
             ),
@@ -77,7 +96,10 @@ class EngineGroupClient:
             raise failure
         block_size = members[0].config.cache.block_size
         router = Router(len(members), RouterConfig(policy, affinity_margin, block_size))
-        return cls(list(addresses), members, router, client_name)
+        return cls(
+            list(addresses), members, router, client_name,
+            silence_limit_s=silence_limit_s, lost_limit_s=lost_limit_s,
+        )  # fmt: skip
 
     def __init__(
         self,
@@ -85,8 +107,13 @@ class EngineGroupClient:
         members: list[AsyncEngineClient],
         router: Router,
         client_name: str,
+        *,
+        silence_limit_s: float | None = None,
+        lost_limit_s: float = LOST_LIMIT_S,
+        attach: Attach | None = None,
     ) -> None:
-        """Use ``start``."""
+        """Use ``start``. ``attach`` (tests): one attempt to attach at an address, instead of
+        an ``AsyncEngineClient`` handshake bounded by ``REATTACH_ATTEMPT_S``."""
         self.addresses = addresses
         self._members = members
         self.router = router
@@ -102,9 +129,14 @@ class EngineGroupClient:
         self._reattaching: dict[int, asyncio.Task[None]] = {}
         self.num_resent = 0
         self.num_refusals_retried = 0
-        self._watcher: asyncio.Task[None] | None = None
-        if len(members) > 1:
-            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        self._silence_limit_s = silence_limit_s
+        self._lost_limit_s = lost_limit_s
+        self._attach = attach or self._attach_client
+        # Since when no engine has served us (None while one does), and why we gave up on them.
+        self._unserved_since: float | None = None
+        self.lost_reason: str | None = None
+        # One engine or several: an engine that answers again is attached again.
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
     # ------------------------------------------------------------------ state
 
@@ -114,23 +146,23 @@ class EngineGroupClient:
 
     @property
     def dead_reason(self) -> str | None:
-        """None while any engine serves us; else why none does."""
+        """None while any engine serves us; else why none does, and what is being done."""
         if self._closed_reason is not None:
             return self._closed_reason
-        reasons = [m.dead_reason for m in self._members]
-        if any(reason is None for reason in reasons):
+        if any(m.dead_reason is None for m in self._members):
             return None
+        reasons = [_down_reason(m) for m in self._members]
         if len(reasons) == 1:
-            return reasons[0]
-        return "every engine is down: " + "; ".join(
-            f"engine {label}: {reason}" for label, reason in zip(self.engine_labels, reasons)
-        )
-
-    @property
-    def session_lost(self) -> bool:
-        """Our only engine dropped us (a frontend then exits, to be restarted). With several,
-        a dropped session is attached again like a restarted engine."""
-        return len(self._members) == 1 and self._members[0].session_lost
+            reason = reasons[0]
+        else:
+            reason = "every engine is down: " + ", ".join(
+                f"engine {label}: {why}" for label, why in zip(self.engine_labels, reasons)
+            )
+        if self.lost_reason is not None:
+            return f"{reason}; gave up: {self.lost_reason}"
+        # The watcher attaches again to every engine that went down, within WATCH_INTERVAL_S.
+        who = "it answers" if len(reasons) == 1 else "one answers"
+        return f"{reason}; attaching again as soon as {who}"
 
     @property
     def stats(self) -> SchedulerStats | None:
@@ -271,28 +303,30 @@ class EngineGroupClient:
     async def _watch(self) -> None:
         while not self.closing:
             await asyncio.sleep(WATCH_INTERVAL_S)
+            if any(m.dead_reason is None for m in self._members):
+                self._unserved_since = None
+            elif self._unserved_since is None:
+                self._unserved_since = time.monotonic()
             for engine, member in enumerate(self._members):
                 if member.dead_reason is not None and engine not in self._reattaching:
                     task = asyncio.create_task(self._reattach(engine))
                     self._reattaching[engine] = task
 
     async def _reattach(self, engine: int) -> None:
-        """Attach to the engine at its address again once it serves (bounded attempts)."""
+        """Attach to the engine at its address again once it answers (bounded attempts)."""
         old = self._members[engine]
         label = self.engine_labels[engine]
         logger.warning(
-            "engine %s is down (%s); attaching again once it serves", label, old.dead_reason
+            "engine %s is down (%s); attaching again once it answers", label, old.dead_reason
         )
         try:
             await old.shutdown()  # its socket thread has ended: this frees the rest
             while not self.closing:
+                started = time.monotonic()
                 try:
-                    client = await AsyncEngineClient.start(
-                        address=self.addresses[engine],
-                        ready_timeout_s=REATTACH_ATTEMPT_S,
-                        client_name=self.client_name,
-                    )
+                    client = await self._attach(self.addresses[engine])
                 except EngineStartError:
+                    self._check_lost(started)
                     continue
                 if self.closing:
                     await client.shutdown()
@@ -302,6 +336,26 @@ class EngineGroupClient:
                 return
         finally:
             del self._reattaching[engine]
+
+    async def _attach_client(self, address: str) -> AsyncEngineClient:
+        return await AsyncEngineClient.start(
+            address=address,
+            ready_timeout_s=REATTACH_ATTEMPT_S,
+            client_name=self.client_name,
+            silence_limit_s=self._silence_limit_s,
+        )
+
+    def _check_lost(self, attempt_started: float) -> None:
+        """Give up once an attempt begun after ``lost_limit_s`` without any engine failed too.
+
+        Counting from the attempt's start, not its end: a frontend that was itself stopped
+        (a paused VM) must try again after waking before it concludes anything."""
+        since = self._unserved_since
+        if self.lost_reason is not None or since is None:
+            return
+        if attempt_started - since >= self._lost_limit_s:
+            self.lost_reason = f"no engine has answered for {time.monotonic() - since:.0f} s"
+            logger.error("%s: giving up on %s", self.lost_reason, ", ".join(self.addresses))
 
     # ------------------------------------------------------------------ shutdown
 
@@ -321,3 +375,11 @@ class EngineGroupClient:
         # An attempt in progress ends within REATTACH_ATTEMPT_S and then sees ``closing``.
         await asyncio.gather(*self._reattaching.values(), return_exceptions=True)
         await asyncio.gather(*(m.shutdown(reason) for m in self._members))
+
+
+def _down_reason(member: AsyncEngineClient) -> str:
+    """Why an engine is down, in words for a 503; a silent one's silence counted up to now."""
+    unheard_since = member.unheard_since
+    if unheard_since is None:
+        return member.dead_reason or "down"
+    return f"the engine has not been heard from for {time.monotonic() - unheard_since:.0f} s"

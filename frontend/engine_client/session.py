@@ -17,7 +17,7 @@ import zmq
 
 from conveyor.protocol import EngineConfig
 from conveyor.protocol.codec import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT
-from conveyor.protocol.messages import EngineDead, Heartbeat, Hello, Ready
+from conveyor.protocol.messages import EngineDead, Goodbye, Heartbeat, Hello, Ready
 from conveyor.runtime.processes import pid_is_alive
 from conveyor.runtime.zmq_security import connect as secure_connect
 from conveyor.runtime.zmq_security import keys_from_env
@@ -27,6 +27,7 @@ HEARTBEAT_INTERVAL_S = 2.0
 LIVENESS_INTERVAL_S = 0.25
 DEFAULT_READY_TIMEOUT_S = 300.0
 HEARTBEAT_FRAME = CLIENT_TO_ENGINE.encode(Heartbeat())
+GOODBYE_FRAME = CLIENT_TO_ENGINE.encode(Goodbye())
 
 
 class EngineDeadError(RuntimeError):

@@ -6,7 +6,7 @@ data-parallel engine, routing every request to one of them) and loads the model'
 the directory the engines name; each frontend process is its own engine client, so several of them (sharing one port through SO_REUSEPORT) add tokenizing and streaming CPU.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 while
-no engine serves this frontend, being dead or having dropped it, or while this frontend drains), GET /metrics (Prometheus
+no engine serves this frontend, saying why, or while this frontend drains), GET /metrics (Prometheus
 text: the whole server's, whichever frontend answers; 404 with --disable-metrics), POST
 /tokenize, POST /detokenize, GET /version (vLLM's shapes).
 """
@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from conveyor.frontend.engine_client.engine_group import EngineGroupClient
+from conveyor.frontend.engine_client.engine_group import LOST_LIMIT_S, EngineGroupClient
 from conveyor.frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN
 from conveyor.frontend.engine_client.session import EngineDeadError
 from conveyor.frontend.input_processor import context_limit
@@ -81,6 +81,10 @@ class ServerSettings:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     # The engine already runs when a frontend attaches: a wrong address must not hang for long.
     engine_ready_timeout_s: float = 30.0
+    # How long an engine may answer no heartbeat before it counts as down, and how long no
+    # engine may answer before this frontend gives up (None: the client's defaults).
+    engine_silence_timeout_s: float | None = None
+    engine_lost_timeout_s: float | None = None
     enable_metrics: bool = True
     # --enable-log-requests: a line per request at arrival and at the end; --log-prompts: with
     # (the start of) its prompts.
@@ -163,9 +167,9 @@ async def models(request: Request) -> Response:
 async def health(request: Request) -> Response:
     state = _serving(request)
     client = state.client
-    if client.dead_reason is not None:
-        status = "engine session lost" if client.session_lost else "engine dead"
-        return JSONResponse({"status": status, "reason": client.dead_reason}, 503)
+    reason = client.dead_reason
+    if reason is not None:
+        return JSONResponse({"status": "engine unavailable", "reason": reason}, 503)
     if state.draining:
         return JSONResponse({"status": "draining"}, 503)
     return JSONResponse({"status": "ok"})
@@ -223,6 +227,8 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
         affinity_margin=settings.router_affinity_margin,
         ready_timeout_s=settings.engine_ready_timeout_s,
         client_name=f"http-frontend-{os.getpid()}",
+        silence_limit_s=settings.engine_silence_timeout_s,
+        lost_limit_s=settings.engine_lost_timeout_s or LOST_LIMIT_S,
     )
     publisher: asyncio.Task[None] | None = None
     try:

@@ -9,16 +9,20 @@ address is in the supervisor's ``ready: engine_core ...`` line). The port is bou
 port share it. With several data-parallel engines (one --engine each, as ``conveyor serve
 --data-parallel-size N`` prints them), it is a client of all of them and routes each request to
 one (--router). SIGTERM/SIGINT drain: /health turns 503, in-flight requests get up to
---drain-timeout-s to finish, then the process exits 0. A frontend its only engine dropped (it
-stalled past the heartbeat timeout) exits 1, for its supervisor to start a new one; with several
-engines it attaches to that engine again, as to one that restarted.
+--drain-timeout-s to finish, then the process exits 0. An engine that answers no heartbeat for
+--engine-silence-timeout-s (stopped, swapped out), dropped this frontend, or died is attached
+again as soon as it answers at its address (meanwhile /health and new requests get 503 saying
+why); when no engine has answered for --engine-lost-timeout-s the frontend exits 4, on which its
+supervisor stops everything.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from conveyor.frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN, ROUTER_POLICIES
@@ -44,6 +48,47 @@ def _non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
     return value
+
+
+def _seconds_at_least(minimum: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = float(text)
+        if not minimum <= value < math.inf:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"must be a number of seconds >= {minimum:g}")
+        return value
+
+    return parse
+
+
+def add_engine_session_args(parser: argparse._ActionsContainer) -> None:
+    """How long a frontend waits for a silent engine, and for one that never comes back."""
+    parser.add_argument(
+        "--engine-silence-timeout-s",
+        type=_seconds_at_least(1.0),
+        default=None,
+        metavar="S",
+        help="an engine that answers no heartbeat for S seconds (default 10) counts as down: "
+        "its streams end with an error, /health and new requests get 503 saying so, and it is "
+        "attached again as soon as it answers",
+    )
+    parser.add_argument(
+        "--engine-lost-timeout-s",
+        type=_seconds_at_least(1.0),
+        default=None,
+        metavar="S",
+        help="when no engine has answered for S seconds (default 300) the frontend exits "
+        f"{int(ExitCode.ENGINE_LOST)}, and conveyor serve stops everything with exit 1",
+    )
+
+
+def engine_session_options(args: argparse.Namespace) -> list[str]:
+    """The engine-session flags set in ``args``, as command-line options again."""
+    options = []
+    for name in ("engine_silence_timeout_s", "engine_lost_timeout_s"):
+        value = getattr(args, name)
+        if value is not None:
+            options += [f"--{name.replace('_', '-')}", str(value)]
+    return options
 
 
 def add_api_key_args(parser: argparse._ActionsContainer) -> None:
@@ -145,6 +190,7 @@ def add_frontend_process_args(parser: argparse.ArgumentParser) -> argparse.Argum
     parser.add_argument(
         "--engine-ready-timeout-s", type=float, default=30.0, help="give up attaching after this"
     )
+    add_engine_session_args(parser)
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when it dies")
     parser.add_argument("--ready-file", type=Path, default=None, help="written once serving")
     add_observability_args(parser)
@@ -245,6 +291,8 @@ def run(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_request_body_bytes=args.max_request_body_bytes,
         engine_ready_timeout_s=args.engine_ready_timeout_s,
+        engine_silence_timeout_s=args.engine_silence_timeout_s,
+        engine_lost_timeout_s=args.engine_lost_timeout_s,
         enable_metrics=not args.disable_metrics,
         log_requests=args.enable_log_requests,
         log_prompts=args.log_prompts,

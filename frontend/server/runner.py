@@ -29,7 +29,8 @@ _CLOSE_TIMEOUT_S = 2.0
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, plus a drain on SIGTERM, a ready file and an exit on a lost session.
+    """uvicorn's server, plus a drain on SIGTERM, a ready file and an exit when the engines are
+    lost for good.
 
     Draining keeps the listening socket open, so a new request is answered 503 + Retry-After (by
     the gate; /health says 503 too) rather than refused; requests in flight get up to
@@ -37,16 +38,17 @@ class _Server(uvicorn.Server):
     with an error (a 503, or an error event and [DONE] on a stream) before uvicorn closes the
     connections.
 
-    An engine that dropped this frontend (it stalled past the heartbeat timeout) serves it
-    nothing more, while its own /health could only say 503 forever: the server stops and
-    ``run_server`` returns 1, so that the supervisor starts a frontend that attaches anew.
+    An engine that went silent, or dropped this frontend, is attached again by the client as
+    soon as it answers. One that has not answered for the client's limit (``lost_reason``)
+    will not: rather than answer 503 forever the server stops and ``run_server`` returns
+    ``ENGINE_LOST``, on which the supervisor stops everything.
     """
 
     def __init__(self, config: uvicorn.Config, ready_file: Path | None, drain_timeout_s: float):
         super().__init__(config)
         self._ready_file = ready_file
         self._drain_timeout_s = drain_timeout_s
-        self.session_lost = False
+        self.engine_lost = False
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         serving = getattr(self.config.app.state, "serving", None)
@@ -56,9 +58,9 @@ class _Server(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         serving: ServingState | None = getattr(self.config.app.state, "serving", None)
-        if serving is not None and serving.client.session_lost and not self.session_lost:
-            logger.error("the engine dropped this frontend; exiting, to be restarted")
-            self.session_lost = True
+        if serving is not None and serving.client.lost_reason and not self.engine_lost:
+            logger.error("%s; exiting", serving.client.lost_reason)
+            self.engine_lost = True
             self.should_exit = True
         return await super().on_tick(counter)
 
@@ -142,4 +144,6 @@ def run_server(
         uvloop.run(server.serve(sockets=[sock]))
     else:
         asyncio.run(server.serve(sockets=[sock]))
-    return ExitCode.OK if server.started and not server.session_lost else ExitCode.FAILED
+    if server.engine_lost:
+        return ExitCode.ENGINE_LOST
+    return ExitCode.OK if server.started else ExitCode.FAILED

@@ -157,6 +157,21 @@ def test_client_registry_indexes_touches_and_expires():
     assert registry.attach(b"b").client_index == 2, "indexes are never reused"
 
 
+def test_after_its_own_stall_the_registry_gives_every_client_a_whole_timeout():
+    """An engine stopped for longer than the timeout heard nobody meanwhile: ``hear_all`` (the
+    socket thread calls it after a gap in its own rounds) keeps it from dropping every client
+    the moment it wakes."""
+    now = [100.0]
+    registry = ClientRegistry(heartbeat_timeout_s=5.0, clock=lambda: now[0])
+    registry.attach(b"a")
+    now[0] = 115.0  # woke after 15 s
+    registry.hear_all()
+    now[0] = 119.0
+    assert registry.detach_silent() == []
+    now[0] = 120.5
+    assert [c.identity for c in registry.detach_silent()] == [b"a"], "then silence counts again"
+
+
 def test_abort_client_aborts_only_that_clients_requests():
     core = EngineCore(fake_config(), FakeExecutor(100, VOCAB, block_size=BLOCK_SIZE))
     core.add_request(request("x", [1, 2, 3], 50), client_index=0)

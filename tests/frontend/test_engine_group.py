@@ -1,19 +1,21 @@
 """``EngineGroupClient`` without processes: stand-in engine clients whose deaths the test decides.
 
 What a dead engine's requests become (sent again if they streamed nothing, failed otherwise),
-where aborts go, and when the group itself counts as dead.
+where aborts go, when the group itself counts as dead, what its 503 says, how it attaches again
+to an engine that answers (one engine or several), and when it gives up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
 
 from conveyor.frontend.engine_client.engine_group import EngineGroupClient
 from conveyor.frontend.engine_client.router import Router, RouterConfig
-from conveyor.frontend.engine_client.session import EngineDeadError
+from conveyor.frontend.engine_client.session import EngineDeadError, EngineStartError
 from conveyor.protocol import EngineCoreOutput, EngineCoreRequest, SamplingParams
 
 
@@ -26,6 +28,8 @@ class StandInEngine:
         self.stats = None
         self.dead_reason: str | None = None
         self.session_lost = False
+        self.unheard_since: float | None = None
+        self.engine_pid = 1000 + index
         self.received: list[str] = []
         self.aborted: list[str] = []
         self.full = False  # refuses every request at once, as a full queue cap does
@@ -59,6 +63,13 @@ class StandInEngine:
         for queue in self._queues:
             queue.put_nowait(EngineDeadError(self.dead_reason))
 
+    def go_silent(self, seconds_ago: float) -> None:
+        """As a client whose engine answered no heartbeat for the silence limit."""
+        self.unheard_since = time.monotonic() - seconds_ago
+        self.dead_reason = f"the engine answered no heartbeat for {seconds_ago:.1f} s"
+        for queue in self._queues:
+            queue.put_nowait(EngineDeadError(self.dead_reason))
+
     def abort_nowait(self, request_ids: list[str]) -> None:
         self.aborted += request_ids
 
@@ -66,11 +77,44 @@ class StandInEngine:
         self.dead_reason = self.dead_reason or reason
 
 
-def _group(*engines: StandInEngine) -> EngineGroupClient:
+class Addresses:
+    """Attaching at an address, as the group does to an engine that went down: refused (no
+    Ready within the attempt) until the test says the engine there answers again."""
+
+    def __init__(self) -> None:
+        self.answering: set[str] = set()
+        self.num_attempts = 0
+
+    async def attach(self, address: str) -> StandInEngine:
+        self.num_attempts += 1
+        await asyncio.sleep(0.01)  # an attempt takes time (REATTACH_ATTEMPT_S for real)
+        if address not in self.answering:
+            raise EngineStartError("the engine was not ready within 0 s")
+        return StandInEngine(int(address))
+
+
+def _group(
+    *engines: StandInEngine, addresses: Addresses | None = None, lost_limit_s: float = 300.0
+) -> EngineGroupClient:
     router = Router(len(engines), RouterConfig("round-robin", 4.0, 4))
     group = object.__new__(EngineGroupClient)
-    EngineGroupClient.__init__(group, ["a"] * len(engines), list(engines), router, "test")  # type: ignore[arg-type]
+    EngineGroupClient.__init__(
+        group,  # type: ignore[arg-type]
+        [str(e.engine_index) for e in engines],
+        list(engines),  # type: ignore[arg-type]
+        router,
+        "test",
+        lost_limit_s=lost_limit_s,
+        attach=(addresses or Addresses()).attach,  # type: ignore[arg-type]
+    )
     return group
+
+
+async def _wait_until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
 
 
 def _request(request_id: str) -> EngineCoreRequest:
@@ -144,16 +188,73 @@ async def _collect_reasons(stream: AsyncIterator[EngineCoreOutput]) -> list[str]
     return [output.finish_reason async for output in stream if output.finish_reason]
 
 
-def test_with_one_engine_its_death_is_the_groups():
+def test_one_silent_engine_is_the_groups_loss_until_it_answers_again():
+    """Row 28 without processes: the only engine goes silent; its stream fails, the group says
+    why (how long it has not been heard from) and attaches again once it answers; a new request
+    then goes to the new session."""
+
     async def run() -> None:
-        only = StandInEngine(0)
-        group = _group(only)
+        only, addresses = StandInEngine(0), Addresses()
+        group = _group(only, addresses=addresses)
         waiting = asyncio.ensure_future(_collect(await group.add_request(_request("r"))))
         await asyncio.sleep(0)
-        only.die()
-        assert await waiting == "dead: engine 0 was killed"
-        assert group.dead_reason == "engine 0 was killed"
-        assert group._watcher is None  # nothing to attach to again: the server stops
+        only.go_silent(seconds_ago=12.0)
+        assert (await waiting).startswith("dead: the engine answered no heartbeat")
+        await _wait_until(lambda: addresses.num_attempts > 0)
+        reason = group.dead_reason or ""
+        assert reason.startswith("the engine has not been heard from for 12 s"), reason
+        assert reason.endswith("; attaching again as soon as it answers"), reason
+        with pytest.raises(EngineDeadError, match="not been heard from"):
+            await group.add_request(_request("refused"))
+        addresses.answering.add("0")
+        await _wait_until(lambda: group.dead_reason is None)
+        again = group._members[0]
+        assert again is not only
+        stream = await group.add_request(_request("after"))
+        again.emit([4], "length")  # type: ignore[attr-defined]
+        assert await _collect(stream) == [4]
+        assert group.lost_reason is None
+        await group.shutdown()
+
+    asyncio.run(run())
+
+
+def test_every_engine_down_is_reported_per_engine_and_each_attached_again():
+    async def run() -> None:
+        first, second, addresses = StandInEngine(0), StandInEngine(1), Addresses()
+        group = _group(first, second, addresses=addresses)
+        first.die()
+        second.go_silent(seconds_ago=4.0)
+        await _wait_until(lambda: addresses.num_attempts >= 2)
+        reason = group.dead_reason or ""
+        assert reason.startswith(
+            "every engine is down: engine 0: engine 0 was killed, engine 1: the engine has not "
+            "been heard from for 4 s; attaching again as soon as one answers"
+        ), reason
+        addresses.answering.add("1")
+        await _wait_until(lambda: group.dead_reason is None)
+        assert group._members[1] is not second and group._members[0] is first
+        addresses.answering.add("0")
+        await _wait_until(lambda: group._members[0] is not first)
+        await group.shutdown()
+
+    asyncio.run(run())
+
+
+def test_the_group_gives_up_when_no_engine_answers_for_the_lost_limit():
+    """An engine stopped for good must not leave the frontend up and refusing everything: once
+    no engine has answered for the limit (and an attempt begun after it failed), the group says
+    it is lost, for the frontend to exit."""
+
+    async def run() -> None:
+        only, addresses = StandInEngine(0), Addresses()
+        group = _group(only, addresses=addresses, lost_limit_s=0.3)
+        only.go_silent(seconds_ago=10.0)
+        await _wait_until(lambda: addresses.num_attempts > 0)
+        assert group.lost_reason is None
+        await _wait_until(lambda: group.lost_reason is not None)
+        assert group.lost_reason.startswith("no engine has answered for")
+        assert "; gave up: no engine has answered for" in (group.dead_reason or "")
         await group.shutdown()
 
     asyncio.run(run())

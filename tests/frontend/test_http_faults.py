@@ -40,7 +40,7 @@ from tests.frontend.http_helpers import (
     wait_for,
 )
 from tests.multiproc_helpers import listening_tcp_addresses
-from tests.process_tree import descendants, is_running, kill_all, wait_until_gone
+from tests.process_tree import descendants, kill_all, wait_until_gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http-faults")]
 
@@ -233,10 +233,11 @@ def served_alone(tiny_model_dir: Path, tmp_path: Path) -> Iterator[ServedHttp]:
         served.stop()
 
 
-def test_a_frontend_dropped_for_stalling_exits_and_is_replaced(served_alone):
+def test_a_frontend_dropped_for_stalling_attaches_again(served_alone):
     """A frontend stalled past the heartbeat timeout is dropped by the engine. Running again, it
     must not answer every request with an error while /health says 200: the engine tells it its
-    session is over, it exits 1, and the supervisor starts one that attaches anew."""
+    session is over, and it attaches again, as to an engine that went down (row 28's one
+    mechanism), serving the same tokens from the same process; nothing is restarted."""
     served = served_alone
     (stalled,) = frontend_pids(served.process.pid)
     expected = _whole_text(served, PROMPTS[0], 8)
@@ -250,17 +251,10 @@ def test_a_frontend_dropped_for_stalling_exits_and_is_replaced(served_alone):
     finally:
         os.kill(stalled, signal.SIGCONT)
     assert dropped, "the engine did not drop the stalled frontend"
-    assert wait_until_gone([stalled], 15.0) == [], "the dropped frontend went on running"
-    restarted = f"frontend-0 (pid {stalled}) exited with code 1; restarting it"
-    assert wait_for(lambda: restarted in served.log.read_text(), 5.0, 0.1)
+    assert wait_for(lambda: "engine 0 serves again" in served.log.read_text(), 15.0, 0.1)
     assert "engine session lost: this client is not attached" in served.log.read_text()
-
-    def replaced() -> list[int]:
-        pids = [p for p in frontend_pids(served.process.pid) if is_running(p)]
-        return pids if pids and stalled not in pids else []
-
-    assert wait_for(replaced, 15.0, 0.1), "no frontend was started in its place"
-    assert wait_for(lambda: "serves again" in served.log.read_text(), 60.0, 0.1)
     assert get(served.base_url, "/health")[0] == 200
     assert _whole_text(served, PROMPTS[0], 8) == expected
+    assert frontend_pids(served.process.pid) == [stalled], "the frontend was replaced"
+    assert "restarting it" not in served.log.read_text()
     assert served.process.poll() is None, "the supervisor must keep serving"
