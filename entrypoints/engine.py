@@ -22,6 +22,7 @@ from conveyor.engine_core.core_process import DEFAULT_HEARTBEAT_TIMEOUT_S, main
 from conveyor.executor.backends import EXECUTOR_BACKENDS, make_executor
 from conveyor.protocol import EngineConfig
 from conveyor.runtime.dirs import remove_runtime_dir
+from conveyor.runtime.flags import positive_float
 from conveyor.runtime.logs import configure_logging
 from conveyor.runtime.processes import pid_is_alive
 
@@ -40,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--heartbeat-timeout-s",
-        type=float,
+        type=positive_float,
         default=DEFAULT_HEARTBEAT_TIMEOUT_S,
         help="a client silent this long is dropped and its requests aborted",
     )

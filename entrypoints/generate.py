@@ -14,6 +14,7 @@ import sys
 from conveyor.frontend import LLM
 from conveyor.frontend.engine_args import EngineArgs, add_engine_args
 from conveyor.protocol import SamplingParams
+from conveyor.runtime.flags import finite_float, non_negative_float
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -22,8 +23,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=finite_float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")

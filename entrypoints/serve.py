@@ -59,6 +59,7 @@ from conveyor.frontend.server.main import (
 )
 from conveyor.protocol import ConfigError
 from conveyor.runtime.exit_codes import ExitCode
+from conveyor.runtime.flags import non_negative_float, positive_float
 from conveyor.runtime.logs import LOG_LEVEL_ENV, configure_logging
 from conveyor.runtime.processes import ChildProcess
 from conveyor.runtime.signals import ShutdownRequested, install_shutdown_signals
@@ -105,10 +106,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--engine-restart-window-s (the others serve meanwhile); one more death stops "
         "everything. With one engine, its death always stops everything",
     )
-    parser.add_argument("--engine-restart-window-s", type=float, default=60.0)
-    parser.add_argument("--heartbeat-timeout-s", type=float, default=None)
-    parser.add_argument("--ready-timeout-s", type=float, default=DEFAULT_READY_TIMEOUT_S)
-    parser.add_argument("--stop-timeout-s", type=float, default=10.0)
+    parser.add_argument("--engine-restart-window-s", type=positive_float, default=60.0)
+    parser.add_argument("--heartbeat-timeout-s", type=positive_float, default=None)
+    parser.add_argument("--ready-timeout-s", type=positive_float, default=DEFAULT_READY_TIMEOUT_S)
+    parser.add_argument("--stop-timeout-s", type=non_negative_float, default=10.0)
     parser.add_argument(
         "--log-level", default=None, help="every process's log level (default: INFO)"
     )
@@ -167,11 +168,11 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-request-body-bytes", type=int, default=None)
     add_router_args(group)
     add_connection_args(group)
-    group.add_argument("--frontend-ready-timeout-s", type=float, default=60.0)
+    group.add_argument("--frontend-ready-timeout-s", type=positive_float, default=60.0)
     add_engine_session_args(group)
     group.add_argument(
         "--drain-timeout-s",
-        type=float,
+        type=non_negative_float,
         default=5.0,
         help="on SIGTERM: how long in-flight requests may run on before they are aborted",
     )
@@ -182,7 +183,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         help="restart a dead frontend at most this often within --frontend-restart-window-s; "
         "one more death stops everything (0: any frontend death stops everything)",
     )
-    group.add_argument("--frontend-restart-window-s", type=float, default=60.0)
+    group.add_argument("--frontend-restart-window-s", type=positive_float, default=60.0)
     add_observability_args(group)
     group.add_argument(
         "--demo-prompt",

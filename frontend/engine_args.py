@@ -39,6 +39,7 @@ from conveyor.protocol.config import (
     read_sampling_defaults,
 )
 from conveyor.runtime import cpu_isa
+from conveyor.runtime.flags import finite_float, non_negative_float, positive_float
 
 logger = logging.getLogger(__name__)
 
@@ -234,12 +235,13 @@ class EngineArgs:
 
 
 def _parse_bytes(text: str) -> int:
-    """'1073741824', '512M', '2G' -> bytes."""
+    """'1073741824', '512M', '2G' -> bytes (more than 0)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     suffix = text[-1:].upper()
-    if suffix in units:
-        return int(float(text[:-1]) * units[suffix])
-    return int(text)
+    value = int(finite_float(text[:-1]) * units[suffix]) if suffix in units else int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -294,7 +296,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--gpu-memory-utilization",
-        type=float,
+        type=positive_float,
         default=d.gpu_memory_utilization,
         help="CUDA: this engine's share of the device (default 0.9); refused on CPU",
     )
@@ -352,7 +354,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--tbt-slo-ms",
-        type=float,
+        type=positive_float,
         default=d.tbt_slo_ms,
         metavar="MS",
         help="the inter-token latency promised to clients: while requests decode, each step's "
@@ -373,14 +375,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--step-timeout-s",
-        type=float,
+        type=non_negative_float,
         default=d.step_timeout_s,
         help="a step running longer means the engine is hung: it reports itself dead and exits "
         "non-zero (0 = never)",
     )
     group.add_argument(
         "--stats-interval-s",
-        type=float,
+        type=non_negative_float,
         default=d.stats_interval_s,
         metavar="S",
         help="log the engine's stats line (throughput, running/waiting requests, KV cache, "
@@ -431,13 +433,13 @@ def add_node_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
     )
     group.add_argument(
         "--node-timeout-s",
-        type=float,
+        type=positive_float,
         default=d.node_timeout_s,
         help="a host silent (no heartbeat) this long is gone",
     )
     group.add_argument(
         "--node-join-timeout-s",
-        type=float,
+        type=positive_float,
         default=d.node_join_timeout_s,
         help="how long the head waits for each host to join, and a host for the head",
     )

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from conveyor.frontend.output_processor import ChoiceState
-from conveyor.frontend.structured_outputs import GrammarChecker, StructuredOutputError
+from conveyor.frontend.structured_outputs import GrammarChecker
 from conveyor.protocol import CacheConfig, EngineConfig, EngineCoreRequest, SamplingParams
 from conveyor.protocol.sampling_params import find_vocab_problem
 
@@ -178,7 +178,12 @@ class InputProcessor:
         ``frontend/structured_outputs.py``); a ``PromptError`` naming ``param`` if unusable."""
         try:
             return self.grammars.resolve(params)
-        except StructuredOutputError as exc:
+        except RecursionError:
+            # Python's parsers (a schema's JSON text, llguidance's GBNF converter) give up on
+            # deep nesting this way: the client's input, so a 400, never a 500.
+            raise PromptError(f"{param} is nested too deeply to parse", param) from None
+        except ValueError as exc:
+            # StructuredOutputError, or llguidance's own for a grammar it cannot convert.
             raise PromptError(str(exc), param) from None
 
     def truncate(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:

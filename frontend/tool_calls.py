@@ -15,6 +15,10 @@ Runs in the frontend process. Two ways a chat with ``tools`` gets its calls:
 ``ToolCallStream`` turns a choice's growing text into content deltas and tool-call deltas: content
 goes out as soon as it cannot be the start of a call; a call goes out, whole (id, name and its
 arguments), when its end is seen.
+
+The text is the model's, so it is anything a grammar lets through, nesting included (a regex may
+force a call whose arguments nest a thousand arrays deep): whatever does not read as a call,
+JSON deeper than Python's parser follows included, stays content, never an error.
 """
 
 from __future__ import annotations
@@ -24,6 +28,23 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def _json_value(text: str) -> Any:
+    """``json.loads``, with JSON nested deeper than the parser can follow as one more
+    ``ValueError`` (it raises ``RecursionError`` there)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def _json_text(value: Any) -> str | None:
+    """``value`` as JSON text, or None where it nests too deeply to write."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except RecursionError:
+        return None
 
 
 @dataclass
@@ -54,12 +75,13 @@ def _call_of(value: Any, arguments_key: str = "arguments") -> ToolCall | None:
     arguments = value.get(arguments_key, value.get("arguments", value.get("parameters", {})))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = _json_value(arguments)
         except ValueError:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    text = _json_text(arguments)
+    return None if text is None else ToolCall(value["name"], text)
 
 
 class HermesParser(ToolCallParser):
@@ -75,7 +97,7 @@ class HermesParser(ToolCallParser):
             if end < 0:
                 break
             try:
-                call = _call_of(json.loads(text[start + len(self.START) : end]))
+                call = _call_of(_json_value(text[start + len(self.START) : end]))
             except ValueError:
                 call = None
             if call is None:
@@ -113,7 +135,7 @@ class Llama3JsonParser(ToolCallParser):
         while position < len(body):
             try:
                 value, position = decoder.raw_decode(body, position)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return text, []
             call = _call_of(value, "parameters")
             if call is None:
@@ -162,15 +184,12 @@ def forced_calls(text: str, named: str | None) -> list[ToolCall]:
     """The calls of an output forced by ``forced_schema`` (it parses: the grammar saw to it,
     unless the output was cut at max_tokens)."""
     try:
-        value = json.loads(text)
+        value = _json_value(text)
     except ValueError:
         return []
     if named is not None:
-        return (
-            [ToolCall(named, json.dumps(value, ensure_ascii=False))]
-            if isinstance(value, dict)
-            else []
-        )
+        arguments = _json_text(value) if isinstance(value, dict) else None
+        return [] if arguments is None else [ToolCall(named, arguments)]
     calls = [_call_of(item, "parameters") for item in value] if isinstance(value, list) else []
     return [call for call in calls if call is not None]
 

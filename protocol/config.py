@@ -8,6 +8,7 @@ msgspec Structs so the tree can be sent to another process as it is.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Literal
@@ -274,9 +275,34 @@ def read_sampling_defaults(
     return defaults
 
 
+def _non_finite_field(parts: dict[str, msgspec.Struct]) -> str | None:
+    """The first float field of these config parts (``NodeConfig`` inside ``ParallelConfig``
+    included) that is NaN or infinite, by its dotted name: every comparison with NaN is false,
+    so the range checks below would let one through to the first step that needs a number."""
+    for part_name, part in parts.items():
+        for name, value in msgspec.structs.asdict(part).items():
+            if isinstance(value, msgspec.Struct):
+                found = _non_finite_field({f"{part_name}.{name}": value})
+                if found is not None:
+                    return found
+            elif isinstance(value, float) and not math.isfinite(value):
+                return f"{part_name}.{name} must be a finite number, got {value}"
+    return None
+
+
 def check_engine_config(config: EngineConfig) -> None:
     """Reject combinations that cannot run, with a message naming the values."""
     sched, cache = config.scheduler, config.cache
+    problem = _non_finite_field(
+        {
+            "scheduler": sched,
+            "cache": cache,
+            "parallel": config.parallel,
+            "observability": config.observability,
+        }
+    )
+    if problem is not None:
+        raise ConfigError(problem)
     if sched.policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {sched.policy!r}")
     if config.observability.stats_interval_s < 0:
@@ -284,6 +310,13 @@ def check_engine_config(config: EngineConfig) -> None:
             f"stats_interval_s must be >= 0 (0 = no stats line), got "
             f"{config.observability.stats_interval_s}"
         )
+    if config.observability.step_timeout_s < 0:
+        raise ConfigError(
+            f"step_timeout_s must be >= 0 (0 = never), got {config.observability.step_timeout_s}"
+        )
+    utilization = cache.gpu_memory_utilization
+    if utilization is not None and not 0 < utilization <= 1:
+        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     if sched.max_num_seqs < 1:
         raise ConfigError("max_num_seqs must be at least 1")
     parallel = config.parallel

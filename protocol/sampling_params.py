@@ -17,8 +17,11 @@ MAX_N = 16
 # Top-k alternatives per token; the sampler sorts the full vocabulary row at most once per token.
 MAX_LOGPROBS = 20
 # Stop strings are searched in the text after every token, stop token ids looked up per token:
-# caps that keep one request's per-token stop checks (and its wire size) small.
+# caps that keep one request's per-token stop checks (and its wire size) small. A streamed choice
+# also holds back the longest stop string's length of text (it may be one's start), so a long one
+# would turn a stream into a whole response: real stop strings are a word or a line.
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 # Per-token biases and allow-lists travel with the request and build a row of the sampler's mask
 # per step: bounded as OpenAI bounds logit_bias (300 entries of -100..100).
@@ -146,6 +149,12 @@ def find_sampling_problem(p: SamplingParams) -> str | None:
         return f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(p.stop)}"
     if any(not s for s in p.stop):
         return "stop strings must be non-empty"
+    longest = max(map(len, p.stop), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        return (
+            f"stop strings may hold at most {MAX_STOP_STRING_CHARS} characters each, got one of "
+            f"{longest}"
+        )
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         return (
             f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} distinct ids, "

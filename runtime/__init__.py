@@ -15,4 +15,5 @@ pyzmq, which every conveyor process loads anyway.
   ``gc_heap``    the start-up heap frozen out of full garbage collections
   ``zmq_security`` CURVE keys on TCP sockets between processes; no unauthenticated network address
   ``refused_keys`` the keys a CURVE server refused: counted, remembered and logged within bounds
+  ``flags``      the number types of the commands' flags: NaN and infinity never get through
 """

@@ -44,7 +44,7 @@ async def stream_choices(
     processor = OutputProcessor(choice.state for choice in choices)
     streams: list[AsyncIterator[EngineCoreOutput]] = []
     if request_log is not None:
-        request_log.arrived(request_id, choices, n)
+        await request_log.arrived(request_id, choices, n, run_cpu)
     try:
         for choice in choices:
             streams.append(await client.add_request(choice.request))

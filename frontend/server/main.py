@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 from conveyor.frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN, ROUTER_POLICIES
 from conveyor.frontend.server.connection import DEFAULT_MAX_REQUEST_BODY_BYTES, ConnectionLimits
 from conveyor.frontend.server.metrics_dir import ensure_multiprocess_dir
 from conveyor.runtime.exit_codes import ExitCode
+from conveyor.runtime.flags import float_at_least, non_negative_float, positive_float
 from conveyor.runtime.logs import configure_logging
 from conveyor.runtime.parent import tie_to_parent
 
@@ -43,28 +42,11 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
-    return value
-
-
-def _seconds_at_least(minimum: float) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        value = float(text)
-        if not minimum <= value < math.inf:  # also refuses nan
-            raise argparse.ArgumentTypeError(f"must be a number of seconds >= {minimum:g}")
-        return value
-
-    return parse
-
-
 def add_engine_session_args(parser: argparse._ActionsContainer) -> None:
     """How long a frontend waits for a silent engine, and for one that never comes back."""
     parser.add_argument(
         "--engine-silence-timeout-s",
-        type=_seconds_at_least(1.0),
+        type=float_at_least(1.0),
         default=None,
         metavar="S",
         help="an engine that answers no heartbeat for S seconds (default 10) counts as down: "
@@ -73,7 +55,7 @@ def add_engine_session_args(parser: argparse._ActionsContainer) -> None:
     )
     parser.add_argument(
         "--engine-lost-timeout-s",
-        type=_seconds_at_least(1.0),
+        type=float_at_least(1.0),
         default=None,
         metavar="S",
         help="when no engine has answered for S seconds (default 300) the frontend exits "
@@ -132,14 +114,14 @@ def add_connection_args(parser: argparse._ActionsContainer) -> None:
     limits = ConnectionLimits()
     parser.add_argument(
         "--request-read-timeout-s",
-        type=float,
+        type=positive_float,
         default=limits.read_timeout_s,
         help="a request's headers must arrive within this of its first byte, its body within "
         f"this plus {limits.read_s_per_mib:g} s per MiB; else 408",
     )
     parser.add_argument(
         "--keep-alive-timeout-s",
-        type=float,
+        type=positive_float,
         default=limits.idle_timeout_s,
         help="close a connection that sends nothing for this long",
     )
@@ -184,11 +166,14 @@ def add_frontend_process_args(parser: argparse.ArgumentParser) -> argparse.Argum
     parser.add_argument(
         "--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES
     )
-    parser.add_argument("--drain-timeout-s", type=float, default=5.0)
+    parser.add_argument("--drain-timeout-s", type=non_negative_float, default=5.0)
     add_router_args(parser)
     add_connection_args(parser)
     parser.add_argument(
-        "--engine-ready-timeout-s", type=float, default=30.0, help="give up attaching after this"
+        "--engine-ready-timeout-s",
+        type=positive_float,
+        default=30.0,
+        help="give up attaching after this",
     )
     add_engine_session_args(parser)
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when it dies")
@@ -210,7 +195,7 @@ def add_router_args(parser: argparse._ActionsContainer) -> None:
     )
     parser.add_argument(
         "--router-affinity-margin",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=DEFAULT_AFFINITY_MARGIN,
         metavar="REQUESTS",
         help="prefix-affinity: how many more requests than the least loaded engine the "

@@ -29,6 +29,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from conveyor.frontend.engine_client.engine_group import EngineGroupClient
+from conveyor.frontend.engine_client.session import EngineDeadError
 from conveyor.frontend.input_processor import Choice, InputProcessor, PromptError
 from conveyor.frontend.output_processor import ChoiceDelta, ChoiceState
 from conveyor.frontend.server.choice_stream import stream_choices
@@ -273,8 +274,12 @@ class GenerationRun(ABC):
             raise_on_error(self.states)
         except ApiError as exc:
             yield sse_event(error_body(exc.status, exc.message))
-        except Exception as exc:  # EngineDeadError above all: the stream ends with an error event
+        except EngineDeadError as exc:
             yield sse_event(error_body(503, f"the engine failed: {exc}"))
+        except Exception as exc:
+            # Ours, not the engine's: said as the whole response's 500 says it, and logged.
+            logger.exception("unexpected error streaming %s", self.response_id)
+            yield sse_event(error_body(500, f"internal error: {type(exc).__name__}"))
         else:
             options = self.body.stream_options
             if options is not None and options.include_usage:

@@ -206,6 +206,8 @@ def test_a_signal_while_the_model_loads_exits_cleanly(tiny_model_dir, tmp_path):
         (["/elsewhere"], "MODEL '/elsewhere' and --model '/nonexistent' disagree"),
         (["--log-prompts"], "--log-prompts needs --enable-log-requests"),
         (["--frontends", "0", "--enable-log-requests"], "there are no frontends"),
+        # Accepted, it killed the engine at the first request; every float flag: test_flags.py.
+        (["--tbt-slo-ms", "nan"], "argument --tbt-slo-ms: must be a finite number, got 'nan'"),
     ],
 )
 def test_bad_frontend_flags_are_refused(flags, message):

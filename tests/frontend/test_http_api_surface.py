@@ -16,6 +16,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -565,3 +566,43 @@ def test_tool_fields_that_do_not_fit_are_refused(served):
           "tool_choice": "required"}, "tools", "nope"),
     ):  # fmt: skip
         assert problem in _refused(served, "/v1/chat/completions", {**chat, **body}, param)
+
+
+def test_nesting_past_the_parsers_is_a_400_or_content_never_a_5xx(served):
+    """A schema's JSON text 5,000 levels deep, and a tool call a regex forces 1,100 arrays
+    deep (tool_choice auto and a constraint go together): Python's JSON parser gives up on both
+    with a RecursionError, which was a 500 and a stream's error event blaming the engine."""
+    log_start = served.log.stat().st_size
+    deep_schema = '{"type": "array", "items": ' * 5000 + "{}" + "}" * 5000
+    body = {"messages": CHAT, "structured_outputs": {"json": deep_schema}}
+    status, _, answer = post_json(served.base_url, "/v1/chat/completions", body)
+    assert (status, answer["error"]["param"]) == (400, "structured_outputs"), answer
+    assert "nested too deeply" in answer["error"]["message"]
+    # The same schema as an object: the body itself is too deep to decode.
+    for field, end in ((b'"structured_outputs": {"json": ', b"}}"),
+                       (b'"response_format": {"type": "json_schema", "json_schema": '
+                        b'{"name": "x", "schema": ', b"}}}")):  # fmt: skip
+        raw_body = b'{"messages": [], ' + field + deep_schema.encode() + end
+        status, _, raw = post_raw(served.base_url, "/v1/chat/completions", raw_body)
+        assert status == 400 and b"nested too deeply" in raw, raw
+    text = '<tool_call>{"name": "get_time", "arguments": {"zone": ' + "[" * 1100 + "]" * 1100
+    text += "}}</tool_call>"
+    body = {"messages": CHAT, "tools": TOOLS, "tool_choice": "auto", "max_tokens": len(text),
+            "structured_outputs": {"regex": re.escape(text)}}  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:  # the two decode side by side: half the time
+        whole = pool.submit(post_json, served.base_url, "/v1/chat/completions", body)
+        streamed = pool.submit(post_raw, served.base_url, "/v1/chat/completions",
+                               json.dumps({**body, "stream": True}).encode())  # fmt: skip
+        (status, _, answer), (stream_status, _, raw) = whole.result(), streamed.result()
+    assert status == 200, answer
+    (choice,) = answer["choices"]
+    assert choice["message"]["content"] == text and choice["message"].get("tool_calls") is None
+    assert choice["finish_reason"] == "stop"
+    events = stream_payloads(raw)
+    assert stream_status == 200 and not [e for e in events if "error" in e]
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == text
+    assert not any(d.get("tool_calls") for d in deltas)
+    with served.log.open() as log:
+        log.seek(log_start)
+        assert "Traceback" not in log.read()

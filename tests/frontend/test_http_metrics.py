@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from conveyor.bench.loadgen import main as loadgen
+from conveyor.frontend.server.request_log import MAX_LINE_BYTES
+from conveyor.protocol.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from tests.frontend.http_helpers import (
     ServedHttp,
     accepting_frontend,
@@ -20,6 +22,7 @@ from tests.frontend.http_helpers import (
     get,
     metric,
     parse_metrics,
+    post_json,
     start_served_http,
     wait_for,
 )
@@ -163,6 +166,29 @@ def test_the_stats_line_runs_with_the_work_and_stops_when_idle(served, load):
     settled = len(STATS_LINE.findall(served.log.read_text()))
     time.sleep(3.0)
     assert len(STATS_LINE.findall(served.log.read_text())) == settled
+
+
+def test_a_request_with_every_parameter_at_its_cap_logs_lines_within_8_kib(served):
+    # Before the caps, one such request (with 400k-character stop strings) wrote a 6 MiB line.
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "n": 2,
+        "allowed_token_ids": list(range(2048)) * 64,
+        "stop": ["\u00e9" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
+        "stop_token_ids": list(range(256)),
+        "logit_bias": {str(i): 1.0 for i in range(300)},
+        "structured_outputs": {"json": {"type": "object", "description": "x" * 200_000}},
+    }
+    status, _, answer = post_json(served.base_url, "/v1/chat/completions", body)
+    assert status == 200, answer
+    too_long = {**body, "stop": ["x" * 400_000]}
+    status, _, answer = post_json(served.base_url, "/v1/chat/completions", too_long)
+    assert (status, answer["error"]["param"]) == (400, "stop")
+    lines = served.log.read_bytes().splitlines()
+    assert max(len(line) for line in lines) <= MAX_LINE_BYTES
+    (arrival,) = [line for line in lines if b"params {" in line and b"json_schema grammar" in line]
+    assert b"...(131072 items)" in arrival and b"...(256 chars)" in arrival
 
 
 def test_a_normal_shutdown_logs_no_error_or_warning(served, load):

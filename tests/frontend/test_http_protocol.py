@@ -36,7 +36,11 @@ from conveyor.frontend.server.request_models import (
 )
 from conveyor.frontend.tokenizer import load_tokenizer
 from conveyor.protocol import EngineCoreOutput, Logprobs, SamplingParams
-from conveyor.protocol.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from conveyor.protocol.sampling_params import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 
 VOCAB_SIZE = 2048
 
@@ -276,6 +280,14 @@ def test_stop_strings_and_stop_token_ids_are_capped():
     # Counted as sent: repeating one id does not get past the cap either.
     with pytest.raises(ApiError, match="at most 256"):
         convert(stop_token_ids=[3] * (MAX_STOP_TOKEN_IDS + 1))
+    # A stream holds back the longest stop string's length: a long one made it a whole response.
+    convert(stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS)
+    for stop in ("x" * (MAX_STOP_STRING_CHARS + 1), ["\n", "x" * 400_000]):
+        with pytest.raises(ApiError, match="at most 256 characters each") as error:
+            convert(stop=stop)
+        assert (error.value.status, error.value.param) == (400, "stop")
+    with pytest.raises(ValueError, match="stop strings may hold at most 256 characters"):
+        SamplingParams(stop=["x" * (MAX_STOP_STRING_CHARS + 1)])
 
 
 def test_null_means_the_default_for_what_openai_clients_send_as_null():

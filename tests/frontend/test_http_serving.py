@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from conveyor.frontend.engine_client.session import EngineDeadError
@@ -204,3 +206,87 @@ def test_the_context_limit_is_the_smaller_of_the_models_and_the_schedulers(
         assert error.value.status == 400
         with pytest.raises(ApiError, match="max_model_len is 256"):
             check_prompts(state, [list(range(256))], 1)
+
+
+# ---------------------------------------------------------------- client-controlled nesting
+
+
+def _chat_whole(state: ServingState, **fields: Any) -> Any:
+    body = {"messages": [{"role": "user", "content": "hi"}], **fields}
+
+    async def run() -> Any:
+        request = decode_body(json.dumps(body).encode(), ChatCompletionRequest)
+        return await create_chat_completion(state, request, _never_disconnects)
+
+    response = asyncio.run(run())
+    assert response.status_code == 200
+    return json.loads(response.body)
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"json": '{"type": "array", "items": ' * 5000 + "{}" + "}" * 5000},
+        {"grammar": "root ::= " + "(" * 400 + '"a"' + ")" * 400},
+        {"grammar": "root ::= ("},
+    ],
+    ids=["schema text 5000 deep", "gbnf 400 deep", "gbnf unclosed"],
+)
+def test_a_constraint_its_parser_gives_up_on_is_a_400_naming_it(
+    tiny_model_dir, tokenizer, constraint
+):
+    # Python's JSON parser and llguidance's GBNF converter raise RecursionError or a plain
+    # ValueError: each was a 500.
+    state = _state(tokenizer, _config(tiny_model_dir))
+    for stream in (_chat_events, lambda s, **f: _chat_whole(s, **f)):
+        with pytest.raises(ApiError) as error:
+            stream(state, structured_outputs=constraint, max_tokens=4)
+        assert (error.value.status, error.value.param) == (400, "structured_outputs")
+
+
+def test_a_tool_call_nested_past_the_parser_is_content_whole_and_streamed(
+    tiny_model_dir, tokenizer
+):
+    depth = 1100
+    text = '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * depth + "]" * depth + "}}"
+    text += "</tool_call>"
+    token_ids = tokenizer(text, add_special_tokens=False).input_ids
+
+    def script(request: EngineCoreRequest) -> list[Any]:
+        outputs = [
+            EngineCoreOutput(request.request_id, token_ids[i : i + 64])
+            for i in range(0, len(token_ids), 64)
+        ]
+        outputs[-1].finish_reason = "length"
+        return outputs
+
+    config = _config(tiny_model_dir)
+    config = msgspec.structs.replace(
+        config, model=msgspec.structs.replace(config.model, tool_call_parser="hermes")
+    )
+    state = _state(tokenizer, config, script)
+    # tool_choice "auto" and a constraint go together: the grammar may force such a call.
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    regex = re.escape(text)
+    fields = {"tools": tools, "tool_choice": "auto", "structured_outputs": {"regex": regex}}
+    whole = _chat_whole(state, max_tokens=len(token_ids), **fields)
+    message = whole["choices"][0]["message"]
+    assert (message["content"], message.get("tool_calls")) == (text, None)
+    events = _chat_events(state, max_tokens=len(token_ids), **fields)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    deltas = [c["delta"] for e in events[:-1] for c in e["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == text
+    assert not any(d.get("tool_calls") for d in deltas)
+
+
+def test_a_stream_that_fails_in_the_frontend_does_not_blame_the_engine(tiny_model_dir, tokenizer):
+    def failing(error: BaseException) -> Script:
+        return lambda request: [EngineCoreOutput(request.request_id, [5]), error]
+
+    events = _chat_events(_state(tokenizer, _config(tiny_model_dir), failing(KeyError("x"))))
+    assert events[-2]["error"]["code"] == 500
+    assert events[-2]["error"]["message"] == "internal error: KeyError"
+    dead = failing(EngineDeadError("the engine process exited"))
+    events = _chat_events(_state(tokenizer, _config(tiny_model_dir), dead))
+    assert events[-2]["error"]["code"] == 503
+    assert events[-2]["error"]["message"] == "the engine failed: the engine process exited"

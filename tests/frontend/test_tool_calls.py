@@ -96,3 +96,29 @@ def test_forced_schemas_and_their_outputs():
     named = ToolCallStream(None, "a")
     content, calls = named.feed('{"x": 3}', done=True)
     assert content == "" and _names_and_arguments(calls) == [("a", {"x": 3})]
+
+
+@pytest.mark.parametrize("depth", [100, 900, 990, 1100, 5000])
+def test_arguments_nested_past_the_parsers_reach_are_content_never_an_error(depth):
+    # A grammar may force a call this deep (tool_choice auto with a regex): json.loads gives up
+    # with a RecursionError somewhere near 1,000 levels, which was a 500 and a stream's error
+    # event. Shallow enough, it is a call; deeper, the text stays content.
+    arguments = '{"a": ' + "[" * depth + "]" * depth + "}"
+    hermes = f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>'
+    llama = f'{{"name": "f", "parameters": {arguments}}}'
+    for parser, text in ((HermesParser(), hermes), (Llama3JsonParser(), llama)):
+        content, calls = parser.parse(text)
+        assert (content, calls) == (text, []) or [c.name for c in calls] == ["f"]
+        if depth >= 1100:
+            assert (content, calls) == (text, [])
+        stream = ToolCallStream(parser, False)
+        streamed = [stream.feed(text[i : i + 500], done=i + 500 >= len(text))
+                    for i in range(0, len(text), 500)]  # fmt: skip
+        streamed_content = "".join(out for out, _ in streamed)
+        streamed_calls = [call for _, new in streamed for call in new]
+        assert streamed_content == text or [c.name for c in streamed_calls] == ["f"]
+    if depth >= 1100:
+        assert forced_calls(arguments, "f") == []
+        assert forced_calls(f'[{{"name": "f", "parameters": {arguments}}}]', None) == []
+    if depth == 100:
+        assert json.loads(HermesParser().parse(hermes)[1][0].arguments) == json.loads(arguments)
