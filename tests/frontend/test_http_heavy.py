@@ -240,9 +240,37 @@ def test_an_accepted_request_that_tokenizes_for_seconds_leaves_other_streams_run
         "control": json.dumps({**common, "prompt": [token_ids] * 256}).encode(),
         "text": json.dumps({**common, "prompt": [prompt] * 256}).encode(),
     }
+    # The host's speed varies by the moment: a pair whose tokenizing ran too fast to tell a
+    # stall from the CPU's sharing (see below) is run again, up to three times.
+    for _ in range(3):
+        took, gaps = _text_and_control(served, reference, bodies, len(token_ids))
+        # In the server the tokenizing shares the CPU with the engine and the streams, so what
+        # it cost there is the text request's extra time over the control (a loaded CI run: 1.1 s
+        # timed alone, 2.2 s extra in the server, streams waiting 0.71 s; a fast host: 0.53 s
+        # alone, 1.24 s extra; once, in a loaded suite, 0.49 s extra). A tokenizer on the event
+        # loop holds every stream for about all of that extra time, so the test can tell only if
+        # that time is above the bound's floor.
+        tokenizing_s = took["text"] - took["control"]
+        floor = max(MAX_STREAM_GAP_S, 2 * max(gaps["control"]))
+        if tokenizing_s > floor:
+            break
+    assert tokenizing_s > floor, (
+        f"tokenizing took {tokenizing_s:.2f} s in the server, too little for a stall of the "
+        f"streams to show above {floor:.2f} s ({took})"
+    )
+    bound = max(floor, 0.5 * tokenizing_s)
+    assert max(gaps["text"]) < bound, (
+        f"requests took {took}; longest waits {gaps}; bound {bound:.2f} s"
+    )
+
+
+def _text_and_control(
+    served: ServedHttp, reference: str, bodies: dict[str, bytes], prompt_len: int
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Each body sent beside the streams: how long it took, and the streams' measured waits."""
     took: dict[str, float] = {}
     answers: dict[str, dict] = {}
-    gaps: dict[str, list[float]] = {}
+    gaps: dict[str, list[float | None]] = {}
     for name, raw in bodies.items():
 
         def heavy(name: str = name, raw: bytes = raw) -> None:
@@ -257,27 +285,12 @@ def test_an_accepted_request_that_tokenizes_for_seconds_leaves_other_streams_run
     assert texts["text"] == texts["control"] and len(set(texts["text"])) == 1
     assert len(texts["text"]) == 256
     num_prompt_tokens = answers["text"]["usage"]["prompt_tokens"]
-    assert num_prompt_tokens == 256 * len(token_ids) > 900_000
-    # In the server the tokenizing shares the CPU with the engine and the streams, so what it
-    # cost there is the text request's extra time over the control (a loaded CI run: 1.1 s timed
-    # alone, 2.2 s extra in the server, streams waiting 0.71 s; a fast host: 0.53 s alone, 1.24 s
-    # extra). A tokenizer on the event loop holds every stream for about all of that extra time,
-    # so the test can tell only if that time is above the bound's floor: checked, instead of the
-    # tokenizing timed alone against a fixed 0.5 s, which a fast host missed by 2 ms.
+    assert num_prompt_tokens == 256 * prompt_len > 900_000
     measured = {name: [g for g in gap if g is not None] for name, gap in gaps.items()}
     assert measured["text"] and measured["control"], (
         f"the streams ended before the heavy requests did: nothing measured ({took})"
     )
-    tokenizing_s = took["text"] - took["control"]
-    floor = max(MAX_STREAM_GAP_S, 2 * max(measured["control"]))
-    assert tokenizing_s > floor, (
-        f"tokenizing took {tokenizing_s:.2f} s in the server, too little for a stall of the "
-        f"streams to show above {floor:.2f} s ({took})"
-    )
-    bound = max(floor, 0.5 * tokenizing_s)
-    assert max(measured["text"]) < bound, (
-        f"requests took {took}; longest waits {gaps}; bound {bound:.2f} s"
-    )
+    return took, measured
 
 
 def test_heavy_constraints_are_refused_at_once_or_served_without_holding_the_streams(
