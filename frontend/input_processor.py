@@ -35,8 +35,29 @@ from conveyor.protocol.sampling_params import find_vocab_problem
 # Arguments of ``apply_chat_template`` itself: a request's template variables may not replace them.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "chat_template", "tokenize", "add_generation_prompt", "return_dict",
-     "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs", "tools", "documents"}
+     "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs", "tools", "documents",
+     "continue_final_message", "sanitize_control_tokens", "return_assistant_tokens_mask"}
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a conversation goes through the chat template: vLLM's chat request fields.
+
+    ``add_generation_prompt``: the template opens the assistant's answer;
+    ``continue_final_message``: the last message is left open for the model to go on with (not
+    with the former); ``add_special_tokens``: the tokenizer adds its own (a BOS) on top of what
+    the template wrote; ``template_kwargs``: variables of the template (``enable_thinking``,
+    for one); ``tools``: function definitions and ``documents`` (for retrieval), both written
+    in by templates that know them.
+    """
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, str]] | None = None
 
 
 class PromptError(ValueError):
@@ -125,51 +146,58 @@ class InputProcessor:
                 "messages",
             )
 
-    def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer(text).input_ids)
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens``: what the tokenizer adds around a text (a BOS, for one)."""
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the model's defaults (``--generation-config``)."""
         return SamplingParams(**self.sampling_defaults)
 
     def render_chat(
-        self,
-        conversation: list[dict[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        template_kwargs: dict[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
+        self, conversation: list[dict[str, Any]], options: ChatOptions | None = None
     ) -> list[int]:
-        """A conversation as prompt token ids, through the chat template (``--chat-template``,
-        else the tokenizer's own); ``template_kwargs`` become variables of the template (for
-        example ``enable_thinking``); ``tools``: function definitions the template writes in."""
+        """A conversation as prompt token ids: ``chat_text``, tokenized."""
+        options = options or ChatOptions()
+        text = self.chat_text(conversation, options)
+        return self.tokenize(text, options.add_special_tokens)
+
+    def chat_text(self, conversation: list[dict[str, Any]], options: ChatOptions) -> str:
+        """A conversation through the chat template (``--chat-template``, else the tokenizer's
+        own), as text; ``options`` say how (see ``ChatOptions``)."""
         if not conversation:
             raise PromptError("messages must not be empty", "messages")
+        if options.continue_final_message and options.add_generation_prompt:
+            # vLLM's rule: the last message cannot both go on and be followed by a new one.
+            raise PromptError(
+                "continue_final_message needs add_generation_prompt set to false",
+                "continue_final_message",
+            )
         tokenizer = self.tokenizer
         template = self.chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
             raise PromptError("this model has no chat template; use /v1/completions")
-        template_kwargs = dict(template_kwargs or {})
+        template_kwargs = dict(options.template_kwargs or {})
         reserved = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise PromptError(
                 f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs"
             )
         try:
-            text = tokenizer.apply_chat_template(
+            return tokenizer.apply_chat_template(
                 conversation,
                 chat_template=template,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
                 tokenize=False,
-                tools=tools,
+                tools=options.tools,
+                documents=options.documents,
                 **template_kwargs,
             )
         except Exception as exc:  # a template may raise anything on input it does not expect
             raise PromptError(
                 f"the chat template cannot render these messages: {exc}", "messages"
             ) from None
-        # The template wrote the special tokens itself.
-        return list(tokenizer(text, add_special_tokens=False).input_ids)
 
     def resolve_structured_outputs(
         self, params: SamplingParams, param: str = "structured_outputs"
@@ -186,16 +214,23 @@ class InputProcessor:
             # StructuredOutputError, or llguidance's own for a grammar it cannot convert.
             raise PromptError(str(exc), param) from None
 
-    def truncate(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
-        """The last ``truncate_prompt_tokens`` tokens of the prompt (vLLM's left truncation)."""
+    def truncate(
+        self, token_ids: list[int], truncate_prompt_tokens: int | None, side: str | None = None
+    ) -> list[int]:
+        """The prompt cut to ``truncate_prompt_tokens`` tokens (-1: this model's context), as
+        vLLM cuts it: its last ones, or with ``side`` "right" its first ones."""
         if truncate_prompt_tokens is None:
             return token_ids
+        if truncate_prompt_tokens == -1:
+            truncate_prompt_tokens = self.max_model_len
         if not 1 <= truncate_prompt_tokens <= self.max_model_len:
             raise PromptError(
-                f"truncate_prompt_tokens must be between 1 and this model's context of "
+                f"truncate_prompt_tokens must be -1 or between 1 and this model's context of "
                 f"{self.max_model_len} tokens, got {truncate_prompt_tokens}",
                 "truncate_prompt_tokens",
             )
+        if side == "right":
+            return token_ids[:truncate_prompt_tokens]
         return token_ids[-truncate_prompt_tokens:]
 
     def to_token_ids(self, prompt: str | Sequence[int]) -> list[int]:

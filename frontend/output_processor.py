@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.frontend.outputs import CompletionOutput
-from conveyor.frontend.tokenizer import IncrementalDetokenizer, text_token_ids
+from conveyor.frontend.tokenizer import IncrementalDetokenizer, decode_options, text_token_ids
 from conveyor.protocol import (
     FAILED_FINISH_REASONS,
     EngineCoreOutput,
@@ -71,6 +71,9 @@ class ChoiceState:
         self.sampling_params = sampling_params
         self.prompt_token_ids = prompt_token_ids
         self._tokenizer = tokenizer
+        self._decode_options = decode_options(
+            sampling_params.skip_special_tokens, sampling_params.spaces_between_special_tokens
+        )
         self._detokenizer: IncrementalDetokenizer | None = None
         if stream or sampling_params.stop:
             self._detokenizer = IncrementalDetokenizer(
@@ -78,6 +81,7 @@ class ChoiceState:
                 prompt_token_ids,
                 sampling_params.stop,
                 sampling_params.include_stop_str_in_output,
+                self._decode_options,
             )
         self._hold_chars = max((len(s) for s in sampling_params.stop), default=1) - 1
         self.token_ids: list[int] = []
@@ -159,7 +163,7 @@ class ChoiceState:
             return self._hand_out(text, len(text))
         # Decoded whole once: an incomplete character the window held back comes out.
         whole = self._tokenizer.decode(
-            self.token_ids[: self.num_text_tokens], skip_special_tokens=True
+            self.token_ids[: self.num_text_tokens], **self._decode_options
         )
         if not whole.startswith(self.text) and self._detokenizer is not None:
             whole = self._detokenizer.text

@@ -26,6 +26,19 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
+def decode_options(
+    skip_special_tokens: bool, spaces_between_special_tokens: bool
+) -> dict[str, bool]:
+    """The keyword arguments of ``tokenizer.decode`` for a request's detokenizing options
+    (vLLM's ``skip_special_tokens`` and ``spaces_between_special_tokens``). The second is
+    passed only when off: tokenizers that do not write such spaces (fast ones) need not know
+    it, and the others put them in by default."""
+    options = {"skip_special_tokens": skip_special_tokens}
+    if not spaces_between_special_tokens:
+        options["spaces_between_special_tokens"] = False
+    return options
+
+
 def text_token_ids(output: EngineCoreOutput, include_stop_str_in_output: bool) -> list[int]:
     """The output's tokens that become text.
 
@@ -48,8 +61,11 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        options: dict[str, bool] | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        # ``decode_options``: special tokens skipped unless the request says otherwise.
+        self._options = options or decode_options(True, True)
         self._token_ids = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
         # Window [prefix_offset, read_offset) is text already emitted, used as context.
         self._prefix_offset = 0
@@ -75,7 +91,7 @@ class IncrementalDetokenizer:
         return None
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self._tokenizer.decode(token_ids, **self._options)
 
     def _next_delta(self) -> str:
         prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])

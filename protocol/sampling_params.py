@@ -93,6 +93,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
     repetition_penalty: float = 1.0
     # Keep the stop string in the returned text (the frontend applies it).
     include_stop_str_in_output: bool = False
+    # How the frontend turns output tokens into text, as vLLM's detokenizer does: special
+    # tokens left out, and spaces between special tokens (tokenizers that write any: slow ones).
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     # Token id -> a value added to its logit before sampling (OpenAI's logit_bias).
     logit_bias: dict[int, float] = {}
     # Only these tokens may be sampled (vLLM's allowed_token_ids); None allows all.

@@ -1,10 +1,11 @@
 """POST /v1/chat/completions: messages through the model's chat template, n choices out.
 
 Runs in an HTTP frontend process, on its event loop. The conversation is rendered with the
-tokenizer's own template (``add_generation_prompt=True``) and tokenized here, so every frontend
-process spends its own CPU on it. In a stream, a choice's first chunk carries its ``role``: it
-goes out with the choice's first output, so a request that fails before the engine produced
-anything gets an error event, not the start of a message.
+tokenizer's own template (or ``--chat-template``) and tokenized here, so every frontend process
+spends its own CPU on it. In a stream, a choice's first chunk carries its ``role``: it goes out
+with the choice's first output, so a request that fails before the engine produced anything gets
+an error event, not the start of a message. The role is the assistant's, or, as vLLM has it,
+the last message's when the request adds no generation prompt (it continues that message).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import msgspec
 from starlette.responses import Response
 from starlette.types import Receive
 
-from conveyor.frontend.input_processor import Choice
+from conveyor.frontend.input_processor import ChatOptions, Choice
 from conveyor.frontend.output_processor import ChoiceDelta, LogprobRow
 from conveyor.frontend.server.chat_tools import (
     ChatTools,
@@ -31,7 +32,9 @@ from conveyor.frontend.server.request_models import (
     ChatMessage,
     chat_max_tokens,
     chat_num_logprobs,
+    chat_template_variables,
     message_text,
+    response_id_of,
     structured_param,
     to_sampling_params,
 )
@@ -75,22 +78,36 @@ async def create_chat_completion(
     truncating = body.truncate_prompt_tokens is not None
     tools = chat_tools(body, state.inputs.tool_call_parser)
     conversation, size = conversation_of(state, body.messages, truncating)
+    options = ChatOptions(
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        add_special_tokens=body.add_special_tokens,
+        template_kwargs=chat_template_variables(body),
+        tools=tools.tools,
+        documents=body.documents,
+    )
     vocab_size = state.config.model.vocab_size
     params = to_sampling_params(body, max_tokens, num_logprobs, vocab_size, defaults)
     if tools.schema is not None:
         params = msgspec.structs.replace(params, structured_outputs=tools.structured_outputs())
-    prompt, response_id, choices = await state.run_cpu_unless_small(
+    prompt, prompt_text, response_id, choices = await state.run_cpu_unless_small(
         prepare_size(size, params),
         _prepare,
         state,
         body,
         conversation,
+        options,
         max_tokens,
         params,
         arrival_time,
         tools,
     )
     run = _ChatRun(state, body, [prompt], response_id, choices, num_logprobs, tools)
+    run.role = ROLE if body.add_generation_prompt else conversation[-1]["role"]
+    if body.return_prompt_text:
+        run.prompt_text = prompt_text
+    if body.echo and conversation[-1]["role"] == run.role:
+        run.echoed = conversation[-1]["content"]
     return await run.respond(receive)
 
 
@@ -115,26 +132,25 @@ def _prepare(
     state: ServingState,
     body: ChatCompletionRequest,
     conversation: list[dict[str, Any]],
+    options: ChatOptions,
     max_tokens: int | None,
     params: SamplingParams,
     arrival_time: float,
     tools: ChatTools,
-) -> tuple[list[int], str, list[Choice]]:
-    """The chat template, tokenizing, checks and fan-out: on the CPU pool unless small."""
+) -> tuple[list[int], str, str, list[Choice]]:
+    """The chat template, tokenizing, checks and fan-out: on the CPU pool unless small. Also
+    the template's text (for ``return_prompt_text``)."""
+    inputs = state.inputs
     with as_bad_request():
-        prompt = state.inputs.render_chat(
-            conversation,
-            add_generation_prompt=body.add_generation_prompt,
-            template_kwargs=body.chat_template_kwargs,
-            tools=tools.tools,
-        )
-        prompt = state.inputs.truncate(prompt, body.truncate_prompt_tokens)
+        text = inputs.chat_text(conversation, options)
+        prompt = inputs.tokenize(text, options.add_special_tokens)
+        prompt = inputs.truncate(prompt, body.truncate_prompt_tokens, body.truncation_side)
     check_prompts(state, [prompt], max_tokens)
-    response_id, choices = make_choices(
+    engine_id, choices = make_choices(
         state, [prompt], params, body.priority, arrival_time, bool(body.stream),
         "tools" if tools.schema is not None else structured_param(body),
     )  # fmt: skip
-    return prompt, f"chatcmpl-{response_id}", choices
+    return prompt, text, response_id_of("chatcmpl", body, engine_id), choices
 
 
 class _ChatRun(GenerationRun):
@@ -152,6 +168,11 @@ class _ChatRun(GenerationRun):
     ) -> None:
         super().__init__(state, body, prompts, response_id, choices)
         self.num_logprobs = num_logprobs
+        self.role = ROLE
+        # vLLM's return_prompt_text and chat echo (the last message's content, which each
+        # answer continues).
+        self.prompt_text: str | None = None
+        self.echoed = ""
         self._started: set[int] = set()  # choices whose role went out
         self._tools = tools
         self._tool_streams = (
@@ -161,22 +182,32 @@ class _ChatRun(GenerationRun):
     def response(self) -> ChatCompletionResponse:
         choices = []
         for c in self.states:
-            message, finish_reason = ChatMessageOut(ROLE, c.text), c.finish_reason
+            message, finish_reason = ChatMessageOut(self.role, c.text), c.finish_reason
             if self._tools.active:
                 content, calls = self._tools.split(c.text)
                 if calls:
-                    message = ChatMessageOut(ROLE, content, calls_out(calls))
+                    message = ChatMessageOut(self.role, content, calls_out(calls))
                     finish_reason = "tool_calls"
+            if self.echoed:
+                message.content = self.echoed + (message.content or "")
             logprobs = self._logprobs(c.logprobs)
-            choices.append(ChatChoice(c.index, message, logprobs, finish_reason, c.stop_reason))
-        return ChatCompletionResponse(
+            choice = ChatChoice(c.index, message, logprobs, finish_reason, c.stop_reason)
+            if self.return_token_ids:
+                choice.token_ids = c.token_ids
+            choices.append(choice)
+        response = ChatCompletionResponse(
             self.response_id, self.created, self.state.model_name, choices, self.usage()
         )
+        if self.return_token_ids:
+            response.prompt_token_ids = self.prompts[0]
+        if self.prompt_text is not None:
+            response.prompt_text = self.prompt_text
+        return response
 
     def delta_event(self, delta: ChoiceDelta) -> bytes:
         first = delta.index not in self._started
         self._started.add(delta.index)
-        message = ChatDelta(ROLE if first else None, delta.text)
+        message = ChatDelta(self.role if first else None, delta.text)
         finish_reason = delta.finish_reason
         stream = self._tool_streams.get(delta.index)
         if stream is not None:
@@ -187,20 +218,34 @@ class _ChatRun(GenerationRun):
                 message.tool_calls = call_deltas(calls, num_sent)
             if stream.num_calls and ended_normally(delta):
                 finish_reason = "tool_calls"
+        if first and self.echoed:
+            message.content = self.echoed + (message.content or "")
         choice = ChatStreamChoice(delta.index, message, self._logprobs(delta.logprobs))
         if ended_normally(delta):
             choice.finish_reason, choice.stop_reason = finish_reason, delta.stop_reason
-        return self._chunk([choice])
+        if self.return_token_ids:
+            choice.token_ids = delta.token_ids
+        chunk = self._chunk([choice], self.shape.usage(delta.index))
+        if first and self.return_token_ids:
+            chunk.prompt_token_ids = self.prompts[0]
+        if first and self.prompt_text is not None:
+            chunk.prompt_text = self.prompt_text
+        return sse_event(chunk)
 
     def usage_event(self) -> bytes:
-        return self._chunk([], self.usage())
+        return sse_event(self._chunk([], self.usage()))
 
-    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> bytes:
+    def _chunk(
+        self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None
+    ) -> ChatCompletionChunk:
         chunk = ChatCompletionChunk(self.response_id, self.created, self.state.model_name, choices)
         chunk.usage = usage
-        return sse_event(chunk)
+        return chunk
 
     def _logprobs(self, rows: list[LogprobRow]) -> ChatChoiceLogprobs | None:
         if self.num_logprobs is None:
             return None
-        return ChatChoiceLogprobs(chat_logprobs(self.state.tokenizer, rows, self.num_logprobs))
+        as_ids = bool(self.body.return_tokens_as_token_ids)
+        return ChatChoiceLogprobs(
+            chat_logprobs(self.state.tokenizer, rows, self.num_logprobs, as_ids)
+        )

@@ -19,6 +19,7 @@ from conveyor.frontend.server.request_models import (
     check_completion_request,
     completion_max_tokens,
     prompt_list,
+    response_id_of,
     structured_param,
     to_sampling_params,
 )
@@ -73,10 +74,16 @@ def _prepare(
     unless the input is small. Also the prompts' text, when ``echo`` wants it back."""
     inputs = state.inputs
     with as_bad_request():
-        token_ids = [p if isinstance(p, list) else inputs.tokenize(p) for p in prompts]
-        token_ids = [inputs.truncate(ids, body.truncate_prompt_tokens) for ids in token_ids]
+        token_ids = [
+            p if isinstance(p, list) else inputs.tokenize(p, body.add_special_tokens)
+            for p in prompts
+        ]
+        token_ids = [
+            inputs.truncate(ids, body.truncate_prompt_tokens, body.truncation_side)
+            for ids in token_ids
+        ]
     check_prompts(state, token_ids, max_tokens)
-    response_id, choices = make_choices(
+    engine_id, choices = make_choices(
         state, token_ids, params, body.priority, arrival_time, bool(body.stream),
         structured_param(body),
     )  # fmt: skip
@@ -85,7 +92,7 @@ def _prepare(
         for prompt, ids in zip(prompts, token_ids):
             whole = isinstance(prompt, str) and body.truncate_prompt_tokens is None
             echoed.append(prompt if whole else state.tokenizer.decode(ids))
-    return token_ids, f"cmpl-{response_id}", choices, echoed
+    return token_ids, response_id_of("cmpl", body, engine_id), choices, echoed
 
 
 class _CompletionRun(GenerationRun):
@@ -106,6 +113,7 @@ class _CompletionRun(GenerationRun):
         self._echoed = echoed
         self._num_samples = len(choices) // len(prompts)
         self._echo_pending = set(range(len(choices))) if echoed else set()
+        self._started: set[int] = set()  # choices whose first chunk went out
 
     def _echo(self, index: int) -> str:
         if index not in self._echo_pending:
@@ -120,13 +128,22 @@ class _CompletionRun(GenerationRun):
             choices.append(self._choice(choice.index, text, choice.logprobs))
             choices[-1].finish_reason = choice.finish_reason
             choices[-1].stop_reason = choice.stop_reason
+            if self.return_token_ids:
+                choices[-1].prompt_token_ids = choice.prompt_token_ids
+                choices[-1].token_ids = choice.token_ids
         return self._body(choices, self.usage())
 
     def delta_event(self, delta: ChoiceDelta) -> bytes:
         choice = self._choice(delta.index, self._echo(delta.index) + delta.text, delta.logprobs)
         if ended_normally(delta):
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
-        return sse_event(self._body([choice]))
+        if self.return_token_ids:
+            # As vLLM: the prompt's ids with a choice's first chunk, then each chunk's own.
+            if delta.index not in self._started:
+                choice.prompt_token_ids = self.states[delta.index].prompt_token_ids
+            choice.token_ids = delta.token_ids
+        self._started.add(delta.index)
+        return sse_event(self._body([choice], self.shape.usage(delta.index)))
 
     def usage_event(self) -> bytes:
         return sse_event(self._body([], self.usage()))
@@ -142,6 +159,10 @@ class _CompletionRun(GenerationRun):
         choice = CompletionChoice(index, text)
         if self.body.logprobs is not None:
             choice.logprobs, self._text_offsets[index] = completion_logprobs(
-                self.state.tokenizer, rows, self.body.logprobs, self._text_offsets[index]
+                self.state.tokenizer,
+                rows,
+                self.body.logprobs,
+                self._text_offsets[index],
+                bool(self.body.return_tokens_as_token_ids),
             )
         return choice

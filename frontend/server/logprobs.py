@@ -1,7 +1,9 @@
 """Engine logprob rows -> the two OpenAI formats (legacy completions, chat ``content``).
 
 Runs in an HTTP frontend process. A row is (token ids, logprobs): the sampled token first, then
-the top-k alternatives from the raw model distribution. Tokens are shown as their decoded text.
+the top-k alternatives from the raw model distribution. Tokens are shown as their decoded text,
+or with vLLM's ``return_tokens_as_token_ids`` as ``token_id:{id}`` (text that may not survive
+JSON: half a multi-byte character, for one, can still be told apart).
 """
 
 from __future__ import annotations
@@ -21,21 +23,31 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
+def shown_token(tokenizer: Any, token_id: int, as_token_id: bool) -> str:
+    return f"token_id:{token_id}" if as_token_id else token_text(tokenizer, token_id)
+
+
 def completion_logprobs(
-    tokenizer: Any, rows: Sequence[LogprobRow], num_top: int, text_offset: int
+    tokenizer: Any,
+    rows: Sequence[LogprobRow],
+    num_top: int,
+    text_offset: int,
+    as_token_ids: bool = False,
 ) -> tuple[CompletionLogprobs, int]:
     """The completions format for ``rows``, text offsets starting at ``text_offset``; also
     returns the offset after the last token, for the next streamed chunk."""
     result = CompletionLogprobs([], [], [], [])
     for token_ids, logprobs in rows:
         text = token_text(tokenizer, token_ids[0])
-        result.tokens.append(text)
+        shown = f"token_id:{token_ids[0]}" if as_token_ids else text
+        result.tokens.append(shown)
         result.token_logprobs.append(logprobs[0])
         # vLLM's shape: the sampled token plus the top-k (up to k + 1 entries).
         top = {
-            token_text(tokenizer, t): v for t, v in zip(token_ids[1 : num_top + 1], logprobs[1:])
+            shown_token(tokenizer, t, as_token_ids): v
+            for t, v in zip(token_ids[1 : num_top + 1], logprobs[1:])
         }
-        top.setdefault(text, logprobs[0])
+        top.setdefault(shown, logprobs[0])
         result.top_logprobs.append(top)
         result.text_offset.append(text_offset)
         text_offset += len(text)
@@ -43,13 +55,13 @@ def completion_logprobs(
 
 
 def chat_logprobs(
-    tokenizer: Any, rows: Sequence[LogprobRow], num_top: int
+    tokenizer: Any, rows: Sequence[LogprobRow], num_top: int, as_token_ids: bool = False
 ) -> list[ChatLogprobEntry]:
     entries = []
     for token_ids, logprobs in rows:
-        text = token_text(tokenizer, token_ids[0])
+        text = shown_token(tokenizer, token_ids[0], as_token_ids)
         top = [
-            _top_logprob(token_text(tokenizer, t), v)
+            _top_logprob(shown_token(tokenizer, t, as_token_ids), v)
             for t, v in zip(token_ids[1 : num_top + 1], logprobs[1:])
         ]
         entries.append(ChatLogprobEntry(text, logprobs[0], list(text.encode()), top))

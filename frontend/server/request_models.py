@@ -4,9 +4,12 @@ Runs in an HTTP frontend process. Decoding a body with ``msgspec.json.decode(bod
 checks every field's type (no pydantic layer); the conversion then checks values, so each bad
 input becomes an ``ApiError`` (400) naming the field. A field this server does not know is a 400
 that names it, as OpenAI answers (``forbid_unknown_fields``): a field silently dropped would change
-results without a word. Fields it knows but cannot honour (``tools``, ``suffix``, ...) are refused
-the same way. The one field accepted without effect is ``user`` (OpenAI's end-user id, which
-clients send routinely). docs/api.md lists every field. The response bodies live in
+results without a word. Fields it knows but cannot honour (``suffix``, vLLM's ``bad_words``, ...)
+are refused the same way, unless they hold the value that asks for nothing (``UNSUPPORTED``: what
+a client that writes every field of vLLM's request sends). Bookkeeping fields that change
+nothing about generation (``user``, ``metadata``, ``store``, ``service_tier``, ...: clients and
+gateways send them routinely) are accepted without effect. docs/api.md lists every field of
+vLLM's requests with its status here. The response bodies live in
 ``frontend.server.response_models``.
 """
 
@@ -37,6 +40,10 @@ class StrictStruct(msgspec.Struct, forbid_unknown_fields=True):
 
 class StreamOptions(StrictStruct):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far.
+    continuous_usage_stats: bool = False
+    # OpenAI's random padding of chunks against length side channels: accepted, no effect.
+    include_obfuscation: bool | None = None
 
 
 class StructuredOutputsField(StrictStruct, kw_only=True):
@@ -89,12 +96,53 @@ class SamplingFields(StrictStruct, kw_only=True):
     priority: Int64 = 0
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    # Accepted and unused: OpenAI's id of the end user, for its abuse monitoring.
-    user: str | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[Int64] | None = None
     truncate_prompt_tokens: Int64 | None = None
+    # vLLM's: "left" (None) keeps the prompt's last tokens, "right" its first.
+    truncation_side: str | None = None
     structured_outputs: StructuredOutputsField | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's detokenizing options.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # vLLM's: the prompt's and each choice's token ids in the response.
+    return_token_ids: bool | None = None
+    # vLLM's: logprobs name their tokens "token_id:{id}" instead of their text.
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the response's id (after "cmpl-" / "chatcmpl-") instead of a random one.
+    request_id: str | None = None
+    # vLLM's: a stream sends a choice's tokens this many at a time (first and last at once).
+    stream_interval: Int64 | None = None
+
+    # Accepted, no effect: bookkeeping that changes nothing about generation. OpenAI's end-user
+    # ids, tags, storage, tier and prompt-cache routing; vLLM's session id (it routes, nothing
+    # more) and its options of what only its /render endpoints return.
+    user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    session_id: str | None = None
+    return_token_offsets: bool | None = None
+    return_mm_kwargs: bool | None = None
+    routed_experts_prompt_start: Int64 | None = None
+    # vLLM's beam-search weight: nothing without beam search (use_beam_search is refused).
+    length_penalty: float | None = None
+
+    # vLLM's fields of features conveyor does not have: only their no-op value (UNSUPPORTED).
+    use_beam_search: Any = None
+    watermarking: Any = None
+    bad_words: Any = None
+    logprob_token_ids: Any = None
+    thinking_token_budget: Any = None
+    repetition_detection: Any = None
+    vllm_xargs: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
 
     def __post_init__(self) -> None:
         if self.n is None:
@@ -111,6 +159,9 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool | None = False
     suffix: str | None = None
     best_of: Int64 | None = None
+    # vLLM's: the tokenizer adds its special tokens (a BOS) to a text prompt.
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -174,16 +225,68 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[ToolDef] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
-    # Variables for the chat template (e.g. {"enable_thinking": false}), and its switch.
+    # Variables for the chat template (e.g. {"enable_thinking": false}), and vLLM's other
+    # templating fields (``ChatOptions``).
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    # A template variable (as vLLM passes it), which also sets enable_thinking unless
+    # chat_template_kwargs does: "none" turns thinking off.
+    reasoning_effort: str | None = None
+    # vLLM's: the answer starts with the last message's content when that message has the
+    # answer's role (continue_final_message's partner).
+    echo: bool | None = False
+    # vLLM's: the prompt's text, as the chat template wrote it, in the response.
+    return_prompt_text: bool | None = None
+    # Accepted, no effect. vLLM's include_reasoning: what a reasoning parser splits out (there
+    # is none here, so the reasoning stays in the content, as vLLM's without one). OpenAI's
+    # predicted output: only a speed-up in OpenAI's service, the output stays the same.
+    include_reasoning: bool | None = None
+    prediction: dict[str, Any] | None = None
+    # Only their no-op value (UNSUPPORTED).
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
+    modalities: Any = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.logprobs is None:
             self.logprobs = False
+        if self.echo is None:
+            self.echo = False
 
+
+# The most characters of a client's request_id (it is the response's id and goes into logs).
+MAX_REQUEST_ID_CHARS = 256
+# vLLM's reasoning_effort values.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+# Fields of a feature conveyor does not have: field -> (the values that ask for nothing, why
+# anything else is refused). A client that writes every field of vLLM's request (its defaults
+# included) sends these values.
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((None, False), "beam search is not implemented"),
+    "watermarking": ((None, False), "not implemented"),
+    "bad_words": ((None, []), "not implemented (logit_bias bans single tokens)"),
+    "logprob_token_ids": ((None,), "not implemented (use logprobs)"),
+    "thinking_token_budget": ((None, -1), "needs a reasoning parser (there is none)"),
+    "repetition_detection": ((None,), "not implemented"),
+    "vllm_xargs": ((None, {}), "for extensions this server does not have"),
+    "kv_transfer_params": ((None,), "needs a KV connector (disaggregated serving)"),
+    "ec_transfer_params": ((None,), "needs an encoder-cache connector"),
+    "prompt_embeds": ((None,), "not supported (send text or token ids)"),
+    "chat_template": (
+        (None,),
+        "a request's own template is not accepted (nor by vLLM, unless started with "
+        "--trust-request-chat-template); start the server with --chat-template",
+    ),
+    "mm_processor_kwargs": ((None, {}), "multimodal input is not supported"),
+    "media_io_kwargs": ((None, {}), "multimodal input is not supported"),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+}
 
 _OPTIONAL_SAMPLING_FIELDS = (
     "temperature",
@@ -293,6 +396,13 @@ def to_sampling_params(
     if body.stream_options is not None and not body.stream:
         # OpenAI's rule: the options describe a stream, so without one they are a mistake.
         raise bad_request("stream_options can only be given with stream: true", "stream_options")
+    check_unsupported(body)
+    check_request_id(body.request_id)
+    if body.stream_interval is not None and body.stream_interval < 1:
+        raise bad_request("stream_interval must be at least 1", "stream_interval")
+    if body.truncation_side not in (None, "left", "right"):
+        side = body.truncation_side
+        raise bad_request(f"truncation_side must be left or right, got {side!r}", "truncation_side")
     stop_token_ids = list(body.stop_token_ids or ())
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
         # Counted as sent; SamplingParams counts the distinct ones it keeps.
@@ -330,6 +440,8 @@ def to_sampling_params(
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
             **kwargs,
         )
     except (ValueError, TypeError) as exc:
@@ -337,6 +449,44 @@ def to_sampling_params(
         message = str(exc)
         param = message.split(" ", 1)[0]
         raise bad_request(message, param if hasattr(body, param) else None) from None
+
+
+def check_unsupported(body: SamplingFields) -> None:
+    """400 for a field of a feature this server lacks, unless it asks for nothing."""
+    for name, (no_op, reason) in UNSUPPORTED.items():
+        value = getattr(body, name, None)
+        if not any(value == v and type(value) is type(v) for v in no_op):
+            raise bad_request(f"{name}: {reason}", name)
+
+
+def check_request_id(request_id: str | None) -> None:
+    if request_id is not None and not 1 <= len(request_id) <= MAX_REQUEST_ID_CHARS:
+        raise bad_request(
+            f"request_id must hold 1 to {MAX_REQUEST_ID_CHARS} characters", "request_id"
+        )
+
+
+def response_id_of(prefix: str, body: SamplingFields, engine_id: str) -> str:
+    """The response's id: the client's ``request_id`` (vLLM's), else the engine requests' own
+    (which stay unique whatever a client sends), after OpenAI's prefix."""
+    return f"{prefix}-{body.request_id or engine_id}"
+
+
+def chat_template_variables(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` with ``reasoning_effort`` added as vLLM adds it: a variable of
+    its own, and ``enable_thinking`` (off for "none") unless the request set that itself."""
+    effort = body.reasoning_effort
+    if effort is None:
+        return body.chat_template_kwargs
+    if effort not in REASONING_EFFORTS:
+        raise bad_request(
+            f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+            "reasoning_effort",
+        )
+    variables = dict(body.chat_template_kwargs or {})
+    variables["reasoning_effort"] = effort
+    variables.setdefault("enable_thinking", effort != "none")
+    return variables
 
 
 def structured_outputs_of(body: SamplingFields) -> StructuredOutputsParams | None:

@@ -2,12 +2,15 @@
 
 Runs in an HTTP frontend process. Field names and nesting follow OpenAI's API (and vLLM's
 ``stop_reason`` extension), so the official client parses them. ``None`` fields are written as
-``null`` where OpenAI writes them; only a chat delta omits what it does not carry.
+``null`` where OpenAI writes them; only a chat delta omits what it does not carry, and vLLM's
+fields a request asks for (``return_token_ids``, ``return_prompt_text``) are left out
+(``UNSET``) unless it did.
 """
 
 from __future__ import annotations
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 
 class UsageInfo(msgspec.Struct):
@@ -35,6 +38,9 @@ class CompletionChoice(msgspec.Struct):
     finish_reason: str | None = None
     # The stop string or stop token id that ended the choice (vLLM's extension).
     stop_reason: int | str | None = None
+    # return_token_ids (in a stream: the prompt's with a choice's first chunk).
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class CompletionResponse(msgspec.Struct):
@@ -90,6 +96,7 @@ class ChatChoice(msgspec.Struct):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # return_token_ids
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -99,6 +106,8 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     object: str = "chat.completion"
+    prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids
+    prompt_text: str | UnsetType = UNSET  # return_prompt_text
 
 
 class FunctionDelta(msgspec.Struct, omit_defaults=True):
@@ -126,6 +135,7 @@ class ChatStreamChoice(msgspec.Struct):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # return_token_ids: this chunk's
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -135,6 +145,9 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     object: str = "chat.completion.chunk"
+    # With a choice's first chunk: return_token_ids, return_prompt_text.
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_text: str | UnsetType = UNSET
 
 
 # ---------------------------------------------------------------- /v1/models

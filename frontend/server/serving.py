@@ -42,6 +42,7 @@ from conveyor.frontend.server.errors import (
 from conveyor.frontend.server.metrics import FrontendMetrics
 from conveyor.frontend.server.request_log import RequestLogger
 from conveyor.frontend.server.response_models import SSE_DONE, UsageInfo, encode_json, sse_event
+from conveyor.frontend.server.stream_shape import StreamShape
 from conveyor.protocol import FAILED_FINISH_REASONS, EngineConfig, SamplingParams
 from conveyor.protocol.messages import STRUCTURED_OUTPUT_FAILURE
 
@@ -228,6 +229,12 @@ class GenerationRun(ABC):
         self.choices = choices
         self.states = [choice.state for choice in choices]
         self.created = int(time.time())
+        options = body.stream_options
+        continuous_usage = (
+            options is not None and options.include_usage and options.continuous_usage_stats
+        )
+        self.shape = StreamShape(self.states, body.stream_interval, continuous_usage)
+        self.return_token_ids = bool(body.return_token_ids)
 
     @abstractmethod
     def response(self) -> msgspec.Struct:
@@ -266,10 +273,14 @@ class GenerationRun(ABC):
     async def events(self, source: AsyncIterator[ChoiceDelta]) -> AsyncIterator[bytes]:
         try:
             async with contextlib.aclosing(source) as deltas:  # type: ignore[type-var]
-                async for delta in deltas:
+                async for taken in deltas:
+                    delta = self.shape.take(taken)
+                    if delta is None:
+                        continue  # held back by stream_interval
                     # A failed choice sends nothing itself: the error event below reports it.
                     ended = delta.finish_reason not in (None, *FAILED_FINISH_REASONS)
-                    if delta.text or delta.logprobs or ended:
+                    with_ids = self.return_token_ids and delta.token_ids
+                    if delta.text or delta.logprobs or ended or with_ids:
                         yield self.delta_event(delta)
             raise_on_error(self.states)
         except ApiError as exc:

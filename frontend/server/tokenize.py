@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from conveyor.frontend.input_processor import ChatOptions
 from conveyor.frontend.server.chat import conversation_of
 from conveyor.frontend.server.chat_tools import tool_dict
 from conveyor.frontend.server.errors import bad_request
@@ -32,6 +33,7 @@ class TokenizeRequest(StrictStruct, kw_only=True):
     add_special_tokens: bool | None = None
     # The chat fields (with messages only); None: the generation prompt is added.
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # Function definitions the chat template writes into the prompt, as chat passes them.
     tools: list[ToolDef] | None = None
@@ -67,24 +69,23 @@ async def tokenize(state: ServingState, body: TokenizeRequest) -> TokenizeRespon
         raise bad_request("give either prompt or messages", "prompt")
     inputs = state.inputs
     if body.messages is not None:
-        if body.add_special_tokens:
-            raise bad_request(
-                "add_special_tokens applies to a prompt; a chat template writes its own",
-                "add_special_tokens",
-            )
         conversation, size = conversation_of(state, body.messages)
+        options = ChatOptions(
+            add_generation_prompt=body.add_generation_prompt is not False,
+            continue_final_message=bool(body.continue_final_message),
+            # As chat: the template writes the special tokens, unless asked for more.
+            add_special_tokens=bool(body.add_special_tokens),
+            template_kwargs=body.chat_template_kwargs,
+            tools=[tool_dict(tool) for tool in body.tools] if body.tools else None,
+        )
         with as_bad_request():
             token_ids = await state.run_cpu_unless_small(
-                size,
-                inputs.render_chat,
-                conversation,
-                add_generation_prompt=body.add_generation_prompt is not False,
-                template_kwargs=body.chat_template_kwargs,
-                tools=[tool_dict(tool) for tool in body.tools] if body.tools else None,
+                size, inputs.render_chat, conversation, options
             )
     else:
         assert body.prompt is not None
-        for name in ("chat_template_kwargs", "add_generation_prompt", "tools"):
+        chat_only = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+        for name in (*chat_only, "tools"):
             if getattr(body, name) is not None:  # a chat's field: it would change nothing here
                 raise bad_request(f"{name} needs messages", name)
         with as_bad_request():

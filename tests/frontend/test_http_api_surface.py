@@ -131,8 +131,7 @@ def test_a_field_the_server_does_not_know_is_a_400_naming_it(served):
     chat = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 2}
     cases = [
         ("/v1/completions", {**completion, "frobnicate": 1}, "frobnicate"),
-        ("/v1/completions", {**completion, "response_format": {"type": "json_object"}},
-         "response_format"),
+        ("/v1/chat/completions", {**chat, "verbosity": "low"}, "verbosity"),
         ("/v1/completions", {**completion, "structured_outputs": {"regexp": "a+"}},
          "structured_outputs.regexp"),
         ("/v1/chat/completions", {**chat, "tool_choice": "auto"}, "tool_choice"),
@@ -144,16 +143,25 @@ def test_a_field_the_server_does_not_know_is_a_400_naming_it(served):
          {**chat, "messages": [{"role": "assistant", "content": "", "function_call": {}}]},
          "messages[0].function_call"),
         ("/v1/chat/completions",
-         {**chat, "stream": True, "stream_options": {"continuous_usage_stats": True}},
-         "stream_options.continuous_usage_stats"),
+         {**chat, "stream": True, "stream_options": {"include_cost": True}},
+         "stream_options.include_cost"),
         ("/v1/completions", {**completion, "echo": True, "logprobs": 1}, "echo"),
     ]  # fmt: skip
     for path, body, param in cases:
         message = _refused(served, path, body, param)
         assert param.split(".")[-1].split("[")[0] in message
-    # The one field clients send routinely that has no effect here is accepted.
-    status, _, _ = post_json(served.base_url, "/v1/completions", {**completion, "user": "u-1"})
-    assert status == 200
+    # Fields of features this server lacks: a 400 naming each, unless they ask for nothing.
+    refused = {"use_beam_search": True, "bad_words": ["x"], "logprob_token_ids": [1],
+               "thinking_token_budget": 5, "repetition_detection": {}, "vllm_xargs": {"a": 1},
+               "kv_transfer_params": {}, "ec_transfer_params": {}, "watermarking": True}  # fmt: skip
+    chat_refused = {"chat_template": "{{ messages }}", "mm_processor_kwargs": {"a": 1},
+                    "media_io_kwargs": {"image": {}}, "modalities": ["text", "audio"]}  # fmt: skip
+    for path, base, fields in (
+        ("/v1/completions", completion, {**refused, "prompt_embeds": "AAAA"}),
+        ("/v1/chat/completions", chat, {**refused, **chat_refused}),
+    ):
+        for name, value in fields.items():
+            assert name in _refused(served, path, {**base, name: value}, name)
 
 
 def test_the_generation_config_fills_what_a_request_leaves_out(client, greedy):
@@ -606,3 +614,214 @@ def test_nesting_past_the_parsers_is_a_400_or_content_never_a_5xx(served):
     with served.log.open() as log:
         log.seek(log_start)
         assert "Traceback" not in log.read()
+
+
+# ---------------------------------------------------------------- vLLM's and OpenAI's other fields
+
+
+def _streamed(served: ServedHttp, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    status, _, raw = post_raw(served.base_url, path, json.dumps({**body, "stream": True}).encode())
+    assert status == 200, raw
+    return stream_payloads(raw)
+
+
+# Bookkeeping (OpenAI's and gateways'), and vLLM's fields at the value that asks for nothing.
+BOOKKEEPING = {"metadata": {"team": "a"}, "store": False, "service_tier": "auto",
+               "prompt_cache_key": "k-1", "prompt_cache_retention": "24h",
+               "prompt_cache_options": {"ttl": "5m"}, "safety_identifier": "s-1",
+               "user": "u-1", "session_id": "session-1", "return_token_offsets": True,
+               "return_mm_kwargs": False, "routed_experts_prompt_start": 0,
+               "length_penalty": 0.5}  # fmt: skip
+NO_OPS = {"use_beam_search": False, "watermarking": None, "bad_words": [],
+          "logprob_token_ids": None, "thinking_token_budget": -1, "repetition_detection": None,
+          "vllm_xargs": {}, "kv_transfer_params": None, "ec_transfer_params": None}  # fmt: skip
+CHAT_NO_OPS = {"include_reasoning": False, "prediction": {"type": "content", "content": "x"},
+               "chat_template": None, "mm_processor_kwargs": {}, "media_io_kwargs": None,
+               "modalities": ["text"]}  # fmt: skip
+
+
+def test_bookkeeping_fields_are_accepted_and_change_nothing(client, served):
+    """Through the openai client, as clients and gateways send them: the same greedy text."""
+    kwargs = dict(model=MODEL_NAME, max_tokens=6, extra_body={"ignore_eos": True})
+    plain = client.completions.create(prompt=PROMPT, **kwargs).choices[0].text
+    chat_plain = client.chat.completions.create(messages=CHAT, **kwargs).choices[0].message
+    extra = {"ignore_eos": True, **BOOKKEEPING, **NO_OPS}
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=6, extra_body={**extra, "prompt_embeds": None}
+    )
+    assert completion.choices[0].text == plain
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=6, metadata={"team": "a"}, store=False,
+        service_tier="auto", prompt_cache_key="k-1", safety_identifier="s-1", user="u-1",
+        stream_options=None, extra_body={**extra, **CHAT_NO_OPS},
+    )  # fmt: skip
+    assert chat.choices[0].message.content == chat_plain.content
+    options = {"include_usage": True, "include_obfuscation": True}
+    payloads = _streamed(served, "/v1/chat/completions",
+                         {"messages": CHAT, "max_tokens": 6, "stream_options": options, **extra})  # fmt: skip
+    text = "".join(c["delta"].get("content") or "" for p in payloads for c in p["choices"])
+    assert text == chat_plain.content and payloads[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_skip_special_tokens_shows_them_whole_and_streamed(served, tokenizer):
+    """A special token that is no EOS (<|im_start|>) pushed to the top, three times."""
+    body = {"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True, "logit_bias": {"1": 100},
+            "return_token_ids": True}  # fmt: skip
+    shown = tokenizer.decode([1, 1, 1], skip_special_tokens=False)
+    assert shown == "<|im_start|>" * 3
+    for path, text_of in (
+        ("/v1/completions", lambda choice: choice["text"]),
+        ("/v1/chat/completions", lambda choice: choice["message"]["content"]),
+    ):
+        request = body if path == "/v1/completions" else {**body, "messages": CHAT}
+        if "messages" in request:
+            request = {k: v for k, v in request.items() if k != "prompt"}
+        for fields, expected in (({}, ""), ({"skip_special_tokens": False}, shown),
+                                 ({"skip_special_tokens": False,
+                                   "spaces_between_special_tokens": False}, shown)):  # fmt: skip
+            status, _, answer = post_json(served.base_url, path, {**request, **fields})
+            assert status == 200, answer
+            (choice,) = answer["choices"]
+            assert choice["token_ids"] == [1, 1, 1] and text_of(choice) == expected, fields
+            payloads = _streamed(served, path, {**request, **fields})
+            deltas = [c.get("text", c.get("delta", {}).get("content")) or ""
+                      for p in payloads for c in p["choices"]]  # fmt: skip
+            assert "".join(deltas) == expected
+
+
+def test_return_token_ids_are_the_prompts_and_the_outputs(served, tokenizer):
+    """The prompt's ids are /tokenize's; the output's decode to the text, whole and streamed
+    (streamed: the prompt's with a choice's first chunk, then each chunk's own)."""
+    _, _, tokenized = post_json(served.base_url, "/tokenize", {"prompt": PROMPT})
+    body = {"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, "return_token_ids": True}
+    _, _, whole = post_json(served.base_url, "/v1/completions", body)
+    (choice,) = whole["choices"]
+    assert choice["prompt_token_ids"] == tokenized["tokens"]
+    assert len(choice["token_ids"]) == whole["usage"]["completion_tokens"] == 5
+    assert tokenizer.decode(choice["token_ids"]) == choice["text"]
+    streamed = [c for p in _streamed(served, "/v1/completions", body) for c in p["choices"]]
+    assert streamed[0]["prompt_token_ids"] == tokenized["tokens"]
+    assert all("prompt_token_ids" not in c for c in streamed[1:])
+    assert [t for c in streamed for t in c["token_ids"]] == choice["token_ids"]
+    _, _, chat_tokens = post_json(served.base_url, "/tokenize", {"messages": CHAT})
+    chat = {"messages": CHAT, "max_tokens": 5, "ignore_eos": True, "return_token_ids": True}
+    _, _, answer = post_json(served.base_url, "/v1/chat/completions", chat)
+    assert answer["prompt_token_ids"] == chat_tokens["tokens"]
+    assert len(answer["choices"][0]["token_ids"]) == 5
+    payloads = _streamed(served, "/v1/chat/completions", chat)
+    assert payloads[0]["prompt_token_ids"] == chat_tokens["tokens"]
+    ids = [t for p in payloads for c in p["choices"] for t in c["token_ids"]]
+    assert ids == answer["choices"][0]["token_ids"]
+    # Without it, no such fields at all.
+    _, _, bare = post_json(served.base_url, "/v1/completions", {**body, "return_token_ids": None})
+    assert "token_ids" not in bare["choices"][0] and "prompt_token_ids" not in bare["choices"][0]
+
+
+def test_request_id_is_the_responses_id(served):
+    """vLLM's request_id names the response; two requests may share one (the engine's own ids
+    stay unique)."""
+    completion = {"prompt": PROMPT, "max_tokens": 2, "request_id": "trace-7"}
+    chat = {"messages": CHAT, "max_tokens": 2, "request_id": "trace-7"}
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda _: post_json(served.base_url, "/v1/completions",
+                                                    completion), range(2)))  # fmt: skip
+    assert [a[2]["id"] for a in answers] == ["cmpl-trace-7"] * 2
+    _, _, answer = post_json(served.base_url, "/v1/chat/completions", chat)
+    assert answer["id"] == "chatcmpl-trace-7"
+    assert {p["id"] for p in _streamed(served, "/v1/chat/completions", chat)} == {
+        "chatcmpl-trace-7"
+    }
+    _refused(served, "/v1/completions", {**completion, "request_id": "x" * 257}, "request_id")
+
+
+def test_continuous_usage_and_stream_interval_through_the_server(served):
+    body = {"messages": CHAT, "max_tokens": 7, "ignore_eos": True, "stream_interval": 2,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    payloads = _streamed(served, "/v1/chat/completions", body)
+    chunks, last = payloads[:-1], payloads[-1]
+    assert [p["usage"]["completion_tokens"] for p in chunks] == [1, 3, 5, 7]
+    prompt_tokens = last["usage"]["prompt_tokens"]
+    assert all(p["usage"]["prompt_tokens"] == prompt_tokens for p in chunks)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 7
+    refused = {**body, "stream": True, "stream_interval": 0}
+    _refused(served, "/v1/chat/completions", refused, "stream_interval")
+
+
+def test_chat_templating_fields_render_as_transformers_renders_them(client, served, tokenizer):
+    said = [*CHAT, {"role": "assistant", "content": "Once upon"}]
+
+    def rendered(messages: list[Any], **kwargs: Any) -> str:
+        return tokenizer.apply_chat_template(
+            messages, chat_template=TEMPLATE, tokenize=False, **kwargs
+        )
+
+    continued = rendered(said, continue_final_message=True)
+    assert continued.endswith("Once upon")
+    body = {"messages": said, "add_generation_prompt": False, "continue_final_message": True,
+            "max_tokens": 3, "return_prompt_text": True, "echo": True, "return_token_ids": True}  # fmt: skip
+    status, _, answer = post_json(served.base_url, "/v1/chat/completions", body)
+    assert status == 200, answer
+    assert answer["prompt_text"] == continued
+    expected_ids = list(tokenizer(continued, add_special_tokens=False).input_ids)
+    assert answer["prompt_token_ids"] == expected_ids
+    message = answer["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["content"].startswith("Once upon")
+    _, _, tokenized = post_json(served.base_url, "/tokenize", {k: body[k] for k in
+                                ("messages", "add_generation_prompt", "continue_final_message")})  # fmt: skip
+    assert tokenized["tokens"] == expected_ids
+    assert "add_generation_prompt" in _refused(
+        served, "/v1/chat/completions", {"messages": said, "continue_final_message": True},
+        "continue_final_message",
+    )  # fmt: skip
+    # reasoning_effort "none" turns thinking off in the template, as enable_thinking: false does.
+    _, _, off = post_json(served.base_url, "/tokenize",
+                          {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    effort = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=1, reasoning_effort="none"
+    )
+    assert effort.usage.prompt_tokens == off["count"]
+    _refused(served, "/v1/chat/completions", {"messages": CHAT, "reasoning_effort": "huge"},
+             "reasoning_effort")  # fmt: skip
+    # documents go to templates that use them (this one does not); add_special_tokens adds
+    # what the tokenizer adds (the tiny one adds nothing).
+    _, _, default = post_json(served.base_url, "/tokenize", {"messages": CHAT})
+    for fields in ({"documents": [{"title": "t", "text": "x"}]}, {"add_special_tokens": True}):
+        response = client.chat.completions.create(
+            model=MODEL_NAME, messages=CHAT, max_tokens=1, extra_body=fields
+        )
+        assert response.usage.prompt_tokens == default["count"]
+
+
+def test_completion_fields_response_format_truncation_side_and_token_id_names(served, tokenizer):
+    schema = {"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"],
+              "additionalProperties": False}  # fmt: skip
+    response_format = {"type": "json_schema", "json_schema": {"name": "k", "schema": schema}}
+    body = {"prompt": PROMPT, "max_tokens": 32, "temperature": 1.0, "seed": 2, "n": 2,
+            "response_format": response_format}  # fmt: skip
+    status, _, answer = post_json(served.base_url, "/v1/completions", body)
+    assert status == 200, answer
+    assert all(json.loads(c["text"])["k"] in (1, 2) for c in answer["choices"])
+    _, _, tokenized = post_json(served.base_url, "/tokenize", {"prompt": PROMPT})
+    ids = tokenized["tokens"]
+    cut = {"prompt": PROMPT, "max_tokens": 2, "return_token_ids": True, "truncate_prompt_tokens": 3}
+    for side, kept in ((None, ids[-3:]), ("left", ids[-3:]), ("right", ids[:3])):
+        _, _, answer = post_json(served.base_url, "/v1/completions",
+                                 {**cut, "truncation_side": side})  # fmt: skip
+        assert answer["choices"][0]["prompt_token_ids"] == kept, side
+    _, _, whole = post_json(
+        served.base_url, "/v1/completions", {**cut, "truncate_prompt_tokens": -1}
+    )
+    assert whole["choices"][0]["prompt_token_ids"] == ids
+    _refused(served, "/v1/completions", {**cut, "truncation_side": "middle"}, "truncation_side")
+    named = {"prompt": PROMPT, "max_tokens": 3, "logprobs": 1, "return_token_ids": True,
+             "return_tokens_as_token_ids": True}  # fmt: skip
+    _, _, answer = post_json(served.base_url, "/v1/completions", named)
+    (choice,) = answer["choices"]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(k.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"] for k in top)
+    chat = {"messages": CHAT, "max_tokens": 3, "logprobs": True, "top_logprobs": 1,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}  # fmt: skip
+    _, _, answer = post_json(served.base_url, "/v1/chat/completions", chat)
+    (choice,) = answer["choices"]
+    entries = choice["logprobs"]["content"]
+    assert [e["token"] for e in entries] == [f"token_id:{t}" for t in choice["token_ids"]]

@@ -28,6 +28,7 @@ from conveyor.frontend.server.request_models import (
     CompletionRequest,
     chat_max_tokens,
     chat_num_logprobs,
+    chat_template_variables,
     check_completion_request,
     decode_body,
     message_text,
@@ -58,6 +59,7 @@ def _convert_chat(raw: bytes) -> None:
     for i, message in enumerate(body.messages):
         message_text(message, i)
     to_sampling_params(body, chat_max_tokens(body, {}), num_logprobs, VOCAB_SIZE)
+    chat_template_variables(body)
 
 
 json_values = st.recursive(
@@ -70,10 +72,14 @@ json_values = st.recursive(
 COMPLETION_FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
                      "stop_token_ids", "logprobs", "min_tokens", "stream_options", "model", "echo",
                      "priority", "presence_penalty", "logit_bias", "best_of", "allowed_token_ids",
-                     "truncate_prompt_tokens", "response_format", "user"]  # fmt: skip
+                     "truncate_prompt_tokens", "response_format", "user", "metadata",
+                     "skip_special_tokens", "request_id", "stream_interval", "use_beam_search",
+                     "bad_words", "truncation_side", "add_special_tokens"]  # fmt: skip
 CHAT_FIELDS = ["messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
                "temperature", "n", "tools", "response_format", "stop", "chat_template_kwargs",
-               "add_generation_prompt", "tool_choice", "logit_bias"]  # fmt: skip
+               "add_generation_prompt", "tool_choice", "logit_bias", "reasoning_effort",
+               "continue_final_message", "documents", "echo", "chat_template", "modalities",
+               "service_tier", "prediction"]  # fmt: skip
 
 
 @settings(max_examples=300, deadline=None)
@@ -209,6 +215,25 @@ def test_a_long_choice_is_decoded_off_the_event_loop_with_the_same_text(tokenize
     text, (streamed_text,) = asyncio.run(fold_all(len(token_ids)))
     assert text == streamed_text == tokenizer.decode(token_ids, skip_special_tokens=True)
     assert len(decoded_in) == 1 and decoded_in[0] != loop_thread
+
+
+def test_skip_special_tokens_decides_whether_they_show(tokenizer):
+    """vLLM's detokenizing options, streamed and decoded whole (the offline API's path)."""
+    token_ids = [1, *tokenizer("x = 1").input_ids, 1]  # 1: <|im_start|>, not an EOS
+    for options, expected in (
+        ({}, "x = 1"),
+        ({"skip_special_tokens": False}, "<|im_start|>x = 1<|im_start|>"),
+        # A fast tokenizer writes no spaces between special tokens either way.
+        ({"skip_special_tokens": False, "spaces_between_special_tokens": False},
+         "<|im_start|>x = 1<|im_start|>"),
+    ):  # fmt: skip
+        params = SamplingParams(max_tokens=len(token_ids), **options)
+        for stream in (True, False):
+            state = ChoiceState(0, "r", tokenizer, [5], params, 0.0, stream=stream)
+            for i, token_id in enumerate(token_ids):
+                last = i == len(token_ids) - 1
+                state.update(EngineCoreOutput("r", [token_id], "length" if last else None))
+            assert state.text == expected, (options, stream)
 
 
 # ---------------------------------------------------------------- stop tokens

@@ -8,6 +8,7 @@ outputs (or fails), the tokenizer is the tiny model's.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import re
 from collections.abc import AsyncIterator, Callable
@@ -16,6 +17,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from tokenizers.processors import TemplateProcessing
 
 from conveyor.frontend.engine_client.session import EngineDeadError
 from conveyor.frontend.server.chat import create_chat_completion
@@ -290,3 +292,71 @@ def test_a_stream_that_fails_in_the_frontend_does_not_blame_the_engine(tiny_mode
     events = _chat_events(_state(tokenizer, _config(tiny_model_dir), dead))
     assert events[-2]["error"]["code"] == 503
     assert events[-2]["error"]["message"] == "the engine failed: the engine process exited"
+
+
+# ---------------------------------------------------------------- vLLM's request fields
+
+
+def _with_bos(tokenizer: Any) -> Any:
+    """The tiny tokenizer, made to add a BOS (<|endoftext|>) as Llama's add one."""
+    with_bos = copy.deepcopy(tokenizer)
+    with_bos.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)]
+    )
+    return with_bos
+
+
+def test_add_special_tokens_decides_the_bos_as_in_vllm(tiny_model_dir, tokenizer):
+    """Completions add the tokenizer's special tokens unless told not to; chat does not (its
+    template wrote them) unless told to."""
+    prompts: list[list[int]] = []
+
+    def script(request: EngineCoreRequest) -> list[Any]:
+        prompts.append(request.prompt_token_ids)
+        return _text_outputs(request, tokenizer)
+
+    state = _state(_with_bos(tokenizer), _config(tiny_model_dir), script)
+    for fields in ({}, {"add_special_tokens": False}):
+        _completion_events(state, **fields)
+    for fields in ({}, {"add_special_tokens": True}):
+        _chat_events(state, **fields)
+    plain = list(tokenizer("hi").input_ids)
+    assert prompts[:2] == [[0, *plain], plain]
+    templated = prompts[2]
+    assert templated[0] != 0 and prompts[3] == [0, *templated]
+
+
+def test_stream_interval_and_continuous_usage_shape_the_chunks(tiny_model_dir, tokenizer):
+    """``TEXT`` is 8 tokens: with stream_interval 3 each choice sends 1 (the first token at
+    once), 3, 3 and the last 1; every chunk carries its choice's usage so far."""
+    state = _state(tokenizer, _config(tiny_model_dir), lambda r: _text_outputs(r, tokenizer))
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    events = _completion_events(state, n=2, stream_interval=3, stream_options=options)
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 16
+    for index in (0, 1):
+        chunks = [e for e in events[:-2] if e["choices"][0]["index"] == index]
+        used = [c["usage"]["completion_tokens"] for c in chunks]
+        assert used == [1, 4, 7, 8] and all(c["usage"]["prompt_tokens"] == 1 for c in chunks)
+        assert "".join(c["choices"][0]["text"] for c in chunks) == TEXT
+    # Continuous usage needs include_usage (vLLM's rule); without either, no usage at all.
+    for options in ({"continuous_usage_stats": True}, {"include_usage": False}):
+        events = _chat_events(state, stream_options=options)
+        assert all(e["usage"] is None for e in events[:-1])
+
+
+def test_a_continued_message_keeps_its_role_and_echo_repeats_it(tiny_model_dir, tokenizer):
+    state = _state(tokenizer, _config(tiny_model_dir), lambda r: _text_outputs(r, tokenizer))
+    said = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    continued = {"messages": said, "add_generation_prompt": False, "continue_final_message": True}
+    whole = _chat_whole(state, echo=True, **continued)
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "Once" + TEXT}
+    events = _chat_events(state, echo=True, **continued)
+    deltas = [c["delta"] for e in events[:-1] for c in e["choices"]]
+    assert deltas[0]["role"] == "assistant" and deltas[0]["content"].startswith("Once")
+    assert "".join(d["content"] for d in deltas) == "Once" + TEXT
+    # Without a generation prompt the answer goes on in the last message's role (vLLM's);
+    # echo repeats only a message of that role.
+    plain = _chat_whole(state, echo=True, add_generation_prompt=False)
+    assert plain["choices"][0]["message"] == {"role": "user", "content": "hi" + TEXT}
+    answer = _chat_whole(state, echo=True, messages=[{"role": "user", "content": "hi"}])
+    assert answer["choices"][0]["message"]["content"] == TEXT
