@@ -123,6 +123,7 @@ class EngineCore:
             eos_token_ids=request.eos_token_ids,
             arrival_time=request.arrival_time,
             priority=request.priority,
+            cache_salt=request.cache_salt,
         )
         self._next_req_id += 1
         self._requests[(client_index, request.request_id)] = scheduled

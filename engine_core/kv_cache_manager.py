@@ -121,13 +121,14 @@ class KVCacheManager:
         to ``allocate_slots`` before any other allocation can evict them. Counts queries and hits
         in tokens (a request retried on later steps is counted again). ([], 0) when caching is off.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs come from the forward passes over the prompt: a hit skips them.
             return [], 0
         state = self._requests.get(request.req_id)
         if state is None:
             state = self._requests[request.req_id] = _RequestBlocks()
         num_tokens = request.num_tokens
-        self._hash_full_blocks(request.all_token_ids, state, num_tokens // self.block_size)
+        self._hash_full_blocks(request, state, num_tokens // self.block_size)
         cached = self.block_pool.cached_blocks
         hit_ids = []
         for block_hash in state.block_hashes[: (num_tokens - 1) // self.block_size]:
@@ -251,18 +252,26 @@ class KVCacheManager:
                     "call get_computed_blocks right before allocate_slots"
                 )
 
-    def _hash_full_blocks(
-        self, token_ids: Sequence[int], state: _RequestBlocks, num_full: int
-    ) -> None:
+    def _hash_full_blocks(self, request: Request, state: _RequestBlocks, num_full: int) -> None:
         # Incremental: only blocks that filled since the last call are hashed.
         hashes, size, hash_block = state.block_hashes, self.block_size, self.hash_block
-        parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+        token_ids = request.all_token_ids
+        if hashes:
+            parent = hashes[-1]
+        elif request.cache_salt:
+            # A salted chain starts from its own root: no block of it equals an unsalted one.
+            # (Unkeyed is enough: the blocks are hashed with the key from this root on, and two
+            # salts share a root only by a BLAKE2b collision.)
+            salt = b"cache-salt:" + request.cache_salt.encode()
+            parent = hashlib.blake2b(salt, digest_size=16).digest()
+        else:
+            parent = ROOT_BLOCK_HASH
         for i in range(len(hashes), num_full):
             parent = hash_block(parent, token_ids[i * size : (i + 1) * size])
             hashes.append(parent)
 
     def _cache_full_blocks(self, request: Request, state: _RequestBlocks, num_full: int) -> None:
-        self._hash_full_blocks(request.all_token_ids, state, num_full)
+        self._hash_full_blocks(request, state, num_full)
         blocks, pool, hashes = self._blocks, self.block_pool, state.block_hashes
         for i in range(state.num_cached_blocks, num_full):
             if i < state.num_dropped:  # freed behind the window: registered before, if ever

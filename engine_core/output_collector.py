@@ -57,6 +57,9 @@ class OutputCollector:
         by_client = self._by_client
         logprobs = runner_output.logprobs
         sampled = runner_output.sampled_token_ids
+        prompt_logprobs = dict(
+            zip(runner_output.prompt_logprobs_req_ids, runner_output.prompt_logprobs)
+        )
         now = time.monotonic()
         for i, req_id in enumerate(runner_output.req_ids):
             request = requests.get(req_id)
@@ -77,6 +80,8 @@ class OutputCollector:
                 output.timings = request.timings(now)
             if logprobs is not None and request.sampling_params.logprobs is not None:
                 output.logprobs = _logprobs_row(logprobs, i)
+            if prompt_logprobs:
+                output.prompt_logprobs = prompt_logprobs.get(req_id)
             client_outputs = by_client.get(request.client_index)
             if client_outputs is None:
                 by_client[request.client_index] = [output]

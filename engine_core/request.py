@@ -53,6 +53,7 @@ class Request:
         "prompt_token_ids",
         "all_token_ids",
         "sampling_params",
+        "cache_salt",
         "eos_token_ids",
         "arrival_time",
         "priority",
@@ -79,8 +80,10 @@ class Request:
         eos_token_ids: tuple[int, ...] | list[int] = (),
         arrival_time: float = 0.0,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.req_id = req_id
+        self.cache_salt = cache_salt
         self.request_id = request_id or str(req_id)
         self.client_index = client_index
         self.prompt_token_ids = prompt_token_ids

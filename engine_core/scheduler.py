@@ -201,7 +201,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self._waiting_for_grammar)
 
     @property
     def num_preemptions(self) -> int:

@@ -278,6 +278,7 @@ class InputProcessor:
         priority: int = 0,
         stream: bool = False,
         structured_param: str = "structured_outputs",
+        cache_salt: str | None = None,
     ) -> list[Choice]:
         """One engine request per choice, for checked prompts; ``params`` is one for all
         prompts or one per prompt. Every choice has the same n, so indices are dense.
@@ -303,7 +304,13 @@ class InputProcessor:
             for sample_params in fan_out(prompt_params):
                 choice_id = f"{request_id}-{index}"
                 request = EngineCoreRequest(
-                    choice_id, token_ids, sample_params, wall_time, priority, self._eos_token_ids
+                    choice_id,
+                    token_ids,
+                    sample_params,
+                    wall_time,
+                    priority,
+                    self._eos_token_ids,
+                    cache_salt,
                 )
                 state = ChoiceState(
                     index, choice_id, self.tokenizer, token_ids, sample_params, arrival_time, stream

@@ -21,7 +21,7 @@ from conveyor.frontend.engine_args import engine_args_from_kwargs
 from conveyor.frontend.engine_client import InProcessEngineClient, MPEngineClient
 from conveyor.frontend.input_processor import Choice, InputProcessor
 from conveyor.frontend.output_processor import OutputProcessor, ProcessedOutputs
-from conveyor.frontend.outputs import RequestOutput
+from conveyor.frontend.outputs import RequestOutput, prompt_position_logprobs
 from conveyor.frontend.tokenizer import load_tokenizer
 from conveyor.protocol import FAILED_FINISH_REASONS, SamplingParams, SchedulerStats
 from conveyor.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
@@ -109,6 +109,8 @@ class LLM:
             result = results[owners[choice.request.request_id]]
             result.outputs.append(choice.state.to_completion_output())
             result.num_cached_tokens = max(result.num_cached_tokens, choice.state.num_cached_tokens)
+            if result.prompt_logprobs is None and choice.state.prompt_logprobs is not None:
+                result.prompt_logprobs = prompt_position_logprobs(choice.state.prompt_logprobs)
         return results
 
     def shutdown(self) -> None:

@@ -31,6 +31,7 @@ from conveyor.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
+    Logprobs,
     SamplingParams,
 )
 
@@ -88,6 +89,9 @@ class ChoiceState:
         # token_ids[:num_text_tokens] make the text: all but a stop token that ended the choice.
         self.num_text_tokens = 0
         self.logprobs: list[LogprobRow] = []
+        # With the first output, when the request asked for prompt logprobs (rows from the
+        # prompt's second token on; ranks included).
+        self.prompt_logprobs: Logprobs | None = None
         self.text = ""  # what has been handed out in deltas so far
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
@@ -138,6 +142,8 @@ class ChoiceState:
             self.last_token_time = now
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         self.token_ids.extend(new_token_ids)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         if output.logprobs is not None:
             self.logprobs.extend(zip(output.logprobs.token_ids, output.logprobs.logprobs))
         text_ids = text_token_ids(output, self.sampling_params.include_stop_str_in_output)

@@ -8,10 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conveyor.protocol import FinishReason
+from conveyor.protocol import FinishReason, Logprobs
 
 # Per generated position: token id -> log-probability (the sampled token and its top-k rivals).
 PositionLogprobs = dict[int, float]
+
+
+def prompt_position_logprobs(logprobs: Logprobs) -> list[PositionLogprobs | None]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token (nothing predicts it), then
+    per token its own log-probability and its top alternatives'."""
+    rows = zip(logprobs.token_ids, logprobs.logprobs)
+    return [None, *(dict(zip(token_ids, values)) for token_ids, values in rows)]
 
 
 @dataclass
@@ -39,6 +46,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     # Prompt tokens served from the prefix cache (the largest over the n samples).
     num_cached_tokens: int = 0
+    # With SamplingParams(prompt_logprobs=k): per prompt token, None for the first.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -38,6 +38,9 @@ class EngineCoreRequest(msgspec.Struct, tag=1, array_like=True, omit_defaults=Tr
     priority: int = 0
     # Tokens that end generation unless ignore_eos; from the model's generation config.
     eos_token_ids: list[int] = []
+    # vLLM's cache_salt: this request's prompt shares prefix-cache blocks only with requests of
+    # the same salt (a tenant's own prefix is then no timing signal for anyone else).
+    cache_salt: str | None = None
 
 
 class Abort(msgspec.Struct, tag=2, array_like=True, gc=False):
@@ -51,7 +54,7 @@ EngineCoreInput = Union[EngineCoreRequest, Abort]
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):
-    """Log-probabilities for a run of generated tokens, one row per token.
+    """Log-probabilities for a run of tokens (generated, or a prompt's), one row per token.
 
     Row i holds the sampled token first, then the top-k alternatives in descending order.
     ``ranks[i]`` is the sampled token's rank in the full distribution (1 = most likely).
@@ -83,6 +86,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None
     logprobs: Logprobs | None = None
     num_cached_tokens: int = 0
+    # With the request's first token, when it asked for prompt logprobs: one row per prompt
+    # token after the first (that token first, then the top alternatives).
+    prompt_logprobs: Logprobs | None = None
     # Only on the final output of a request that was scheduled at least once.
     timings: RequestTimings | None = None
 
@@ -205,6 +211,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     failure_reasons: list[str] = []
     # Requests whose grammar was built since the previous step (in any step's output).
     grammars_ready: list[int] = []
+    # Prompt logprobs of requests that sampled their first token this step (their prompt is
+    # complete), one ``Logprobs`` each, rows in prompt order from its second token.
+    prompt_logprobs_req_ids: list[int] = []
+    prompt_logprobs: list[Logprobs] = []
 
 
 # ---------------------------------------------------------------- session control (ZMQ clients)

@@ -88,6 +88,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Log-probabilities of the prompt's tokens (each given the ones before it), with this many
+    # most likely alternatives per position: vLLM's prompt_logprobs (and completions' echo with
+    # logprobs). Computed in the forward passes that prefill the prompt, so such a request
+    # reads no prefix-cache hit.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -119,7 +124,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
         return self.temperature == 0.0
 
 
-_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
 
 
 def _finite(x: float) -> bool:
@@ -168,6 +173,8 @@ def find_sampling_problem(p: SamplingParams) -> str | None:
         return "stop_token_ids must be non-negative token ids"
     if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
         return f"logprobs must be between 0 and {MAX_LOGPROBS}, got {p.logprobs}"
+    if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= MAX_LOGPROBS:
+        return f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {p.prompt_logprobs}"
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(p, name)
         if not _finite(value) or not -2.0 <= value <= 2.0:

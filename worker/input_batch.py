@@ -15,7 +15,7 @@ on where it stopped when the request resumes).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,10 @@ class RequestState:
     generator: Any = None
     # The grammar matcher of a structured-output request (made when it first samples).
     matcher: Any = None
+    # Prompt logprobs recorded so far, (token ids, logprobs, rank) per prompt position from the
+    # first (worker/prompt_logprobs.py), until they leave with the first sampled token.
+    prompt_logprob_rows: list[tuple[list[int], list[float], int]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
 
 class InputBatch:

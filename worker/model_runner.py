@@ -18,7 +18,13 @@ from typing import Any
 
 import torch
 
-from conveyor.protocol import EngineConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput
+from conveyor.protocol import (
+    EngineConfig,
+    Logprobs,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+)
 from conveyor.protocol.messages import STRUCTURED_OUTPUT_FAILURE
 from conveyor.worker.attention.selector import select_backend
 from conveyor.worker.cuda_graphs import (
@@ -43,6 +49,12 @@ from conveyor.worker.layers.cpu_ops import small_linear_enabled
 from conveyor.worker.loader import load_model, resolve_dtype
 from conveyor.worker.memory_profile import profile_num_blocks
 from conveyor.worker.native import warn_if_torch_runs_above_the_isa
+from conveyor.worker.prompt_logprobs import (
+    PromptLogprobsPlan,
+    plan_prompt_logprobs,
+    record_prompt_logprobs,
+    take_prompt_logprobs,
+)
 from conveyor.worker.sampler import Sampler, SamplerOutput, logprobs_to_wire
 from conveyor.worker.sampling_metadata import (
     SamplingMetadata,
@@ -333,7 +345,11 @@ class ModelRunner:
         # ahead of the model's kernels, and no host work stands between forward and sampler.
         matchers, ended = self._grammar_matchers(row_list, params)
         sampling = self._sampling_metadata(row_list, params, ended) if row_list else None
-        hidden = self._forward(inputs)
+        prompt_plan = plan_prompt_logprobs(batch, rows, inputs.metadata.query_start_loc_cpu)
+        if prompt_plan is None:
+            hidden = self._forward(inputs)
+        else:
+            hidden = self._forward_with_prompt_rows(inputs, prompt_plan)
         if sampling is None:
             return ModelRunnerOutput(
                 step_id=scheduler_output.step_id, grammars_ready=self._grammars_ready()
@@ -346,6 +362,9 @@ class ModelRunner:
                 matcher = batch.row_states[row].matcher
                 if matcher is not None:
                     GrammarRuntime.accept(matcher, token_id)
+        prompt_logprobs = {}
+        if any(p.prompt_logprobs is not None for p in params):
+            prompt_logprobs = self._finished_prompt_logprobs(row_list)
         return ModelRunnerOutput(
             step_id=scheduler_output.step_id,
             req_ids=[batch.req_ids[row] for row in row_list],
@@ -354,7 +373,33 @@ class ModelRunner:
             failed_req_ids=[batch.req_ids[row_list[i]] for i in failed],
             failure_reasons=[STRUCTURED_OUTPUT_FAILURE + reason for reason in failed.values()],
             grammars_ready=self._grammars_ready(),
+            prompt_logprobs_req_ids=list(prompt_logprobs),
+            prompt_logprobs=list(prompt_logprobs.values()),
         )
+
+    def _forward_with_prompt_rows(
+        self, inputs: StepInputs, plan: PromptLogprobsPlan
+    ) -> torch.Tensor:
+        """The sampling rows' hidden states, as ``_forward``; on the way, the prompt positions'
+        rows go through the LM head into their requests' prompt logprobs (eagerly: a step with a
+        prompt chunk is no decode graph's)."""
+        prompt_index = torch.tensor(plan.indices, dtype=torch.int64, device=self.device)
+        index = torch.cat([prompt_index, inputs.logits_indices.to(self.device)])
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.metadata, index)
+        num_prompt = len(plan.indices)
+        record_prompt_logprobs(
+            plan, hidden[:num_prompt], self.model.compute_logits, self.vocab_size
+        )
+        return hidden[num_prompt:]
+
+    def _finished_prompt_logprobs(self, row_list: list[int]) -> dict[int, Logprobs]:
+        """The prompt logprobs of requests that sample their first token now, by req_id."""
+        finished = {}
+        for row in row_list:
+            state = self.batch.row_states[row]
+            if state.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_sent:
+                finished[state.req_id] = take_prompt_logprobs(state)
+        return finished
 
     def _grammars_ready(self, wait_s: float = 0.0) -> list[int]:
         return self._grammars.take_ready(wait_s) if self._grammars is not None else []

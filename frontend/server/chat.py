@@ -26,7 +26,7 @@ from conveyor.frontend.server.chat_tools import (
     chat_tools,
     message_dict,
 )
-from conveyor.frontend.server.logprobs import chat_logprobs
+from conveyor.frontend.server.logprobs import chat_logprobs, prompt_logprobs_entries
 from conveyor.frontend.server.request_models import (
     ChatCompletionRequest,
     ChatMessage,
@@ -148,7 +148,7 @@ def _prepare(
     check_prompts(state, [prompt], max_tokens)
     engine_id, choices = make_choices(
         state, [prompt], params, body.priority, arrival_time, bool(body.stream),
-        "tools" if tools.schema is not None else structured_param(body),
+        "tools" if tools.schema is not None else structured_param(body), body.cache_salt,
     )  # fmt: skip
     return prompt, text, response_id_of("chatcmpl", body, engine_id), choices
 
@@ -202,6 +202,11 @@ class _ChatRun(GenerationRun):
             response.prompt_token_ids = self.prompts[0]
         if self.prompt_text is not None:
             response.prompt_text = self.prompt_text
+        prompt_rows = self.states[0].prompt_logprobs if self.states else None
+        if self.body.prompt_logprobs is not None and prompt_rows is not None:
+            response.prompt_logprobs = prompt_logprobs_entries(
+                self.state.tokenizer, prompt_rows, self.body.prompt_logprobs
+            )
         return response
 
     def delta_event(self, delta: ChoiceDelta) -> bytes:
@@ -230,6 +235,11 @@ class _ChatRun(GenerationRun):
             chunk.prompt_token_ids = self.prompts[0]
         if first and self.prompt_text is not None:
             chunk.prompt_text = self.prompt_text
+        prompt_rows = self.states[delta.index].prompt_logprobs
+        if first and self.body.prompt_logprobs is not None and prompt_rows is not None:
+            chunk.prompt_logprobs = prompt_logprobs_entries(
+                self.state.tokenizer, prompt_rows, self.body.prompt_logprobs
+            )
         return sse_event(chunk)
 
     def usage_event(self) -> bytes:

@@ -13,7 +13,12 @@ from starlette.types import Receive
 
 from conveyor.frontend.input_processor import Choice
 from conveyor.frontend.output_processor import ChoiceDelta
-from conveyor.frontend.server.logprobs import completion_logprobs
+from conveyor.frontend.server.logprobs import (
+    completion_logprobs,
+    echoed_prompt_logprobs,
+    join_completion_logprobs,
+    prompt_logprobs_entries,
+)
 from conveyor.frontend.server.request_models import (
     CompletionRequest,
     check_completion_request,
@@ -85,7 +90,7 @@ def _prepare(
     check_prompts(state, token_ids, max_tokens)
     engine_id, choices = make_choices(
         state, token_ids, params, body.priority, arrival_time, bool(body.stream),
-        structured_param(body),
+        structured_param(body), body.cache_salt,
     )  # fmt: skip
     echoed = []
     if body.echo:
@@ -114,6 +119,8 @@ class _CompletionRun(GenerationRun):
         self._num_samples = len(choices) // len(prompts)
         self._echo_pending = set(range(len(choices))) if echoed else set()
         self._started: set[int] = set()  # choices whose first chunk went out
+        if echoed:  # a choice's own tokens start after its echoed prompt's text
+            self._text_offsets = [len(echoed[i // self._num_samples]) for i in range(len(choices))]
 
     def _echo(self, index: int) -> str:
         if index not in self._echo_pending:
@@ -125,7 +132,7 @@ class _CompletionRun(GenerationRun):
         choices = []
         for choice in self.states:
             text = self._echo(choice.index) + choice.text
-            choices.append(self._choice(choice.index, text, choice.logprobs))
+            choices.append(self._choice(choice.index, text, choice.logprobs, first=True))
             choices[-1].finish_reason = choice.finish_reason
             choices[-1].stop_reason = choice.stop_reason
             if self.return_token_ids:
@@ -134,7 +141,9 @@ class _CompletionRun(GenerationRun):
         return self._body(choices, self.usage())
 
     def delta_event(self, delta: ChoiceDelta) -> bytes:
-        choice = self._choice(delta.index, self._echo(delta.index) + delta.text, delta.logprobs)
+        first = delta.index not in self._started
+        text = self._echo(delta.index) + delta.text
+        choice = self._choice(delta.index, text, delta.logprobs, first)
         if ended_normally(delta):
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
         if self.return_token_ids:
@@ -155,14 +164,28 @@ class _CompletionRun(GenerationRun):
             self.response_id, self.created, self.state.model_name, choices, usage
         )
 
-    def _choice(self, index: int, text: str, rows: list) -> CompletionChoice:
+    def _choice(self, index: int, text: str, rows: list, first: bool) -> CompletionChoice:
+        """A choice's text and logprobs; ``first``: its first appearance, which also carries
+        the echoed prompt's logprobs and vLLM's ``prompt_logprobs`` when they were asked for."""
         choice = CompletionChoice(index, text)
-        if self.body.logprobs is not None:
+        tokenizer, body = self.state.tokenizer, self.body
+        prompt_rows = self.states[index].prompt_logprobs if first else None
+        if body.logprobs is not None:
             choice.logprobs, self._text_offsets[index] = completion_logprobs(
-                self.state.tokenizer,
+                tokenizer,
                 rows,
-                self.body.logprobs,
+                body.logprobs,
                 self._text_offsets[index],
-                bool(self.body.return_tokens_as_token_ids),
+                bool(body.return_tokens_as_token_ids),
+            )
+            if body.echo and prompt_rows is not None:
+                prompt_ids = self.states[index].prompt_token_ids
+                echoed, _ = echoed_prompt_logprobs(
+                    tokenizer, prompt_ids, prompt_rows, body.logprobs
+                )
+                choice.logprobs = join_completion_logprobs(echoed, choice.logprobs)
+        if body.prompt_logprobs is not None and prompt_rows is not None:
+            choice.prompt_logprobs = prompt_logprobs_entries(
+                tokenizer, prompt_rows, body.prompt_logprobs
             )
         return choice

@@ -15,8 +15,10 @@ from conveyor.frontend.output_processor import LogprobRow
 from conveyor.frontend.server.response_models import (
     ChatLogprobEntry,
     CompletionLogprobs,
+    PromptLogprob,
     TopLogprob,
 )
+from conveyor.protocol import Logprobs
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
@@ -70,3 +72,47 @@ def chat_logprobs(
 
 def _top_logprob(text: str, logprob: float) -> TopLogprob:
     return TopLogprob(text, logprob, list(text.encode()))
+
+
+def echoed_prompt_logprobs(
+    tokenizer: Any, prompt_token_ids: Sequence[int], rows: Logprobs, num_top: int
+) -> tuple[CompletionLogprobs, int]:
+    """The completions format for an echoed prompt: its first token has no logprob (nothing
+    predicts it), each later one its own and its top rivals'; also the text offset after it."""
+    first = token_text(tokenizer, prompt_token_ids[0])
+    rest, offset = completion_logprobs(
+        tokenizer, list(zip(rows.token_ids, rows.logprobs)), num_top, len(first)
+    )
+    return join_completion_logprobs(CompletionLogprobs([first], [None], [None], [0]), rest), offset
+
+
+def join_completion_logprobs(
+    head: CompletionLogprobs, tail: CompletionLogprobs | None
+) -> CompletionLogprobs:
+    """``head``'s tokens, then ``tail``'s."""
+    if tail is None:
+        return head
+    return CompletionLogprobs(
+        head.tokens + tail.tokens,
+        head.token_logprobs + tail.token_logprobs,
+        head.top_logprobs + tail.top_logprobs,
+        head.text_offset + tail.text_offset,
+    )
+
+
+def prompt_logprobs_entries(
+    tokenizer: Any, rows: Logprobs, num_top: int
+) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token a map from
+    each token id (itself and its top rivals) to its logprob, rank and text."""
+    entries: list[dict[str, PromptLogprob] | None] = [None]
+    for token_ids, logprobs, rank in zip(rows.token_ids, rows.logprobs, rows.ranks):
+        entry = {
+            str(token_ids[0]): PromptLogprob(logprobs[0], rank, token_text(tokenizer, token_ids[0]))
+        }
+        for place, (token_id, value) in enumerate(zip(token_ids[1 : num_top + 1], logprobs[1:]), 1):
+            entry.setdefault(
+                str(token_id), PromptLogprob(value, place, token_text(tokenizer, token_id))
+            )
+        entries.append(entry)
+    return entries

@@ -114,6 +114,10 @@ class SamplingFields(StrictStruct, kw_only=True):
     request_id: str | None = None
     # vLLM's: a stream sends a choice's tokens this many at a time (first and last at once).
     stream_interval: Int64 | None = None
+    # vLLM's: the prompt tokens' logprobs, with this many top alternatives per position.
+    prompt_logprobs: Int64 | None = None
+    # vLLM's: prefix-cache blocks are shared only with requests of the same salt.
+    cache_salt: str | None = None
 
     # Accepted, no effect: bookkeeping that changes nothing about generation. OpenAI's end-user
     # ids, tags, storage, tier and prompt-cache routing; vLLM's session id (it routes, nothing
@@ -439,6 +443,7 @@ def to_sampling_params(
             stop_token_ids=stop_token_ids,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs_of(body, logprobs),
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
             spaces_between_special_tokens=body.spaces_between_special_tokens,
@@ -449,6 +454,16 @@ def to_sampling_params(
         message = str(exc)
         param = message.split(" ", 1)[0]
         raise bad_request(message, param if hasattr(body, param) else None) from None
+
+
+def prompt_logprobs_of(body: SamplingFields, logprobs: int | None) -> int | None:
+    """vLLM's ``prompt_logprobs``; a completion's ``echo`` with ``logprobs`` asks for them too
+    (the echoed prompt carries its tokens' logprobs, as OpenAI's legacy API did). A chat's
+    ``echo`` repeats the last message's text only: its logprobs are the answer's."""
+    wanted = body.prompt_logprobs
+    if isinstance(body, CompletionRequest) and body.echo and logprobs is not None:
+        wanted = max(wanted or 0, logprobs)
+    return wanted
 
 
 def check_unsupported(body: SamplingFields) -> None:
@@ -569,8 +584,6 @@ def completion_max_tokens(body: CompletionRequest, defaults: dict[str, Any]) -> 
 
 def check_completion_request(body: CompletionRequest) -> None:
     """Refuse the completion features this server does not implement."""
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo together with logprobs (prompt logprobs) is not supported", "echo")
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:

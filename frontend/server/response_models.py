@@ -31,6 +31,14 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int] = []
 
 
+class PromptLogprob(msgspec.Struct):
+    """One token of one prompt position in vLLM's ``prompt_logprobs`` (keyed by token id)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
@@ -41,6 +49,8 @@ class CompletionChoice(msgspec.Struct):
     # return_token_ids (in a stream: the prompt's with a choice's first chunk).
     prompt_token_ids: list[int] | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET
+    # vLLM's prompt_logprobs (in a stream: with a choice's first chunk).
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET
 
 
 class CompletionResponse(msgspec.Struct):
@@ -108,6 +118,7 @@ class ChatCompletionResponse(msgspec.Struct):
     object: str = "chat.completion"
     prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids
     prompt_text: str | UnsetType = UNSET  # return_prompt_text
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET
 
 
 class FunctionDelta(msgspec.Struct, omit_defaults=True):
@@ -148,6 +159,7 @@ class ChatCompletionChunk(msgspec.Struct):
     # With a choice's first chunk: return_token_ids, return_prompt_text.
     prompt_token_ids: list[int] | UnsetType = UNSET
     prompt_text: str | UnsetType = UNSET
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET
 
 
 # ---------------------------------------------------------------- /v1/models

@@ -160,6 +160,7 @@ def make_choices(
     arrival_time: float,
     stream: bool,
     structured_param: str = "structured_outputs",
+    cache_salt: str | None = None,
 ) -> tuple[str, list[Choice]]:
     """A fresh id for the response and one engine request per choice (index = prompt index * n
     + sample); a structured-output constraint is checked here, its errors reported against
@@ -174,6 +175,7 @@ def make_choices(
             priority=priority,
             stream=stream,
             structured_param=structured_param,
+            cache_salt=cache_salt,
         )
     return base_id, choices
 

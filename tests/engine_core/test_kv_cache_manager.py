@@ -105,6 +105,37 @@ def test_shared_prefix_shares_blocks_and_survives_one_free():
     assert manager.get_computed_blocks(third) == (hit_ids, 12)
 
 
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt():
+    """vLLM's cache_salt: the same prompt under another salt (or none) hits nothing; under the
+    same salt it hits as usual."""
+    manager = KVCacheManager(num_blocks=40, block_size=BLOCK_SIZE)
+    prompt = list(range(13))
+
+    def salted(req_id: int, salt: str | None) -> Request:
+        params = SamplingParams(max_tokens=4)
+        return Request(req_id, list(prompt), params, max_model_len=4096, cache_salt=salt)
+
+    admit(manager, salted(0, "tenant-a"))
+    assert manager.get_computed_blocks(salted(1, "tenant-a"))[1] == 12
+    assert manager.get_computed_blocks(salted(2, "tenant-b"))[1] == 0
+    assert manager.get_computed_blocks(salted(3, None))[1] == 0
+    admit(manager, salted(4, None))
+    assert manager.get_computed_blocks(salted(5, None))[1] == 12
+    assert manager.get_computed_blocks(salted(6, "tenant-b"))[1] == 0
+
+
+def test_a_request_for_prompt_logprobs_reads_no_hit_but_its_blocks_are_cached():
+    manager = KVCacheManager(num_blocks=40, block_size=BLOCK_SIZE)
+    prompt = list(range(13))
+    admit(manager, make_request(0, prompt))
+    scoring = Request(
+        1, list(prompt), SamplingParams(max_tokens=1, prompt_logprobs=0), max_model_len=4096
+    )
+    assert manager.get_computed_blocks(scoring) == ([], 0)
+    admit(manager, scoring)
+    assert manager.get_computed_blocks(make_request(3, prompt))[1] == 12
+
+
 def test_a_different_first_block_breaks_the_chain():
     manager = KVCacheManager(num_blocks=20, block_size=BLOCK_SIZE)
     admit(manager, make_request(0, [1, 2, 3, 4, 5, 6, 7, 8, 9]))

@@ -145,7 +145,6 @@ def test_a_field_the_server_does_not_know_is_a_400_naming_it(served):
         ("/v1/chat/completions",
          {**chat, "stream": True, "stream_options": {"include_cost": True}},
          "stream_options.include_cost"),
-        ("/v1/completions", {**completion, "echo": True, "logprobs": 1}, "echo"),
     ]  # fmt: skip
     for path, body, param in cases:
         message = _refused(served, path, body, param)
