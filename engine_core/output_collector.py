@@ -68,6 +68,16 @@ class OutputCollector:
             ):
                 continue
             token = sampled[i]
+            if request.max_tokens == 0:
+                # A prompt scored, nothing generated: the token sampled after it is dropped.
+                output = EngineCoreOutput(request.request_id, [], "length")
+                output.num_cached_tokens = request.num_cached_tokens
+                output.prompt_logprobs = prompt_logprobs.get(req_id)
+                output.timings = request.timings(now)
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                finished.append(request)
+                by_client.setdefault(request.client_index, []).append(output)
+                continue
             request.all_token_ids.append(token)
             if request.first_token_time < 0:
                 request.first_token_time = now

@@ -148,8 +148,10 @@ def find_sampling_problem(p: SamplingParams) -> str | None:
         return f"top_k must be >= 0 (0 disables it), got {p.top_k}"
     if not _finite(p.min_p) or not 0.0 <= p.min_p <= 1.0:
         return f"min_p must be in [0, 1], got {p.min_p}"
-    if p.max_tokens is not None and p.max_tokens < 1:
-        return f"max_tokens must be at least 1, got {p.max_tokens}"
+    # 0 only to score a prompt (vLLM's echo with max_tokens 0): its logprobs, nothing generated.
+    least = 0 if p.prompt_logprobs is not None else 1
+    if p.max_tokens is not None and p.max_tokens < least:
+        return f"max_tokens must be at least {least}, got {p.max_tokens}"
     if p.min_tokens < 0:
         return f"min_tokens must be >= 0, got {p.min_tokens}"
     if p.max_tokens is not None and p.min_tokens > p.max_tokens:

@@ -137,6 +137,18 @@ def test_echo_with_logprobs_and_prompt_logprobs_equal_transformers(served, hf_mo
     text = echoed["choices"][0]["text"]
     assert text.startswith("".join(logprobs["tokens"][: len(prompt)]))
 
+    # Only the prompt, scored: max_tokens 0 (as some lm-eval versions send it).
+    status, _, only = post_json(
+        served.base_url,
+        "/v1/completions",
+        {**body, "echo": True, "logprobs": 2, "max_tokens": 0},
+    )
+    assert status == 200, only
+    assert only["choices"][0]["logprobs"]["token_logprobs"] == logprobs["token_logprobs"][:-1]
+    assert (
+        only["choices"][0]["finish_reason"] == "length" and only["usage"]["completion_tokens"] == 0
+    )
+
     status, _, scored = post_json(
         served.base_url, "/v1/completions", {**body, "prompt_logprobs": 3}
     )

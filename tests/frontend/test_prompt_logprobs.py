@@ -90,6 +90,18 @@ def test_prompt_logprobs_equal_transformers_with_chunked_prompts(llm, prompts, r
     llm.check_all_free()
 
 
+def test_max_tokens_0_scores_the_prompt_and_generates_nothing(llm, prompts, reference):
+    params = SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=TOP_K)
+    outputs = llm.generate(prompts[2:4], params, use_tqdm=False)
+    for i, output in enumerate(outputs, 2):
+        (choice,) = output.outputs
+        assert (choice.token_ids, choice.text, choice.finish_reason) == ([], "", "length")
+        _check(prompts[i], output.prompt_logprobs, reference[i], f"prompt {i}, max_tokens 0")
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        SamplingParams(max_tokens=0)
+    llm.check_all_free()
+
+
 def test_a_cached_prefix_is_computed_again_for_prompt_logprobs(llm, prompts, reference):
     """Prompt 5 shares four blocks with prompt 4, cached by a plain request first: a request for
     prompt logprobs reads no hit (those positions need their forward pass), others still do."""
