@@ -21,9 +21,9 @@ runs engines only) and the frontends start once those have announced themselves 
 gracefully (frontends drain first, for up to --drain-timeout-s; SIGTERM, then SIGKILL after
 --stop-timeout-s) and exits 0. Children watch their parent, so even a SIGKILLed supervisor leaves
 no orphans. MODEL (or ``--model``) is a local
-Hugging Face model directory or an id found in the local Hugging Face cache (nothing is
-downloaded); without one it serves the embedded default model. ``--frontends 0``
-runs the engine alone.
+Hugging Face model directory or an id (from the Hugging Face cache, else downloaded from the
+Hub once, before anything starts); without one it serves the embedded default model.
+``--frontends 0`` runs the engine alone.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="?",
         default=None,
         metavar="MODEL",
-        help="a local Hugging Face model directory or an id (org/name) in the local Hugging Face "
-        "cache (same as --model; default: the embedded model)",
+        help="a local Hugging Face model directory or an id (org/name): from the Hugging Face "
+        "cache, else downloaded from the Hub (same as --model; default: the embedded model)",
     )
     parser.add_argument(
         "--address",

@@ -58,10 +58,12 @@ DEFAULT_SERVED_MODEL_NAME = "conveyor-tiny"
 class EngineArgs:
     """Flat, user-facing engine knobs; ``model=None`` means the embedded default model."""
 
-    # A local Hugging Face directory, or an id in the local Hugging Face cache.
+    # A local Hugging Face directory, or a Hugging Face id (cached, else downloaded).
     model: str | None = None
-    # With an id: the branch, tag or commit of the cached snapshot (default: main).
+    # With an id: the branch, tag or commit of the snapshot (default: main).
     revision: str | None = None
+    # With an id: the Hugging Face cache to find it in or download it to (None: HF_HUB_CACHE's).
+    download_dir: str | None = None
     max_num_seqs: int = 256
     # None = 2048 for stall-free (prompts are chunked to fit); the whole-prompt policies
     # (prefill-first, orca, static) get max(2048, max_model_len) so every prompt fits in a step.
@@ -122,7 +124,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model directory and build the checked, frozen config tree."""
         model = str(DEFAULT_MODEL_DIR) if self.model is None else self.model
-        model = resolve_model(model, self.revision)
+        model = resolve_model(model, self.revision, self.download_dir)
         model_config = load_model_config(model, self.dtype, self.max_model_len, self.seed)
         model_config = msgspec.structs.replace(
             model_config,
@@ -251,13 +253,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--model",
         default=d.model,
-        help="a Hugging Face model directory, or an id (org/name) in the local Hugging Face "
-        "cache (default: the embedded model)",
+        help="a Hugging Face model directory, or an id (org/name): from the Hugging Face cache, "
+        "else downloaded from the Hub (default: the embedded model)",
     )
     group.add_argument(
         "--revision",
         default=d.revision,
-        help="with an id: the cached snapshot's branch, tag or commit (default: main)",
+        help="with an id: the snapshot's branch, tag or commit (default: main)",
+    )
+    group.add_argument(
+        "--download-dir",
+        default=d.download_dir,
+        metavar="DIR",
+        help="with an id: the Hugging Face cache to find it in or download it to (default: "
+        "$HF_HUB_CACHE, else $HF_HOME/hub)",
     )
     group.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     group.add_argument(

@@ -40,7 +40,8 @@ class LLM:
         executor_backend: str | None = None,
         **engine_args: Any,
     ) -> None:
-        """``model``: a Hugging Face model directory (None: the embedded default model).
+        """``model``: a Hugging Face model directory, or an id (from the Hugging Face cache, else
+        downloaded from the Hub first); None: the embedded default model.
 
         ``engine``: "mp" (an engine-core process) or "inprocess" (this process, debugging).
         ``executor_backend`` picks the engine process's workers: "mp" (worker processes, the

@@ -30,6 +30,8 @@ _POLL_S = 0.01
 ENGINE_MODULE = "conveyor.entrypoints.engine"  # by the supervisor and by LLM(...)
 WORKER_MODULE = "conveyor.worker"  # by the engine core's multi-process executor
 FRONTEND_MODULE = "conveyor.frontend"  # by the supervisor
+# A model id not in the Hugging Face cache: by whoever resolves it (the supervisor, LLM(...)).
+DOWNLOAD_MODULE = "conveyor.frontend.model_download"
 
 # Python 3.10 has no -P: drop the working directory ('' at sys.path[0] under -c) by hand, before
 # anything is imported from it, then run the module as -m would.

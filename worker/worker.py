@@ -7,14 +7,21 @@ Runs in a worker process (or in the engine process, through ``InProcessExecutor`
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 from conveyor.protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
+from conveyor.worker import native
+from conveyor.worker.attention.torch_backend import TorchAttentionBackend
+from conveyor.worker.layers.cpu_ops import load_token_ops
 from conveyor.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str, rank: int) -> torch.device:
@@ -57,6 +64,19 @@ def keep_freed_memory_in_heap() -> bool:
         return False
 
 
+def build_cpu_kernels(runner: ModelRunner) -> None:
+    """Build the compiled CPU paths (or load them from their cache) before the worker reports
+    ready: built on first use, they made the first request after "ready" wait for the
+    compiler (about a second each). Without a compiler, one warning says what that costs."""
+    if native.warn_if_no_compiler(logger):
+        return
+    start = time.perf_counter()
+    load_token_ops()
+    if isinstance(runner.backend, TorchAttentionBackend):
+        runner.backend.load_cpu_kernel(runner.dtype, runner.kv_dtype)
+    logger.debug("compiled CPU paths ready in %.2f s", time.perf_counter() - start)
+
+
 class Worker:
     def __init__(
         self,
@@ -82,6 +102,8 @@ class Worker:
         # Unseeded random sampling draws from the global generator: make runs repeatable.
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config, self.device, rank, self.tp_size)
+        if self.device.type == "cpu":
+            build_cpu_kernels(self.runner)
 
     def _init_distributed(self, init_method: str | None) -> None:
         if dist.is_initialized():

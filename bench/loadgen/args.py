@@ -8,6 +8,7 @@ serve`` where the two overlap (--dataset-name, --random-input-len, --request-rat
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 from typing import Any
@@ -144,6 +145,12 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--cancel-rate must be in [0, 1]")
     if args.request_rate <= 0 or args.burstiness <= 0:
         parser.error("--request-rate and --burstiness must be positive")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        # Found out before the run, not after it: the results would be lost with the plot.
+        parser.error(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib (or "
+            "conveyor's plot extra, pip install 'conveyor-llm[plot]')"
+        )
 
 
 def dataset_spec(args: argparse.Namespace) -> DatasetSpec:

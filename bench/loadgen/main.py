@@ -45,7 +45,7 @@ from conveyor.bench.loadgen.client import Endpoint
 from conveyor.bench.loadgen.datasets import PromptMaker, SampleRequest, load_tokenizer, make_dataset
 from conveyor.bench.loadgen.metrics import detailed, format_summary, summarize
 from conveyor.bench.loadgen.ready import first_model, wait_until_ready
-from conveyor.bench.loadgen.runner import TrafficSpec, open_session, run_requests
+from conveyor.bench.loadgen.runner import RunResult, TrafficSpec, open_session, run_requests
 from conveyor.bench.machine import machine_info
 
 
@@ -86,8 +86,9 @@ async def _warm_up(
     print(f"warm-up: {num_ok}/{len(samples)} requests completed", file=sys.stderr)
 
 
-async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    """Ready check, warm-ups, then one run or a capacity search; returns the result dict."""
+async def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], RunResult | None]:
+    """Ready check, warm-ups, then one run or a capacity search: the result dict, and the run
+    (None for a capacity search)."""
     stop = asyncio.Event()
     _install_stop(stop)
     extra = dict(args.extra_body)
@@ -109,7 +110,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         await _warm_up(session, endpoint, warmups, args, stop)
         header = _header(args, model)
         if args.capacity_search:
-            return {**header, **await _capacity(session, endpoint, maker, args, stop)}
+            return {**header, **await _capacity(session, endpoint, maker, args, stop)}, None
         run = await run_requests(
             session, endpoint, samples, traffic_spec(args), stop, not args.no_progress
         )
@@ -117,11 +118,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     print(format_summary(result, args.percentiles))
     if args.save_detailed:
         result.update(detailed(run))
-    if args.plot:
-        from conveyor.bench.loadgen.plot import write_plot
-
-        print(f"plot: {write_plot(run, args.plot, title=_plot_title(args, model))}")
-    return result
+    return result, run
 
 
 async def _capacity(
@@ -206,17 +203,33 @@ def write_result(result: dict[str, Any], args: argparse.Namespace, path: str) ->
     print(f"result: {path}")
 
 
+def write_plot_after(run: RunResult, args: argparse.Namespace, model: str) -> bool:
+    """The --plot PNG, drawn once the results are printed and saved: a plot that fails (an
+    unwritable path) costs the plot alone. Whether it was written."""
+    from conveyor.bench.loadgen.plot import write_plot
+
+    try:
+        path = write_plot(run, args.plot, title=_plot_title(args, model))
+    except (ImportError, OSError, ValueError) as exc:
+        kept = f" (the results are in {args.result_json})" if args.result_json else ""
+        print(f"error: --plot {args.plot}: {exc}{kept}", file=sys.stderr)
+        return False
+    print(f"plot: {path}")
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(__doc__)
     args = parser.parse_args(argv)
     validate(parser, args)
+    run = None
     if args.self_test:
         from conveyor.bench.loadgen.selftest import self_test
 
         result = run_async(self_test(args))
     else:
         try:
-            result = run_async(benchmark(args))
+            result, run = run_async(benchmark(args))
         except KeyboardInterrupt:
             print("aborted", file=sys.stderr)
             return 130
@@ -225,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     if args.result_json:
         write_result(result, args, args.result_json)
+    if args.plot and run is not None and not write_plot_after(run, args, result["model_id"]):
+        return 1
     return 0
 
 

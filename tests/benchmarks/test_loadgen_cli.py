@@ -74,6 +74,33 @@ def test_result_json_has_vllm_keys_and_the_plot_is_written(fake_server, tmp_path
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_plot_without_matplotlib_is_refused_before_anything_is_sent(
+    fake_server, monkeypatch, capsys
+):
+    server = fake_server(itl_ms=1)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    argv = ["--base-url", server.base_url, "--num-prompts", "2", "--plot", "out.png"]
+    with pytest.raises(SystemExit) as exited:
+        loadgen.main(argv)
+    assert exited.value.code == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+    assert server.stats.num_requests == 0
+
+
+def test_a_plot_that_fails_keeps_the_results(fake_server, tmp_path, capsys):
+    server = fake_server(itl_ms=1)
+    out = tmp_path / "result.json"
+    argv = ["--base-url", server.base_url, "--num-prompts", "3", "--no-progress"]
+    argv += ["--random-input-len", "8", "--random-output-len", "4"]
+    png = tmp_path / "no-such-folder" / "plot.png"  # fails only once the run is over
+    argv += ["--result-json", str(out), "--plot", str(png)]
+    assert loadgen.main(argv) == 1
+    captured = capsys.readouterr()
+    assert "Serving Benchmark Result" in captured.out
+    assert f"error: --plot {png}" in captured.err and str(out) in captured.err
+    assert json.loads(out.read_text())["completed"] == 3
+
+
 def test_capacity_bisection_on_a_known_curve():
     async def probe(rate: float) -> dict[str, float]:
         p99 = 10.0 if rate <= 37.0 else 100.0

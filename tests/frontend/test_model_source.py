@@ -1,5 +1,6 @@
-"""Models by Hugging Face id from the local cache: found without the network, or refused with a
-message that says where conveyor looked and how to put the model there."""
+"""Models by Hugging Face id from the local cache: found without the network, or (offline)
+refused with a message that says where conveyor looked and how to put the model there. Downloads:
+test_model_download.py."""
 
 from __future__ import annotations
 
@@ -46,9 +47,15 @@ def test_a_missing_id_says_where_it_looked_and_what_to_do(cache):
         resolve_model("acme/absent")
     message = str(error.value)
     assert str(cache.parent / "models--acme--absent") in message
-    assert "hf download acme/absent" in message and "downloads nothing" in message
+    assert "hf download acme/absent" in message and "nothing is downloaded" in message
     with pytest.raises(ConfigError, match="revision v9"):
         resolve_model("acme/tiny", "v9")
+
+
+def test_an_incomplete_snapshot_is_not_served(cache):
+    (cache / "snapshots" / MAIN / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"incomplete \(\*\.safetensors\) in the Hugging Face"):
+        resolve_model("acme/tiny")
 
 
 def test_paths_are_never_taken_for_ids(tmp_path, cache):

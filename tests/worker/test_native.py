@@ -70,3 +70,30 @@ def test_a_torch_that_runs_wider_kernels_than_the_hold_is_reported(monkeypatch, 
         assert native.warn_if_torch_runs_above_the_isa() is False
     finally:
         native.warn_if_torch_runs_above_the_isa.cache_clear()
+
+
+def test_a_cpu_worker_builds_its_kernels_before_it_serves(tiny_model_dir, monkeypatch, caplog):
+    # Built (or loaded from the cache) while the worker starts, not in the first step, which a
+    # request would wait for: the loaders' caches are full when the Worker exists.
+    from conveyor.frontend.engine_args import EngineArgs
+    from conveyor.worker.attention.cpu_kernel import load_kernel
+    from conveyor.worker.layers.cpu_ops import load_token_ops
+    from conveyor.worker.worker import Worker
+
+    if native.find_compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    config = EngineArgs(model=str(tiny_model_dir), device="cpu", kv_cache_memory=16 << 20)
+    load_kernel.cache_clear()
+    load_token_ops.cache_clear()
+    worker = Worker(config.create_engine_config())
+    assert load_token_ops.cache_info().currsize == 1
+    assert worker.runner.backend.cpu_kernel is not None
+
+    # Without a compiler: one warning at start-up, naming it and what it costs.
+    monkeypatch.setattr(native, "find_compiler", lambda: None)
+    with caplog.at_level(logging.INFO, logger="conveyor.worker"):
+        Worker(config.create_engine_config())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "no C compiler found" in warnings[0] and "torch ops" in warnings[0]
+    assert "gcc" in warnings[0] and native.TORCH_FALLBACK_COST in warnings[0]

@@ -177,10 +177,11 @@ def load_kernel(
     if kernel_disabled():
         logger.info("CPU attention kernel disabled by CONVEYOR_CPU_KERNEL; using torch ops")
         return None
+    # Without a compiler the worker's start-up warning has said so, and what it costs.
     return native.load_optional(
         logger, "CPU attention kernel", "using torch ops", SOURCE_PATH, _inputs(),
         functools.partial(_from_library, dtype=dtype, kv_dtype=kv_dtype),
-        BUILDS[dtype, kv_dtype],
+        BUILDS[dtype, kv_dtype], no_compiler_level=logging.INFO,
     )  # fmt: skip
 
 

@@ -60,6 +60,12 @@ class TorchAttentionBackend(AttentionBackend):
         self._plan: BatchPlan | None = None
         self._workspace: torch.Tensor | None = None
 
+    def load_cpu_kernel(self, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+        """Build (or load from the cache) the compiled kernel now, at the worker's start-up,
+        rather than in the first step, which a request would wait for."""
+        if self._use_cpu_kernel is not False:
+            self.cpu_kernel = load_kernel(dtype, kv_dtype)
+
     @staticmethod
     def kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int

@@ -291,7 +291,7 @@ def small_linear_enabled() -> bool:
 @functools.cache
 def load_token_ops() -> TokenOps | None:
     """The library, built if needed; None (logged once) where it is off or cannot be built."""
-    # Without a compiler the attention kernel's warning has said so already.
+    # Without a compiler the worker's start-up warning has said so, and what it costs.
     return native.load_optional(
         logger, "compiled CPU token ops", "using torch ops", SOURCE_PATH, _inputs(),
         _from_library, no_compiler_level=logging.INFO,
