@@ -138,7 +138,8 @@ class EngineCore:
             return "the prompt is empty"
         if min(prompt) < 0 or max(prompt) >= vocab_size:
             return f"prompt token ids must be in [0, {vocab_size})"
-        vocab_problem = find_vocab_problem(request.sampling_params, vocab_size)
+        max_logprobs = self.config.model.max_logprobs
+        vocab_problem = find_vocab_problem(request.sampling_params, vocab_size, max_logprobs)
         if vocab_problem is not None:
             return vocab_problem
         if len(prompt) >= max_model_len:

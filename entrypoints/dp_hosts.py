@@ -54,6 +54,7 @@ _POLL_MS = 100
 def add_data_parallel_host_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--data-parallel-size-local",
+        "-dpl",
         type=int,
         default=None,
         help="data-parallel engines on this host (default: all of --data-parallel-size); the "
@@ -61,17 +62,20 @@ def add_data_parallel_host_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--data-parallel-start-rank",
+        "-dpr",
         type=int,
         default=0,
         help="the first data-parallel rank on this host (0 on the head)",
     )
     group.add_argument(
         "--data-parallel-address",
+        "-dpa",
         default="127.0.0.1",
         help="the head's address, as the hosts with data-parallel engines reach it",
     )
     group.add_argument(
         "--data-parallel-rpc-port",
+        "-dpp",
         type=int,
         default=DEFAULT_RPC_PORT,
         help="the head listens here for engines on other hosts; engine rank r on another host "

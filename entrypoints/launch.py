@@ -38,10 +38,11 @@ from conveyor.entrypoints.supervisor import (
     watch,
 )
 from conveyor.frontend.engine_client import EngineProcess, EngineStartError
-from conveyor.frontend.server.main import API_KEY_ENV
+from conveyor.frontend.server.main import api_key_env
 from conveyor.frontend.server.metrics_dir import MULTIPROC_DIR_ENV, make_shared_dir
 from conveyor.protocol import EngineConfig
 from conveyor.runtime.exit_codes import ExitCode
+from conveyor.runtime.listen import ListeningSockets
 from conveyor.runtime.processes import ChildProcess
 from conveyor.runtime.signals import ShutdownRequested, ignore_shutdown_signals
 from conveyor.runtime.zmq_security import CurveKeys, InsecureAddressError
@@ -52,8 +53,10 @@ logger = logging.getLogger("conveyor.serve")
 OnServing = Callable[[list[str], Path, dict[str, ChildProcess]], None]
 
 
-def serve_host(config: ServeConfig, on_serving: OnServing) -> int:
-    """This host's tree, from start to exit status."""
+def serve_host(
+    config: ServeConfig, on_serving: OnServing, listening: ListeningSockets | None = None
+) -> int:
+    """This host's tree, from start to exit status; ``listening``: the frontends' sockets."""
     engines_config, layout = config.engines, config.hosts.data_parallel
     assert layout is not None, "a host of tensor-parallel ranks runs no engine (headless)"
     headless = config.hosts.headless
@@ -89,7 +92,8 @@ def serve_host(config: ServeConfig, on_serving: OnServing) -> int:
             # The frontends' ready files go beside engine 0's socket: the engine removes the
             # folder when it exits, so nothing is left even when this process is SIGKILLed.
             on_serving(all_addresses, engines[0].runtime_dir, children)
-        logger.error("%s; stopping everything", watch_children(config, children, layout.size))
+        death = watch_children(config, children, layout.size, listening)
+        logger.error("%s; stopping everything", death)
         return ExitCode.FAILED
     except ShutdownRequested as signal_name:
         logger.info("%s: stopping everything", signal_name)
@@ -141,7 +145,12 @@ def _all_engine_addresses(
     return [addresses[rank] for rank in range(layout.size)]
 
 
-def watch_children(config: ServeConfig, children: dict[str, ChildProcess], num_engines: int) -> str:
+def watch_children(
+    config: ServeConfig,
+    children: dict[str, ChildProcess],
+    num_engines: int,
+    listening: ListeningSockets | None = None,
+) -> str:
     """Watch until a death stops everything (with one engine in all, its death does at once)."""
     frontend_budget = config.frontends.restarts
     restarts = RestartBudget(frontend_budget.max_restarts, frontend_budget.window_s)
@@ -149,7 +158,7 @@ def watch_children(config: ServeConfig, children: dict[str, ChildProcess], num_e
     if num_engines > 1:
         engine_budget = config.engines.restarts
         engine_restarts = RestartBudget(engine_budget.max_restarts, engine_budget.window_s)
-    return watch(children, restarts, engine_restarts, config.engines.ready_timeout_s)
+    return watch(children, restarts, engine_restarts, config.engines.ready_timeout_s, listening)
 
 
 def start_frontends(
@@ -157,10 +166,12 @@ def start_frontends(
     addresses: list[str],
     runtime_dir: Path,
     children: dict[str, ChildProcess],
+    listening: ListeningSockets,
 ) -> None:
-    """Start every frontend, then wait for each: they load their tokenizers in parallel."""
+    """Start every frontend on its socket of ``listening`` (the port, bound before the engines
+    started), then wait for each: they load their tokenizers in parallel."""
     # By the environment, which, unlike a command line, other users cannot read.
-    env = {API_KEY_ENV: frontends.api_key} if frontends.api_key else {}
+    env = api_key_env(frontends.api_keys)
     metrics_dir = None
     if frontends.metrics:
         # One folder for all: a scrape of any frontend reports the whole server.
@@ -169,10 +180,13 @@ def start_frontends(
     options = list(frontends.options)
     started = []
     for index in range(frontends.count):
-        frontend = FrontendProcess(index, addresses, options, runtime_dir, env, metrics_dir)
+        frontend = FrontendProcess(
+            index, addresses, options, runtime_dir, env, metrics_dir, listening.fileno(index)
+        )
         children[f"frontend-{index}"] = frontend
         started.append(frontend.start())
     deadline = time.monotonic() + frontends.ready_timeout_s
     for frontend in started:
         frontend.wait_ready(max(deadline - time.monotonic(), 0.0))
-    wait_healthy(frontends.host, frontends.port, max(deadline - time.monotonic(), 1.0))
+    remaining_s = max(deadline - time.monotonic(), 1.0)
+    wait_healthy(frontends.host, frontends.port, remaining_s, frontends.http.scheme)

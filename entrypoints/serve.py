@@ -41,25 +41,36 @@ from pathlib import Path
 from conveyor.entrypoints.headless import add_multi_host_args, check_host_addresses, run_headless
 from conveyor.entrypoints.launch import serve_host, start_frontends
 from conveyor.entrypoints.serve_config import FrontendsConfig, ServeConfig
-from conveyor.entrypoints.supervisor import base_url
+from conveyor.entrypoints.supervisor import base_url, urlopen_local
 from conveyor.executor.backends import EXECUTOR_BACKENDS
 from conveyor.frontend.engine_args import (
     DEFAULT_SERVED_MODEL_NAME,
     add_engine_args,
 )
 from conveyor.frontend.engine_client.session import DEFAULT_READY_TIMEOUT_S, HEARTBEAT_INTERVAL_S
+from conveyor.frontend.server.http_options import add_http_args, http_options
 from conveyor.frontend.server.main import (
     add_api_key_args,
     add_connection_args,
+    add_drain_args,
     add_engine_session_args,
     add_observability_args,
     add_router_args,
+    add_served_model_name_arg,
     check_observability_args,
     observability_options,
+)
+from conveyor.frontend.vllm_flags import (
+    SERVER_FLAGS,
+    FlagParser,
+    add_vllm_flags,
+    flags_without_effect,
+    normalize_vllm_argv,
 )
 from conveyor.protocol import ConfigError
 from conveyor.runtime.exit_codes import ExitCode
 from conveyor.runtime.flags import non_negative_float, positive_float
+from conveyor.runtime.listen import ListeningSockets
 from conveyor.runtime.logs import LOG_LEVEL_ENV, configure_logging
 from conveyor.runtime.processes import ChildProcess
 from conveyor.runtime.signals import ShutdownRequested, install_shutdown_signals
@@ -71,10 +82,11 @@ DEMO_MAX_TOKENS = 48
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="conveyor serve",
         description="Serve a model over an OpenAI-compatible HTTP API: the engine core, its "
-        "workers and N HTTP frontends, supervised.",
+        "workers and N HTTP frontends, supervised. vLLM's serve flags are taken as vLLM spells "
+        "them (docs/serving.md#vllm-flags).",
     )
     parser.add_argument(
         "model_tag",
@@ -96,7 +108,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="let the engine bind a tcp address other hosts can reach (needs --curve-keys)",
     )
     parser.add_argument(
-        "--executor-backend", "--distributed-executor-backend", choices=EXECUTOR_BACKENDS
+        "--executor-backend",
+        "--distributed-executor-backend",
+        type=_executor_backend,
+        metavar="{" + ",".join(EXECUTOR_BACKENDS) + "}",
+        help="mp: a process per tensor-parallel rank (default); inprocess (vLLM's uni): one "
+        "worker inside the engine process; ray: Ray actors",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="YAML",
+        help="read flags from a YAML file of flag: value (the command line wins), as vLLM does",
     )
     parser.add_argument(
         "--engine-max-restarts",
@@ -116,7 +138,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_frontend_args(parser)
     add_multi_host_args(parser)
     add_engine_args(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(read_vllm_command_line(parser, argv))
+    try:
+        args.http = http_options(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     if None not in (args.model_tag, args.model) and args.model != args.model_tag:
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree")
     if args.frontends < 0:
@@ -148,9 +174,69 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _executor_backend(text: str) -> str:
+    name = {"uni": "inprocess"}.get(text, text)
+    if name not in EXECUTOR_BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: conveyor runs {', '.join(EXECUTOR_BACKENDS)} (uni is inprocess)"
+        )
+    return name
+
+
+def read_vllm_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> list[str]:
+    """The command line as vLLM's parser reads it: ``--max_model_len`` for ``--max-model-len``,
+    and ``--config FILE``'s flags in front of the others (which therefore win); a leading MODEL
+    stays first."""
+    argv = normalize_vllm_argv(sys.argv[1:] if argv is None else argv)
+    for i, arg in enumerate(argv):
+        if arg == "--config" or arg.startswith("--config="):
+            path = arg.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else "")
+            rest = argv[:i] + argv[i + (1 if "=" in arg else 2) :]
+            model = rest[:1] if rest and not rest[0].startswith("-") else []
+            return model + config_file_flags(parser, path) + rest[len(model) :]
+    return argv
+
+
+def config_file_flags(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """The flags a YAML file of ``flag: value`` means (vLLM's ``--config``): ``true`` for a
+    switch, a list for several values, a mapping as JSON."""
+    try:
+        import yaml
+
+        with open(path) as file:
+            values = yaml.safe_load(file) or {}
+    except ImportError:
+        parser.error("--config needs PyYAML (pip install pyyaml)")
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"--config {path}: {exc}")
+    if not isinstance(values, dict):
+        parser.error(f"--config {path}: not a mapping of flag: value")
+    flags: list[str] = []
+    for key, value in values.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            flags += [flag, *(str(item) for item in value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
 def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("HTTP frontends")
-    group.add_argument("--frontends", type=int, default=1, help="HTTP frontend processes (0: none)")
+    group.add_argument(
+        "--frontends",
+        "--api-server-count",
+        "-asc",
+        type=int,
+        default=1,
+        help="HTTP frontend processes (0: none)",
+    )
     group.add_argument("--host", default="127.0.0.1", help="interface the frontends listen on")
     group.add_argument("--port", type=int, default=8000, help="the port every frontend shares")
     add_api_key_args(group)
@@ -160,22 +246,13 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="per frontend: 429 while this many generation requests are in flight",
     )
-    group.add_argument(
-        "--served-model-name",
-        default=None,
-        help=f"the model's name in the API (default: --model, or {DEFAULT_SERVED_MODEL_NAME})",
-    )
+    add_served_model_name_arg(group, f"MODEL, or {DEFAULT_SERVED_MODEL_NAME}")
     group.add_argument("--max-request-body-bytes", type=int, default=None)
     add_router_args(group)
     add_connection_args(group)
     group.add_argument("--frontend-ready-timeout-s", type=positive_float, default=60.0)
     add_engine_session_args(group)
-    group.add_argument(
-        "--drain-timeout-s",
-        type=non_negative_float,
-        default=5.0,
-        help="on SIGTERM: how long in-flight requests may run on before they are aborted",
-    )
+    add_drain_args(group)
     group.add_argument(
         "--frontend-max-restarts",
         type=int,
@@ -185,6 +262,8 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--frontend-restart-window-s", type=positive_float, default=60.0)
     add_observability_args(group)
+    add_http_args(group)
+    add_vllm_flags(group, SERVER_FLAGS)
     group.add_argument(
         "--demo-prompt",
         default=None,
@@ -196,18 +275,32 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
 
 def serve(config: ServeConfig) -> int:
     frontends = config.frontends
+    listening = None
+    if frontends.count and not config.hosts.headless:  # a headless host runs engines only
+        # Bound before any engine starts: a port another process holds is refused now, not
+        # after the model has loaded. Clients that connect meanwhile wait in the listen queue.
+        try:
+            listening = ListeningSockets(frontends.host, frontends.port, frontends.count)
+        except OSError as exc:
+            logger.error("cannot listen on %s:%d: %s", frontends.host, frontends.port, exc)
+            return ExitCode.BAD_CONFIG
 
     def on_serving(
         addresses: list[str], runtime_dir: Path, children: dict[str, ChildProcess]
     ) -> None:
         # Frontends start only now, so they never talk to an engine still loading.
-        if frontends.count:
-            start_frontends(frontends, addresses, runtime_dir, children)
-            print(f"ready: http://{frontends.host}:{frontends.port}", flush=True)
+        if listening is not None:
+            start_frontends(frontends, addresses, runtime_dir, children, listening)
+            scheme = frontends.http.scheme
+            print(f"ready: {scheme}://{frontends.host}:{frontends.port}", flush=True)
             if frontends.demo_prompt is not None:
                 show_completion(frontends, frontends.demo_prompt)
 
-    return serve_host(config, on_serving)
+    try:
+        return serve_host(config, on_serving, listening)
+    finally:
+        if listening is not None:
+            listening.close()
 
 
 def demo_body(served_model_name: str, prompt: str) -> dict[str, object]:
@@ -220,14 +313,14 @@ def demo_body(served_model_name: str, prompt: str) -> dict[str, object]:
 
 def show_completion(frontends: FrontendsConfig, prompt: str) -> None:
     """One greedy completion through our own HTTP API: proof that the whole path serves."""
-    url = f"{base_url(frontends.host, frontends.port)}/v1/completions"
+    url = f"{base_url(frontends.host, frontends.port, frontends.http.scheme)}/v1/completions"
     body = demo_body(frontends.served_model_name, prompt)
     headers = {"Content-Type": "application/json"}
-    if frontends.api_key:
-        headers["Authorization"] = f"Bearer {frontends.api_key}"
+    if frontends.api_keys:
+        headers["Authorization"] = f"Bearer {frontends.api_keys[0]}"
     request = urllib.request.Request(url, json.dumps(body).encode(), headers)
     try:
-        with urllib.request.urlopen(request, timeout=60.0) as response:
+        with urlopen_local(request, timeout_s=60.0) as response:
             result = json.load(response)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         # The demo is a courtesy: a failure is reported, the server keeps serving.
@@ -258,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         configure_logging("serve", args.log_level)
+        for flag, why in flags_without_effect(args):
+            logger.info("%s has no effect here: %s", flag, why)
         try:
             config = ServeConfig.from_args(args)
             export_to_children(config)

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 from conveyor.entrypoints.dp_hosts import DataParallelLayout
 from conveyor.frontend.engine_args import DEFAULT_SERVED_MODEL_NAME, EngineArgs
+from conveyor.frontend.server.http_options import HttpOptions, http_flags
 from conveyor.frontend.server.main import (
     engine_session_options,
     observability_options,
-    resolve_api_key,
+    resolve_api_keys,
     router_options,
 )
 from conveyor.protocol import EngineConfig
@@ -56,9 +57,13 @@ class FrontendsConfig:
     count: int
     host: str
     port: int
-    served_model_name: str
-    # Travels to the frontends by the environment, never on a command line.
-    api_key: str | None = field(repr=False)
+    # Every name the API takes for the model; the first is the one responses carry.
+    served_model_names: tuple[str, ...]
+    # Any of them is accepted; they travel to the frontends by the environment, never on a
+    # command line.
+    api_keys: tuple[str, ...] = field(repr=False)
+    # TLS, CORS, the root path, uvicorn's log level, X-Request-Id headers.
+    http: HttpOptions
     # ``python -m conveyor.frontend`` flags every frontend gets (besides its engines).
     options: tuple[str, ...]
     metrics: bool
@@ -66,6 +71,10 @@ class FrontendsConfig:
     drain_timeout_s: float
     restarts: RestartBudgetConfig
     demo_prompt: str | None
+
+    @property
+    def served_model_name(self) -> str:
+        return self.served_model_names[0]
 
 
 @dataclass(frozen=True)
@@ -110,14 +119,15 @@ class ServeConfig:
             ready_timeout_s=args.ready_timeout_s,
             restarts=RestartBudgetConfig(args.engine_max_restarts, args.engine_restart_window_s),
         )
-        served_model_name = args.served_model_name or model or DEFAULT_SERVED_MODEL_NAME
+        names = tuple(args.served_model_name or (model or DEFAULT_SERVED_MODEL_NAME,))
         frontends = FrontendsConfig(
             count=args.frontends,
             host=args.host,
             port=args.port,
-            served_model_name=served_model_name,
-            api_key=resolve_api_key(args),
-            options=tuple(_frontend_options(args, served_model_name)),
+            served_model_names=names,
+            api_keys=resolve_api_keys(args),
+            http=args.http,
+            options=tuple(_frontend_options(args, names)),
             metrics=not args.disable_metrics,
             ready_timeout_s=args.frontend_ready_timeout_s,
             drain_timeout_s=args.drain_timeout_s,
@@ -144,10 +154,11 @@ class ServeConfig:
         return cls(model, engines, frontends, hosts, args.stop_timeout_s, args.log_level)
 
 
-def _frontend_options(args: argparse.Namespace, served_model_name: str) -> list[str]:
-    """The ``python -m conveyor.frontend`` flags every frontend gets (the API key travels by env)."""
+def _frontend_options(args: argparse.Namespace, served_model_names: tuple[str, ...]) -> list[str]:
+    """The ``python -m conveyor.frontend`` flags every frontend gets (the API keys travel by
+    env)."""
     options = ["--host", args.host, "--port", str(args.port)]
-    options += ["--served-model-name", served_model_name]
+    options += ["--served-model-name", *served_model_names]
     options += ["--drain-timeout-s", str(args.drain_timeout_s)]
     if args.max_queued_requests is not None:
         options += ["--max-queued-requests", str(args.max_queued_requests)]
@@ -159,4 +170,5 @@ def _frontend_options(args: argparse.Namespace, served_model_name: str) -> list[
     options += router_options(args)
     options += engine_session_options(args)
     options += observability_options(args)
+    options += http_flags(args.http)
     return options

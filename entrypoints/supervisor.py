@@ -12,8 +12,10 @@ restarted in place within a budget of its own while the others serve (``engines`
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +27,7 @@ from conveyor.entrypoints.engines import restart_engine
 from conveyor.frontend.engine_client import EngineProcess
 from conveyor.frontend.server.metrics_dir import forget_process
 from conveyor.runtime.exit_codes import ExitCode
+from conveyor.runtime.listen import ListeningSockets
 from conveyor.runtime.processes import FRONTEND_MODULE, ChildProcess
 
 logger = logging.getLogger(__name__)
@@ -48,17 +51,24 @@ class FrontendProcess(ChildProcess):
         runtime_dir: Path,
         env: dict[str, str] | None = None,
         metrics_dir: Path | None = None,
+        listen_fd: int | None = None,
     ) -> None:
         """``options``: more frontend flags; ``env``: added to the environment (secrets such as
         CONVEYOR_API_KEY go there, not on a command line anyone can read); ``metrics_dir``: the
-        Prometheus folder every frontend shares (None: metrics disabled)."""
+        Prometheus folder every frontend shares (None: metrics disabled); ``listen_fd``: the
+        listening socket the supervisor bound, which the frontend inherits and accepts on
+        (None: it binds --host/--port itself)."""
         self.index = index
         self.metrics_dir = metrics_dir
         self.ready_file = runtime_dir / f"frontend-{index}.ready"
         args = [arg for address in engine_addresses for arg in ("--engine", address)]
         args += ["--parent-pid", str(os.getpid())]
         args += ["--ready-file", str(self.ready_file), *options]
-        super().__init__(f"frontend-{index}", FRONTEND_MODULE, args, env)
+        pass_fds: tuple[int, ...] = ()
+        if listen_fd is not None:
+            args += ["--listen-fd", str(listen_fd)]
+            pass_fds = (listen_fd,)
+        super().__init__(f"frontend-{index}", FRONTEND_MODULE, args, env, pass_fds)
 
     def start(self) -> FrontendProcess:
         # A restarted frontend must not look ready because the one before it was.
@@ -120,6 +130,7 @@ def watch(
     restarts: RestartBudget,
     engine_restarts: RestartBudget | None = None,
     engine_ready_timeout_s: float = 300.0,
+    listening: ListeningSockets | None = None,
 ) -> str:
     """Block until a child's death must stop everything; returns what happened to it.
 
@@ -127,15 +138,27 @@ def watch(
     because no engine answered it for too long (``ENGINE_LOST``: an engine alive but stalled
     for good would leave the server up and refusing everything); so is a dead engine while
     ``engine_restarts`` does (given only with several data-parallel engines: one engine's
-    death stops everything). The others keep serving.
+    death stops everything). The others keep serving, and new connections go to them alone
+    (``listening``) until the dead frontend's replacement serves.
     """
     restarting: set[str] = set()
+
+    def steer() -> None:
+        if listening is not None:
+            down = {
+                c.index
+                for n, c in children.items()
+                if n in restarting and isinstance(c, FrontendProcess)
+            }
+            listening.serve_only(i for i in range(listening.count) if i not in down)
+
     while True:
         for name, child in children.items():
             code = child.exit_code()
             if code is None:
                 if name in restarting and isinstance(child, FrontendProcess) and child.is_ready():
                     restarting.discard(name)
+                    steer()
                     logger.info("%s serves again (pid %d)", name, child.pid)
                 continue
             death = f"{name} (pid {child.pid}) exited with code {code}"
@@ -158,8 +181,9 @@ def watch(
             if isinstance(child, EngineProcess):
                 restart_engine(child, engine_ready_timeout_s)
             else:
-                child.start()
                 restarting.add(name)
+                steer()
+                child.start()
         time.sleep(_WATCH_INTERVAL_S)
 
 
@@ -192,13 +216,13 @@ def stop_all(
         child.stop(timeout_s)
 
 
-def wait_healthy(host: str, port: int, timeout_s: float) -> None:
+def wait_healthy(host: str, port: int, timeout_s: float, scheme: str = "http") -> None:
     """Poll GET /health on the shared port until it answers 200."""
-    url = f"{base_url(host, port)}/health"
+    url = f"{base_url(host, port, scheme)}/health"
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=2.0) as response:
+            with urlopen_local(url, timeout_s=2.0) as response:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, OSError):
@@ -208,10 +232,18 @@ def wait_healthy(host: str, port: int, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def base_url(host: str, port: int) -> str:
+def base_url(host: str, port: int, scheme: str = "http") -> str:
     """Where a local client reaches frontends listening on ``host`` (a wildcard -> loopback)."""
     if host in ("0.0.0.0", ""):
         host = "127.0.0.1"
     elif host == "::":
         host = "::1"
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def urlopen_local(url: str | urllib.request.Request, timeout_s: float) -> http.client.HTTPResponse:
+    """``urlopen`` of our own frontends, over HTTPS without checking the certificate (it names
+    the host clients use, and may be self-signed): the supervisor holds the listening socket,
+    so nothing but its own frontends can answer on that port."""
+    context = ssl._create_unverified_context()
+    return urllib.request.urlopen(url, timeout=timeout_s, context=context)

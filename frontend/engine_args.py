@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import msgspec
 
 from conveyor.frontend.model_source import resolve_model
 from conveyor.frontend.tool_calls import PARSERS
+from conveyor.frontend.vllm_flags import ENGINE_FLAGS, add_vllm_flags
 from conveyor.protocol import (
     CacheConfig,
     EngineConfig,
@@ -31,6 +33,7 @@ from conveyor.protocol import (
 )
 from conveyor.protocol.config import (
     ATTENTION_BACKENDS,
+    GENERATION_CONFIG_SAMPLING_KEYS,
     KV_CACHE_DTYPES,
     POLICIES,
     QUANTIZATION_METHODS,
@@ -38,8 +41,16 @@ from conveyor.protocol.config import (
     NodeConfig,
     read_sampling_defaults,
 )
+from conveyor.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 from conveyor.runtime import cpu_isa
-from conveyor.runtime.flags import finite_float, non_negative_float, positive_float
+from conveyor.runtime.flags import (
+    finite_float,
+    human_readable_int,
+    human_readable_int_or_auto,
+    non_negative_float,
+    positive_float,
+    positive_human_readable_int,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +75,9 @@ class EngineArgs:
     revision: str | None = None
     # With an id: the Hugging Face cache to find it in or download it to (None: HF_HUB_CACHE's).
     download_dir: str | None = None
+    # The tokenizer's directory or id (None: the model's), and its revision.
+    tokenizer: str | None = None
+    tokenizer_revision: str | None = None
     max_num_seqs: int = 256
     # None = 2048 for stall-free (prompts are chunked to fit); the whole-prompt policies
     # (prefill-first, orca, static) get max(2048, max_model_len) so every prompt fits in a step.
@@ -118,8 +132,19 @@ class EngineArgs:
     generation_config: str = "auto"
     # A Jinja chat template file replacing the tokenizer's own.
     chat_template: str | None = None
-    # "hermes" or "llama3_json": the format of the model's tool calls (tool_choice "auto").
+    # "hermes" or "llama3_json": the format of the model's tool calls.
     tool_call_parser: str | None = None
+    # tool_choice "auto" (vLLM's contract: it needs this and tool_call_parser; without it a
+    # request asking for auto is refused, and required or named choices still work).
+    enable_auto_tool_choice: bool = False
+    # Sampling defaults set or replaced on top of generation_config's, by generation_config.json
+    # names ({"temperature": 0.6, "max_new_tokens": 512}).
+    override_generation_config: dict[str, Any] | None = None
+    # The most logprobs a request may ask for per token (vLLM's default); -1: the vocabulary.
+    max_logprobs: int = MAX_LOGPROBS
+    # Accepted for vLLM's sake: conveyor runs its own implementation of every architecture and
+    # loads tokenizers without custom code, so no repository code ever runs either way.
+    trust_remote_code: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model directory and build the checked, frozen config tree."""
@@ -128,10 +153,12 @@ class EngineArgs:
         model_config = load_model_config(model, self.dtype, self.max_model_len, self.seed)
         model_config = msgspec.structs.replace(
             model_config,
-            sampling_defaults=read_sampling_defaults(self.generation_config, model_config.model),
+            sampling_defaults=self._sampling_defaults(model_config.model),
             chat_template=self._read_chat_template(),
-            tool_call_parser=self.tool_call_parser,
+            tool_call_parser=self._auto_tool_call_parser(),
             quantization=self.quantization,
+            tokenizer=self._tokenizer_dir(model),
+            max_logprobs=self._max_logprobs(model_config.vocab_size),
         )
         if model_config.sampling_defaults:
             logger.info(
@@ -177,16 +204,69 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
         )
         check_engine_config(config)
-        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
-            raise ConfigError(
-                f"tool_call_parser must be one of {', '.join(sorted(PARSERS))}, "
-                f"got {self.tool_call_parser!r}"
-            )
         try:  # read by the workers' kernel builds: a typo fails here, before any process starts
             cpu_isa.requested()
         except ValueError as error:
             raise ConfigError(str(error)) from None
         return config
+
+    def _max_logprobs(self, vocab_size: int) -> int:
+        if self.max_logprobs == -1:
+            return vocab_size
+        if not 0 <= self.max_logprobs <= vocab_size:
+            raise ConfigError(
+                f"max_logprobs must be in [0, {vocab_size}] (the vocabulary) or -1 (all of it), "
+                f"got {self.max_logprobs}"
+            )
+        return self.max_logprobs
+
+    def _tokenizer_dir(self, model_dir: str) -> str | None:
+        """The --tokenizer directory, or None for the model's own."""
+        if self.tokenizer is None:
+            if self.tokenizer_revision is not None:
+                raise ConfigError("--tokenizer-revision needs --tokenizer")
+            return None
+        tokenizer = resolve_model(
+            self.tokenizer, self.tokenizer_revision, self.download_dir, weights=False
+        )
+        return None if tokenizer == model_dir else tokenizer
+
+    def _auto_tool_call_parser(self) -> str | None:
+        """The parser of tool_choice "auto", or None: auto needs --enable-auto-tool-choice and
+        --tool-call-parser, as in vLLM (required and named choices need neither)."""
+        parser = self.tool_call_parser
+        if parser is not None and parser not in PARSERS:
+            raise ConfigError(
+                f"tool_call_parser must be one of {', '.join(sorted(PARSERS))}, got {parser!r}"
+            )
+        if self.enable_auto_tool_choice and parser is None:
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser")
+        if parser is not None and not self.enable_auto_tool_choice:
+            logger.warning(
+                'tool_choice "auto" stays off: --tool-call-parser %s without '
+                "--enable-auto-tool-choice",
+                parser,
+            )
+        return parser if self.enable_auto_tool_choice else None
+
+    def _sampling_defaults(self, model_dir: str) -> dict[str, int | float]:
+        """generation_config's sampling defaults with override_generation_config on top."""
+        defaults = read_sampling_defaults(self.generation_config, model_dir)
+        for key, value in (self.override_generation_config or {}).items():
+            name = GENERATION_CONFIG_SAMPLING_KEYS.get(key)
+            if name is None:
+                raise ConfigError(
+                    f"override_generation_config: {key!r} is not a sampling default conveyor "
+                    f"takes (one of {', '.join(GENERATION_CONFIG_SAMPLING_KEYS)})"
+                )
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ConfigError(f"override_generation_config: {key} must be a number")
+            defaults[name] = int(value) if name in ("top_k", "max_tokens") else float(value)
+        try:  # every request starts from these: a bad one must fail here, not each request
+            SamplingParams(**defaults)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"override_generation_config: {exc}") from None
+        return defaults
 
     def _node_config(self) -> NodeConfig:
         return NodeConfig(
@@ -215,8 +295,13 @@ class EngineArgs:
         return self.device
 
     def _read_chat_template(self) -> str | None:
+        """The file chat_template names or, as vLLM takes it too, the template itself."""
         if self.chat_template is None:
             return None
+        if not Path(self.chat_template).exists() and any(
+            mark in self.chat_template for mark in ("{{", "{%")
+        ):
+            return self.chat_template
         try:
             return Path(self.chat_template).read_text()
         except (OSError, UnicodeDecodeError) as exc:
@@ -271,9 +356,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     group.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=human_readable_int,
         default=d.max_num_batched_tokens,
-        help="token budget per step (default 2048; whole-prompt policies: max(2048, context))",
+        help="token budget per step, e.g. 8192 or 8k (default 2048; whole-prompt policies: "
+        "max(2048, context))",
     )
     group.add_argument(
         "--block-size",
@@ -284,7 +370,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--attention-backend",
-        choices=ATTENTION_BACKENDS,
+        type=_attention_backend,
+        metavar="{" + ",".join(ATTENTION_BACKENDS) + "}",
         default=d.attention_backend,
         help="auto: on CUDA flash-attn when it can run, else the Triton kernel, else torch ops; "
         "on CPU torch ops and the compiled CPU kernel; a forced choice that cannot run fails "
@@ -292,7 +379,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--enforce-eager",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=d.enforce_eager,
         help="on CUDA, capture no CUDA graphs: every decode step runs eagerly (CPU never uses them)",
     )
@@ -302,6 +389,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=d.kv_cache_memory,
         help="KV cache bytes per worker, e.g. 512M (default: 1G on CPU; on CUDA what "
         "--gpu-memory-utilization leaves after profiling, a set value must fit there)",
+    )
+    group.add_argument(
+        "--kv-cache-memory-bytes",
+        dest="kv_cache_memory",
+        type=positive_human_readable_int,
+        default=argparse.SUPPRESS,
+        help="the same as vLLM writes it: 8G = 8 GiB, 8g = 8,000,000,000 bytes",
     )
     group.add_argument(
         "--gpu-memory-utilization",
@@ -321,12 +415,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
-    group.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    group.add_argument(
+        "--max-model-len",
+        type=human_readable_int_or_auto,
+        default=d.max_model_len,
+        help="context length, e.g. 4096, 32k (32,000) or 32K (32,768); auto or -1 (the default): "
+        "the model's, lowered to what the KV cache holds",
+    )
     group.add_argument("--dtype", default=d.dtype)
     group.add_argument(
         "--quantization",
         "-q",
-        choices=QUANTIZATION_METHODS,
+        type=_quantization,
+        metavar="{" + ",".join(QUANTIZATION_METHODS) + "}",
         default=d.quantization,
         help="int8: the decoder's linears and experts in int8, one scale per output row, "
         "activations in --dtype (CPU only; faster decoding at small batches, a quarter of "
@@ -334,13 +435,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument("--device", default=d.device)
     group.add_argument("--seed", type=int, default=d.seed)
-    group.add_argument("--queue-order", choices=("fcfs", "priority"), default=d.queue_order)
+    group.add_argument(
+        "--queue-order",
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default=d.queue_order,
+        help="fcfs, or priority (a request's priority field, lower first)",
+    )
     group.add_argument(
         "--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold
     )
-    group.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
     group.add_argument(
         "--data-parallel-size",
+        "-dp",
         type=int,
         default=d.data_parallel_size,
         metavar="N",
@@ -349,7 +457,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--async-scheduling",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=d.async_scheduling,
         help="schedule the next step while the workers run the current one (same outputs)",
     )
@@ -398,6 +506,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "prefix-cache hits) every S seconds while it works; 0 = never",
     )
     group.add_argument(
+        "--disable-log-stats",
+        dest="stats_interval_s",
+        action="store_const",
+        const=0.0,
+        default=argparse.SUPPRESS,
+        help="no stats line (--stats-interval-s 0)",
+    )
+    group.add_argument(
         "--generation-config",
         default=d.generation_config,
         metavar="auto|vllm|DIR",
@@ -406,28 +522,104 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "vllm = none, DIR = that folder's generation_config.json",
     )
     group.add_argument(
+        "--override-generation-config",
+        type=_json_object,
+        default=d.override_generation_config,
+        metavar="JSON",
+        help="sampling defaults set on top of --generation-config's, by generation_config.json "
+        'names, e.g. \'{"temperature": 0.6, "max_new_tokens": 512}\'',
+    )
+    group.add_argument(
         "--chat-template",
         metavar="FILE",
         default=d.chat_template,
-        help="a Jinja chat template replacing the model's own",
+        help="a Jinja chat template replacing the model's own (a file, or the template itself)",
+    )
+    group.add_argument(
+        "--tokenizer",
+        default=d.tokenizer,
+        help="the tokenizer's directory or cached Hugging Face id (default: the model's)",
+    )
+    group.add_argument(
+        "--tokenizer-revision",
+        default=d.tokenizer_revision,
+        help="with a --tokenizer id: the snapshot's branch, tag or commit",
     )
     group.add_argument(
         "--tool-call-parser",
         choices=sorted(PARSERS),
         default=d.tool_call_parser,
-        help="the format the model writes tool calls in, for tool_choice auto "
-        "(hermes: Hermes, Qwen 2.5/3; llama3_json: Llama 3.x)",
+        help="the format the model writes tool calls in (hermes: Hermes, Qwen 2.5/3; "
+        "llama3_json: Llama 3.x); tool_choice auto needs --enable-auto-tool-choice too",
+    )
+    group.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=d.max_logprobs,
+        metavar="N",
+        help="the most logprobs (and prompt logprobs) a request may ask for per token; -1: the "
+        f"whole vocabulary (default {MAX_LOGPROBS})",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        default=d.enable_auto_tool_choice,
+        help='serve tool_choice "auto" (the model decides whether to call), read with '
+        "--tool-call-parser; without it auto is refused, required and named choices still work",
     )
     add_node_args(parser, d)
+    add_vllm_flags(parser, ENGINE_FLAGS)
     return parser
+
+
+# vLLM's names of the attention backends conveyor has too.
+_VLLM_ATTENTION_BACKENDS = {
+    "FLASH_ATTN": "flash-attn",
+    "TRITON_ATTN": "triton",
+    "TORCH_SDPA": "torch",
+    "CPU_ATTN": "cpu-kernel",
+}
+
+
+def _attention_backend(text: str) -> str:
+    name = _VLLM_ATTENTION_BACKENDS.get(text.upper(), text)
+    if name not in ATTENTION_BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: conveyor's backends are {', '.join(ATTENTION_BACKENDS)} (vLLM's "
+            f"{', '.join(_VLLM_ATTENTION_BACKENDS)} are taken for them)"
+        )
+    return name
+
+
+def _quantization(text: str) -> str:
+    if text not in QUANTIZATION_METHODS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: conveyor quantizes the weights itself, to int8 at load (-q int8, CPU); "
+            "checkpoints already quantized load only in gpt-oss's mxfp4, without this flag"
+        )
+    return text
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def add_node_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
     """Where the hosts of one tensor-parallel group meet."""
     group = parser.add_argument_group("tensor parallelism across hosts")
-    group.add_argument("--nnodes", type=int, default=d.nnodes, help="hosts sharing the ranks")
+    group.add_argument("--nnodes", "-n", type=int, default=d.nnodes, help="hosts sharing the ranks")
     group.add_argument(
-        "--node-rank", type=int, default=d.node_rank, help="this host (0: the head, the engine)"
+        "--node-rank",
+        "-r",
+        type=int,
+        default=d.node_rank,
+        help="this host (0: the head, the engine)",
     )
     group.add_argument(
         "--master-addr",

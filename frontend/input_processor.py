@@ -294,7 +294,7 @@ class InputProcessor:
             )
         vocab_size = self.config.model.vocab_size
         for prompt_params in per_prompt:
-            problem = find_vocab_problem(prompt_params, vocab_size)
+            problem = find_vocab_problem(prompt_params, vocab_size, self.config.model.max_logprobs)
             if problem is not None:
                 raise PromptError(problem, problem.split(" ", 1)[0])
         per_prompt = [self.resolve_structured_outputs(p, structured_param) for p in per_prompt]

@@ -62,7 +62,7 @@ class LLM:
                 "LLM drives one engine: data_parallel_size > 1 is served by "
                 "`conveyor serve --data-parallel-size N`"
             )
-        self.tokenizer = load_tokenizer(config.model.model)
+        self.tokenizer = load_tokenizer(config.model.tokenizer_dir)
         self._engine: InProcessEngineClient | MPEngineClient
         if engine == "mp":
             self._engine = MPEngineClient(

@@ -15,6 +15,8 @@ from typing import Literal
 
 import msgspec
 
+from conveyor.protocol.sampling_params import MAX_LOGPROBS
+
 Policy = Literal["stall-free", "prefill-first", "orca", "static"]
 QueueOrder = Literal["fcfs", "priority"]
 
@@ -52,12 +54,21 @@ class ModelConfig(msgspec.Struct, frozen=True):
     sampling_defaults: dict[str, int | float] = {}
     # A chat template that replaces the tokenizer's own (``--chat-template FILE``).
     chat_template: str | None = None
-    # How the frontends read tool calls out of the text (``--tool-call-parser``); None: no
-    # ``tool_choice: "auto"``.
+    # How the frontends read tool calls out of the text for ``tool_choice: "auto"``
+    # (``--tool-call-parser`` with ``--enable-auto-tool-choice``); None: no auto.
     tool_call_parser: str | None = None
     # One of QUANTIZATION_METHODS, applied to the decoder's linears and experts at load time;
     # None: none.
     quantization: str | None = None
+    # The tokenizer's directory when it is not the model's (``--tokenizer``); None: ``model``.
+    tokenizer: str | None = None
+    # The most logprobs (and prompt logprobs) a request may ask for per token (--max-logprobs;
+    # at most the vocabulary).
+    max_logprobs: int = MAX_LOGPROBS
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.tokenizer or self.model
 
 
 class CacheConfig(msgspec.Struct, frozen=True):

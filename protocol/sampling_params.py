@@ -14,7 +14,8 @@ import msgspec
 
 # A cap that keeps one request from asking the frontend to fan out unbounded work.
 MAX_N = 16
-# Top-k alternatives per token; the sampler sorts the full vocabulary row at most once per token.
+# Top-k alternatives per token unless the server sets its own cap (vLLM's --max-logprobs, whose
+# default this is); the sampler sorts the full vocabulary row at most once per token.
 MAX_LOGPROBS = 20
 # Stop strings are searched in the text after every token, stop token ids looked up per token:
 # caps that keep one request's per-token stop checks (and its wire size) small. A streamed choice
@@ -173,10 +174,10 @@ def find_sampling_problem(p: SamplingParams) -> str | None:
         )
     if any(not isinstance(t, int) or t < 0 for t in p.stop_token_ids):
         return "stop_token_ids must be non-negative token ids"
-    if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
-        return f"logprobs must be between 0 and {MAX_LOGPROBS}, got {p.logprobs}"
-    if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= MAX_LOGPROBS:
-        return f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {p.prompt_logprobs}"
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(p, name)
+        if value is not None and value < 0:
+            return f"{name} must be >= 0, got {value}"
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(p, name)
         if not _finite(value) or not -2.0 <= value <= 2.0:
@@ -208,9 +209,16 @@ def find_sampling_problem(p: SamplingParams) -> str | None:
     return None
 
 
-def find_vocab_problem(p: SamplingParams, vocab_size: int) -> str | None:
-    """A token id of ``p`` outside the model's vocabulary, or None: the checks that need the
-    model, made by the frontend and again by the engine."""
+def find_vocab_problem(
+    p: SamplingParams, vocab_size: int, max_logprobs: int = MAX_LOGPROBS
+) -> str | None:
+    """A token id of ``p`` outside the model's vocabulary, or more logprobs than the server's
+    cap (``max_logprobs``, at most the vocabulary), or None: the checks that need the model,
+    made by the frontend and again by the engine."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(p, name)
+        if value is not None and value > max_logprobs:
+            return f"{name} must be between 0 and {max_logprobs} (max_logprobs), got {value}"
     for name, ids in (
         ("stop_token_ids", p.stop_token_ids),
         ("logit_bias", p.logit_bias),

@@ -55,11 +55,13 @@ def spawn_module(
     *,
     env: dict[str, str] | None = None,
     stdin_pipe: bool = False,
+    pass_fds: Sequence[int] = (),
 ) -> subprocess.Popen[bytes]:
     """Start ``python -P -m module args...`` with this interpreter (``python_command``).
 
     ``env`` is added to this process's environment (secrets go there, never on a command line
-    that every local user can read). Each child gets a session of its own: a Ctrl-C in the
+    that every local user can read); ``pass_fds`` stay open in the child under the same numbers
+    (every other descriptor is closed there). Each child gets a session of its own: a Ctrl-C in the
     terminal then reaches only the parent, which decides how its children stop, and on Linux each
     is its own scheduling group (autogroup), so one process's busy threads cannot crowd another's
     out. A shutdown signal arriving meanwhile is held until the child's handle exists, and raised
@@ -70,7 +72,11 @@ def spawn_module(
     stdin = subprocess.PIPE if stdin_pipe else None
     with signals_held():
         return subprocess.Popen(
-            command, env={**os.environ, **(env or {})}, start_new_session=True, stdin=stdin
+            command,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+            stdin=stdin,
+            pass_fds=tuple(pass_fds),
         )
 
 
@@ -78,12 +84,18 @@ class ChildProcess:
     """One conveyor child. ``start`` it, poll ``exit_code``, and always ``stop`` it."""
 
     def __init__(
-        self, name: str, module: str, args: Sequence[str] = (), env: dict[str, str] | None = None
+        self,
+        name: str,
+        module: str,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        pass_fds: Sequence[int] = (),
     ) -> None:
         self.name = name
         self.module = module
         self.args = list(args)
         self.env = dict(env or {})
+        self.pass_fds = tuple(pass_fds)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -95,7 +107,9 @@ class ChildProcess:
         # Held until the handle is stored: raised as spawn_module returns, the signal would
         # lose it, and the child would run on with nobody to stop it.
         with signals_held():
-            self.process = spawn_module(self.module, self.args, env=self.env)
+            self.process = spawn_module(
+                self.module, self.args, env=self.env, pass_fds=self.pass_fds
+            )
         logger.info("started %s, pid %d", self.name, self.process.pid)
         return self
 

@@ -502,7 +502,7 @@ class ModelRunner:
 
     def _make_grammar_runtime(self) -> GrammarRuntime:
         model = self.config.model
-        return GrammarRuntime(model.model, self.vocab_size, model.eos_token_ids)
+        return GrammarRuntime(model.tokenizer_dir, self.vocab_size, model.eos_token_ids)
 
 
 def _has_penalty(params: SamplingParams) -> bool:

@@ -3,7 +3,8 @@
 Runs in an HTTP frontend process (``python -m conveyor.frontend``), on a uvloop event loop. At start-up the
 app attaches to its running engines (an ``EngineGroupClient``: one more client of each
 data-parallel engine, routing every request to one of them) and loads the model's tokenizer from
-the directory the engines name; each frontend process is its own engine client, so several of them (sharing one port through SO_REUSEPORT) add tokenizing and streaming CPU.
+the directory the engines name; each frontend process is its own engine client, so several of them (each on a socket of the
+port the supervisor bound) add tokenizing and streaming CPU.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 while
 no engine serves this frontend, saying why, or while this frontend drains), GET /metrics (Prometheus
@@ -37,6 +38,7 @@ from conveyor.frontend.server.completions import create_completion
 from conveyor.frontend.server.connection import DEFAULT_MAX_REQUEST_BODY_BYTES
 from conveyor.frontend.server.errors import RETRY_AFTER_UNAVAILABLE_S, ApiError, error_response
 from conveyor.frontend.server.gate import GateMiddleware
+from conveyor.frontend.server.http_options import HttpOptions, outer_middleware
 from conveyor.frontend.server.metrics import PUBLISH_INTERVAL_S, FrontendMetrics
 from conveyor.frontend.server.request_log import RequestLogger
 from conveyor.frontend.server.request_models import (
@@ -75,8 +77,10 @@ CLIENT_CLOSED_STATUS = 499
 class ServerSettings:
     # One address per data-parallel engine (engine i at index i).
     engine_addresses: tuple[str, ...]
-    served_model_name: str | None = None
-    api_key: str | None = None
+    # Every name the API takes for the model, the first in responses; empty: the model's path.
+    served_model_names: tuple[str, ...] = ()
+    # Any of these in "Authorization: Bearer KEY"; empty: no key needed.
+    api_keys: tuple[str, ...] = ()
     max_queued_requests: int | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     # The engine already runs when a frontend attaches: a wrong address must not hang for long.
@@ -93,6 +97,8 @@ class ServerSettings:
     # Which engine serves each request (frontend.engine_client.router).
     router: str = "prefix-affinity"
     router_affinity_margin: float = DEFAULT_AFFINITY_MARGIN
+    # TLS, CORS, the root path, uvicorn's log level, X-Request-Id headers.
+    http: HttpOptions = HttpOptions()
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -160,8 +166,9 @@ async def version_route(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     state = _serving(request)
-    card = ModelCard(state.model_name, state.created, context_limit(state.config))
-    return Response(encode_json(ModelList([card])), media_type="application/json")
+    limit = context_limit(state.config)
+    cards = [ModelCard(name, state.created, limit) for name in state.model_names]
+    return Response(encode_json(ModelList(cards)), media_type="application/json")
 
 
 async def health(request: Request) -> Response:
@@ -233,8 +240,9 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     publisher: asyncio.Task[None] | None = None
     try:
         # Off the loop: loading a tokenizer takes a while and the engine heartbeat must go on.
-        tokenizer = await asyncio.to_thread(load_tokenizer, client.config.model.model)
-        model_name = settings.served_model_name or client.config.model.model
+        tokenizer = await asyncio.to_thread(load_tokenizer, client.config.model.tokenizer_dir)
+        model_names = settings.served_model_names or (client.config.model.model,)
+        model_name = model_names[0]
         metrics = None
         if settings.enable_metrics:
             metrics = FrontendMetrics(client.config, model_name, client.engine_labels)
@@ -242,7 +250,13 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
         if settings.log_requests:
             request_log = RequestLogger(tokenizer, settings.log_prompts)
         app.state.serving = state = ServingState(
-            client, tokenizer, model_name, metrics, settings.max_request_body_bytes, request_log
+            client,
+            tokenizer,
+            model_name,
+            metrics,
+            settings.max_request_body_bytes,
+            request_log,
+            model_names=model_names,
         )
         if metrics is not None:
             publisher = asyncio.create_task(_publish_metrics(state, metrics))
@@ -251,7 +265,7 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
             "attached to %s at %s, serving %s",
             "the engine" if client.num_engines == 1 else f"{client.num_engines} engines",
             ", ".join(settings.engine_addresses),
-            model_name,
+            " = ".join(model_names),
         )
         yield
     finally:
@@ -282,12 +296,12 @@ def build_app(settings: ServerSettings) -> Starlette:
     gate = Middleware(
         GateMiddleware,
         state=serving_state,
-        api_key=settings.api_key,
+        api_keys=settings.api_keys,
         max_queued_requests=settings.max_queued_requests,
     )
     app = Starlette(
         routes=routes,
-        middleware=[gate],
+        middleware=[*outer_middleware(settings.http), gate],
         exception_handlers={
             ApiError: _api_error,
             HTTPException: _http_error,

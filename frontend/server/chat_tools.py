@@ -108,7 +108,9 @@ def chat_tools(body: ChatCompletionRequest, parser_name: str | None) -> ChatTool
         )
     if parser_name is None:
         raise bad_request(
-            'tool_choice "auto" needs the server started with --tool-call-parser', "tool_choice"
+            'tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
+            "--tool-call-parser",
+            "tool_choice",
         )
     parallel = body.parallel_tool_calls is not False
     return ChatTools("auto", tools, parser=PARSERS[parser_name](), parallel=parallel)

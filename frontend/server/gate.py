@@ -3,8 +3,8 @@
 Runs in an HTTP frontend process. A pure ASGI middleware, so it sees a streamed response to its
 very end: a generation request counts as in flight from the moment its body has arrived until its
 last byte is sent (or its client leaves), so slow uploads hold no place. Refusals go out before
-any body is read: 401 without the key (constant-time compare; /health, /metrics and /version stay
-open), 503 + Retry-After while the engine is dead or this frontend drains, 429 + Retry-After when
+any body is read: 401 without one of the keys (constant-time compares; /health, /metrics and
+/version stay open), 503 + Retry-After while the engine is dead or this frontend drains, 429 + Retry-After when
 ``max_queued_requests`` generation requests are already in flight here (checked again when the
 body has arrived, so the count never passes the cap).
 """
@@ -38,12 +38,12 @@ class GateMiddleware:
         self,
         app: ASGIApp,
         state: Callable[[], ServingState | None],
-        api_key: str | None,
+        api_keys: tuple[str, ...],
         max_queued_requests: int | None,
     ) -> None:
         self.app = app
         self._state = state
-        self._api_key = api_key.encode() if api_key else None
+        self._api_keys = tuple(key.encode() for key in api_keys)
         self._max_queued_requests = max_queued_requests
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -66,7 +66,7 @@ class GateMiddleware:
         if refusal is not None:
             await error_response(refusal)(scope, receive, send_counted)
             return
-        generation = scope["path"] in GENERATION_PATHS
+        generation = route_path(scope) in GENERATION_PATHS
         counted = False
 
         async def receive_counted() -> Message:
@@ -95,8 +95,8 @@ class GateMiddleware:
                 state.num_in_flight -= 1
 
     def _refusal(self, scope: Scope, state: ServingState) -> ApiError | None:
-        path: str = scope["path"]
-        if self._api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
+        path = route_path(scope)
+        if self._api_keys and path not in OPEN_PATHS and not self._authorized(scope):
             return ApiError(401, "a valid API key is required (Authorization: Bearer KEY)")
         if path not in GENERATION_PATHS:
             return None
@@ -116,11 +116,20 @@ class GateMiddleware:
         return None
 
     def _authorized(self, scope: Scope) -> bool:
-        assert self._api_key is not None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(
-                    token.strip(), self._api_key
-                )
+                token = token.strip()
+                # Every key compared, whichever matches: the time tells nothing about which.
+                matches = [hmac.compare_digest(token, key) for key in self._api_keys]
+                return scheme.lower() == b"bearer" and any(matches)
         return False
+
+
+def route_path(scope: Scope) -> str:
+    """The path the routes see: uvicorn puts --root-path in front of the request's own."""
+    path: str = scope["path"]
+    root_path: str = scope.get("root_path", "")
+    if root_path and path.startswith(root_path + "/"):
+        return path[len(root_path) :]
+    return path

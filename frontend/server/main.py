@@ -4,11 +4,14 @@
     conveyor frontend --engine ADDRESS_0 --engine ADDRESS_1 --router least-loaded
 
 Runs as an HTTP frontend process. Started N times by ``conveyor serve --frontends N`` (as
-``python -m conveyor.frontend``), or by hand to add one more frontend to an engine that already runs (its
-address is in the supervisor's ``ready: engine_core ...`` line). The port is bound with SO_REUSEPORT, so frontends given the same
-port share it. With several data-parallel engines (one --engine each, as ``conveyor serve
---data-parallel-size N`` prints them), it is a client of all of them and routes each request to
-one (--router). SIGTERM/SIGINT drain: /health turns 503, in-flight requests get up to
+``python -m conveyor.frontend``), or by hand to add one more frontend to an engine that already
+runs (its address is in the supervisor's ``ready: engine_core ...`` line). ``conveyor serve``'s
+frontends accept on listening sockets it bound (``--listen-fd``, inherited); one started by
+hand binds ``--host``/``--port`` itself, a port no other process holds. With several
+data-parallel engines (one --engine each, as ``conveyor serve --data-parallel-size N`` prints
+them), it is a client of all of them and routes each request to one (--router). vLLM's server
+flags are taken too (TLS, CORS, --root-path, several --served-model-name and --api-key values;
+``frontend.vllm_flags`` for the ones conveyor has no option for). SIGTERM/SIGINT drain: /health turns 503, in-flight requests get up to
 --drain-timeout-s to finish, then the process exits 0. An engine that answers no heartbeat for
 --engine-silence-timeout-s (stopped, swapped out), dropped this frontend, or died is attached
 again as soon as it answers at its address (meanwhile /health and new requests get 503 saying
@@ -21,18 +24,29 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 
 from conveyor.frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN, ROUTER_POLICIES
 from conveyor.frontend.server.connection import DEFAULT_MAX_REQUEST_BODY_BYTES, ConnectionLimits
+from conveyor.frontend.server.http_options import add_http_args, http_options
 from conveyor.frontend.server.metrics_dir import ensure_multiprocess_dir
+from conveyor.frontend.vllm_flags import (
+    SERVER_FLAGS,
+    FlagParser,
+    add_vllm_flags,
+    flags_without_effect,
+    normalize_vllm_argv,
+)
 from conveyor.runtime.exit_codes import ExitCode
 from conveyor.runtime.flags import float_at_least, non_negative_float, positive_float
 from conveyor.runtime.logs import configure_logging
 from conveyor.runtime.parent import tie_to_parent
 
-# The API key may come from the environment, which, unlike a command line, other users cannot read.
+# The API key may come from the environment, which, unlike a command line, other users cannot read
+# (one key a line); vLLM's variable is read too.
 API_KEY_ENV = "CONVEYOR_API_KEY"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
 
 
 def _positive_int(text: str) -> int:
@@ -79,34 +93,50 @@ def add_api_key_args(parser: argparse._ActionsContainer) -> None:
         type=Path,
         default=None,
         metavar="FILE",
-        help=f"require 'Authorization: Bearer KEY' on /v1/*, KEY read from FILE (or ${API_KEY_ENV})",
+        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and "
+        f"/version, KEY one of FILE's lines (or of ${API_KEY_ENV}'s, else ${VLLM_API_KEY_ENV})",
     )
     parser.add_argument(
         "--api-key",
+        nargs="+",
+        action="extend",
         default=None,
         metavar="KEY",
-        help="the same, KEY given here: visible to every local user in ps; prefer the file",
+        help="the same, with any of these KEYs: visible to every local user in ps; prefer the file",
     )
 
 
-def resolve_api_key(args: argparse.Namespace) -> str | None:
-    """--api-key-file, then --api-key (with a warning: it shows in ps), then $CONVEYOR_API_KEY."""
+def resolve_api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """Every key a request may bring: --api-key-file's lines, else --api-key's (with a warning:
+    they show in ps), else $CONVEYOR_API_KEY's lines, else $VLLM_API_KEY. Empty: no key."""
     if args.api_key_file is not None:
         try:
-            key = args.api_key_file.read_text().strip()
+            keys = _lines(args.api_key_file.read_text())
         except OSError as exc:
             raise SystemExit(f"--api-key-file: cannot read {args.api_key_file}: {exc}") from None
-        if not key:
+        if not keys:
             raise SystemExit(f"--api-key-file: {args.api_key_file} is empty")
-        return key
+        return keys
     if args.api_key:
         logging.getLogger("conveyor.frontend").warning(
             "--api-key on the command line can be read by every local user (ps); use "
             "--api-key-file FILE or $%s",
             API_KEY_ENV,
         )
-        return args.api_key
-    return os.environ.get(API_KEY_ENV) or None
+        keys = _lines("\n".join(args.api_key))
+        if len(keys) != len(args.api_key):
+            raise SystemExit("--api-key: a key must not be empty or hold a line break")
+        return keys
+    return _lines(os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV) or "")
+
+
+def api_key_env(keys: tuple[str, ...]) -> dict[str, str]:
+    """The environment that hands ``keys`` to a frontend (never its command line)."""
+    return {API_KEY_ENV: "\n".join(keys)} if keys else {}
+
+
+def _lines(text: str) -> tuple[str, ...]:
+    return tuple(line.strip() for line in text.splitlines() if line.strip())
 
 
 def add_connection_args(parser: argparse._ActionsContainer) -> None:
@@ -153,6 +183,12 @@ def add_frontend_process_args(parser: argparse.ArgumentParser) -> argparse.Argum
     )
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--listen-fd",
+        type=int,
+        default=None,
+        help=argparse.SUPPRESS,  # conveyor serve's: the listening socket it bound (inherited)
+    )
     add_api_key_args(parser)
     parser.add_argument(
         "--max-queued-requests",
@@ -160,13 +196,11 @@ def add_frontend_process_args(parser: argparse.ArgumentParser) -> argparse.Argum
         default=None,
         help="answer 429 while this many generation requests are in flight in this frontend",
     )
-    parser.add_argument(
-        "--served-model-name", default=None, help="the model's name in the API (default: its path)"
-    )
+    add_served_model_name_arg(parser, "its path")
     parser.add_argument(
         "--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES
     )
-    parser.add_argument("--drain-timeout-s", type=non_negative_float, default=5.0)
+    add_drain_args(parser)
     add_router_args(parser)
     add_connection_args(parser)
     parser.add_argument(
@@ -179,8 +213,37 @@ def add_frontend_process_args(parser: argparse.ArgumentParser) -> argparse.Argum
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when it dies")
     parser.add_argument("--ready-file", type=Path, default=None, help="written once serving")
     add_observability_args(parser)
+    add_http_args(parser)
+    add_vllm_flags(parser, SERVER_FLAGS)
     parser.add_argument("--log-level", default=None, help="default: $CONVEYOR_LOG_LEVEL or INFO")
     return parser
+
+
+def add_served_model_name_arg(parser: argparse._ActionsContainer, default: str) -> None:
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model's names in the API: requests may use any, /v1/models lists each, "
+        f"responses carry the first (default: {default})",
+    )
+
+
+def add_drain_args(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=non_negative_float,
+        default=5.0,
+        help="on SIGTERM: how long in-flight requests may run on before they are aborted",
+    )
+    parser.add_argument(  # vLLM's name for it (whole seconds there)
+        "--shutdown-timeout",
+        dest="drain_timeout_s",
+        type=non_negative_float,
+        default=argparse.SUPPRESS,
+        help="the same as --drain-timeout-s",
+    )
 
 
 def add_router_args(parser: argparse._ActionsContainer) -> None:
@@ -250,9 +313,13 @@ def parse_args(
     prog: str = "conveyor frontend",
     description: str = __doc__.split("\n")[0],
 ) -> argparse.Namespace:
-    parser = add_frontend_process_args(argparse.ArgumentParser(prog=prog, description=description))
-    args = parser.parse_args(argv)
+    parser = add_frontend_process_args(FlagParser(prog=prog, description=description))
+    args = parser.parse_args(normalize_vllm_argv(sys.argv[1:] if argv is None else argv))
     check_observability_args(parser, args)
+    try:
+        args.http = http_options(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
 
 
@@ -267,12 +334,12 @@ def run(args: argparse.Namespace) -> int:
         ensure_multiprocess_dir()
     # Imported only now: prometheus_client picks its (multiprocess) mode when it first loads.
     from conveyor.frontend.server.app import ServerSettings
-    from conveyor.frontend.server.runner import bind_shared_socket, run_server
+    from conveyor.frontend.server.runner import listening_socket, run_server
 
     settings = ServerSettings(
         engine_addresses=tuple(args.engine),
-        served_model_name=args.served_model_name,
-        api_key=resolve_api_key(args),
+        served_model_names=tuple(args.served_model_name or ()),
+        api_keys=resolve_api_keys(args),
         max_queued_requests=args.max_queued_requests,
         max_request_body_bytes=args.max_request_body_bytes,
         engine_ready_timeout_s=args.engine_ready_timeout_s,
@@ -283,9 +350,12 @@ def run(args: argparse.Namespace) -> int:
         log_prompts=args.log_prompts,
         router=args.router,
         router_affinity_margin=args.router_affinity_margin,
+        http=args.http,
     )
+    for flag, why in flags_without_effect(args):
+        logging.getLogger("conveyor.frontend").info("%s has no effect here: %s", flag, why)
     try:
-        sock = bind_shared_socket(args.host, args.port)
+        sock = listening_socket(args.host, args.port, args.listen_fd)
     except OSError as exc:
         logging.getLogger("conveyor.frontend").error(
             "cannot listen on %s:%d: %s", args.host, args.port, exc

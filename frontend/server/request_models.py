@@ -22,7 +22,7 @@ import msgspec
 
 from conveyor.frontend.server.errors import bad_request
 from conveyor.protocol import SamplingParams, StructuredOutputsParams
-from conveyor.protocol.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from conveyor.protocol.sampling_params import MAX_STOP_TOKEN_IDS
 
 # OpenAI's default max_tokens for /v1/completions.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -588,8 +588,9 @@ def check_completion_request(body: CompletionRequest) -> None:
         raise bad_request("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of is not supported (use n)", "best_of")
-    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
+    # The server's cap (--max-logprobs) is checked with the other limits of the model.
+    if body.logprobs is not None and body.logprobs < 0:
+        raise bad_request("logprobs must be >= 0", "logprobs")
 
 
 def chat_num_logprobs(body: ChatCompletionRequest) -> int | None:
@@ -597,8 +598,8 @@ def chat_num_logprobs(body: ChatCompletionRequest) -> int | None:
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
+        if body.top_logprobs < 0:
+            raise bad_request("top_logprobs must be >= 0", "top_logprobs")
     if not body.logprobs:
         return None
     return body.top_logprobs or 0

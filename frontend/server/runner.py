@@ -1,4 +1,5 @@
-"""Running the app: uvicorn on a shared port, a drain on SIGTERM, a ready file, exit codes.
+"""Running the app: uvicorn on the server's listening socket, a drain on SIGTERM, a ready file,
+exit codes.
 
 Runs in an HTTP frontend process (``python -m conveyor.frontend``), on a uvloop event loop.
 """
@@ -19,8 +20,10 @@ import uvicorn
 
 from conveyor.frontend.server.app import ServerSettings, build_app
 from conveyor.frontend.server.connection import ConnectionLimits, guarded_protocol
+from conveyor.frontend.server.http_options import uvicorn_settings
 from conveyor.frontend.server.serving import ServingState
 from conveyor.runtime.exit_codes import ExitCode
+from conveyor.runtime.listen import bind_listening_socket
 
 logger = logging.getLogger(__name__)
 
@@ -94,20 +97,13 @@ async def drain(state: ServingState, timeout_s: float) -> None:
         await state.client.shutdown(f"the server shut down (drain timeout {timeout_s:g} s)")
 
 
-def bind_shared_socket(host: str, port: int) -> socket.socket:
-    """A listening socket with SO_REUSEPORT: every frontend on this port gets its own, and the
-    kernel spreads new connections across them."""
-    family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if hasattr(socket, "SO_REUSEPORT"):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
+def listening_socket(host: str, port: int, inherited_fd: int | None = None) -> socket.socket:
+    """The socket this frontend accepts on: the one ``conveyor serve`` bound for it and handed
+    down (``inherited_fd``), else one of its own on ``host``:``port``."""
+    if inherited_fd is not None:
+        sock = socket.socket(fileno=inherited_fd)
+    else:
+        sock = bind_listening_socket(host, port)
     sock.setblocking(False)
     return sock
 
@@ -132,6 +128,7 @@ def run_server(
         access_log=access_log,
         # After our drain only error events and idle connections are left to close.
         timeout_graceful_shutdown=_CLOSE_TIMEOUT_S,
+        **uvicorn_settings(settings.http),
     )
     server = _Server(config, ready_file, drain_timeout_s)
     # uvicorn re-raises a caught signal once it has stopped; with this handler that re-raise

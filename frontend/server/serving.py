@@ -79,6 +79,8 @@ class ServingState:
     max_request_body_bytes: int
     # None unless --enable-log-requests.
     request_log: RequestLogger | None = None
+    # Every name requests may give the model (--served-model-name a b); empty: model_name.
+    model_names: tuple[str, ...] = ()
     # Generation requests whose body has arrived and whose response has not ended yet: the
     # per-frontend queue cap and the drain count them.
     num_in_flight: int = 0
@@ -88,6 +90,7 @@ class ServingState:
     cpu_pool: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
+        self.model_names = self.model_names or (self.model_name,)
         self.inputs = InputProcessor(
             self.client.config,
             self.tokenizer,
@@ -120,7 +123,7 @@ class ServingState:
 
 def check_model(state: ServingState, model: str | None) -> None:
     # An omitted model means the one this server serves (as vLLM allows).
-    if model is not None and model != state.model_name:
+    if model is not None and model not in state.model_names:
         raise ApiError(404, f"the model {model!r} does not exist", "model")
 
 

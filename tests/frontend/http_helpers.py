@@ -31,7 +31,7 @@ SERVE = [*CONVEYOR, "serve"]
 ENGINE_READY = re.compile(r"^ready: engine_core pid=(\d+) address=(\S+)$")
 # With --data-parallel-size N: one line per engine, engine_core-RANK.
 DP_ENGINE_READY = re.compile(r"^ready: engine_core-(\d+) pid=(\d+) address=(\S+)$")
-HTTP_READY = re.compile(r"^ready: (http://\S+)$")
+HTTP_READY = re.compile(r"^ready: (https?://\S+)$")
 MODEL_NAME = "tiny"
 
 
@@ -358,3 +358,19 @@ def wait_for(condition: Any, timeout_s: float, interval_s: float = 0.05) -> Any:
         time.sleep(interval_s)
         value = condition()
     return value
+
+
+def assert_refused_before_the_model_loads(model_dir: Path, port: int) -> None:
+    """``conveyor serve`` on ``port``, which another program holds, exits 2 at once, naming it,
+    before it starts an engine."""
+    started = time.monotonic()
+    result = subprocess.run(
+        [*SERVE, str(model_dir), "--port", str(port), "--kv-cache-memory", "16M"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}: [Errno 98]" in result.stderr
+    assert "engine_core" not in result.stderr, "it started an engine first"
+    assert time.monotonic() - started < 30

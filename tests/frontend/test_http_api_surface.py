@@ -5,9 +5,9 @@ structured outputs and tool calling through the official ``openai`` client.
 One ``conveyor serve`` per module on the tiny Qwen3, started with ``--generation-config DIR``
 (a folder whose generation_config.json says temperature 0 and max_new_tokens 7),
 ``--chat-template FILE`` (a template that reads ``enable_thinking`` and writes tools and tool
-calls, as Qwen3's does), ``--tool-call-parser hermes`` and ``--disable-metrics`` (so every
-request here also runs without metrics). Greedy outputs are compared with ``LLM`` on the same
-prompts, and templates with ``transformers``.
+calls, as Qwen3's does), ``--tool-call-parser hermes --enable-auto-tool-choice`` and
+``--disable-metrics`` (so every request here also runs without metrics). Greedy outputs are
+compared with ``LLM`` on the same prompts, and templates with ``transformers``.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     (folder / "template.jinja").write_text(TEMPLATE)
     extra = ["--frontends", "1", "--generation-config", str(defaults)]
     extra += ["--chat-template", str(folder / "template.jinja"), "--tool-call-parser", "hermes"]
-    extra.append("--disable-metrics")
+    extra += ["--enable-auto-tool-choice", "--disable-metrics"]
     served = start_served_http(tiny_model_dir, folder / "serve.log", extra)
     try:
         yield served

@@ -314,7 +314,7 @@ def test_the_gate_counts_a_request_that_raised_once_as_a_500():
 
     scope = {"type": "http", "path": "/v1/completions", "headers": []}
     for app in (fails_before_answering, fails_while_streaming):
-        gate = GateMiddleware(app, lambda: state, api_key=None, max_queued_requests=None)
+        gate = GateMiddleware(app, lambda: state, api_keys=(), max_queued_requests=None)
         with pytest.raises(RuntimeError, match="a bug"):
             asyncio.run(gate(scope, ignore, ignore))
     assert sorted(statuses) == [200, 500]

@@ -14,6 +14,7 @@ from conveyor.protocol.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     find_sampling_problem,
+    find_vocab_problem,
 )
 
 BAD_VALUES = [
@@ -39,8 +40,8 @@ BAD_VALUES = [
         {"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))},
         "stop_token_ids must hold at most 256 distinct ids, got 257",
     ),
-    ({"logprobs": -1}, "logprobs must be between 0 and 20, got -1"),
-    ({"logprobs": MAX_LOGPROBS + 1}, "logprobs must be between 0 and 20, got 21"),
+    ({"logprobs": -1}, "logprobs must be >= 0, got -1"),
+    ({"prompt_logprobs": -2}, "prompt_logprobs must be >= 0, got -2"),
     ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\], got 2.5"),
     ({"frequency_penalty": -2.01}, r"frequency_penalty must be in \[-2, 2\]"),
     ({"frequency_penalty": math.nan}, r"frequency_penalty must be in \[-2, 2\]"),
@@ -120,3 +121,15 @@ def test_params_are_frozen():
     params = SamplingParams()
     with pytest.raises(AttributeError):
         params.temperature = 0.0  # type: ignore[misc]
+
+
+def test_the_servers_logprobs_cap_is_checked_with_the_model():
+    """The cap is the server's (--max-logprobs, vLLM's 20 by default), checked where the model
+    is known: by the frontend and again by the engine."""
+    many = SamplingParams(logprobs=MAX_LOGPROBS + 1, prompt_logprobs=MAX_LOGPROBS + 1)
+    assert (
+        find_vocab_problem(many, 1000) == "logprobs must be between 0 and 20 (max_logprobs), got 21"
+    )
+    assert find_vocab_problem(many, 1000, max_logprobs=1000) is None
+    prompt_only = SamplingParams(prompt_logprobs=30)
+    assert find_vocab_problem(prompt_only, 1000, 25).startswith("prompt_logprobs must be between")
