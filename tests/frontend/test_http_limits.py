@@ -119,7 +119,6 @@ CASES = [
     ("stop-token-outside-vocab", "/v1/completions", _completion(stop_token_ids=[9999]), 400,
      "stop_token_ids"),
     ("logprobs-too-many", "/v1/completions", _completion(logprobs=21), 400, "logprobs"),
-    ("echo-with-logprobs", "/v1/completions", _completion(echo=True, logprobs=1), 400, "echo"),
     ("unknown-field", "/v1/completions", _completion(frobnicate=1), 400, "frobnicate"),
     ("unknown-model", "/v1/completions", _completion(model="gpt-9"), 404, "model"),
     ("huge-unknown-model", "/v1/completions", _completion(model="m" * 50_000), 404, "model"),
