@@ -347,10 +347,11 @@ SERVER_FLAGS: tuple[VllmFlag, ...] = (
         SWITCH,
         'streams carry usage when a request asks (stream_options {"include_usage": true})',
     ),
-    _refused(
+    _no_effect(
         "--enable-server-load-tracking",
         SWITCH,
-        "the nearest is /metrics (requests running and waiting per engine)",
+        "GET /load always answers (the generation requests in flight in the frontend that "
+        "answers; /metrics has the whole server's)",
     ),
     _refused(
         "--tool-parser-plugin --tool-server",
@@ -389,10 +390,10 @@ SERVER_FLAGS: tuple[VllmFlag, ...] = (
     _refused("--enable-ssl-refresh", SWITCH, "restart conveyor serve to load new certificates"),
     _refused("--grpc", SWITCH, "conveyor serves HTTP only"),
     _refused("--tokens-only", SWITCH, "conveyor serves the whole OpenAI-compatible API"),
-    _refused(
+    _no_effect(
         "--enable-tokenizer-info-endpoint",
         SWITCH,
-        "the nearest are /tokenize and /detokenize",
+        "GET /tokenizer_info is always served (behind the API key, if there is one)",
     ),
     _refused(
         "--enable-offline-docs",

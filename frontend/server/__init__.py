@@ -16,4 +16,6 @@ Runs in an HTTP frontend process, on a uvloop event loop.
   ``metrics_dir``     the folder a server's frontends share their metrics in
   ``request_log``     ``--enable-log-requests``: a line per request at arrival and at its end
   ``errors``          OpenAI-shaped error bodies
+  ``operator_routes`` /ping, /invocations, /tokenizer_info, /v1/models/{model}, /load
+  ``openapi``         the route table every route is registered from
 """

@@ -6,10 +6,12 @@ data-parallel engine, routing every request to one of them) and loads the model'
 the directory the engines name; each frontend process is its own engine client, so several of them (each on a socket of the
 port the supervisor bound) add tokenizing and streaming CPU.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 while
-no engine serves this frontend, saying why, or while this frontend drains), GET /metrics (Prometheus
-text: the whole server's, whichever frontend answers; 404 with --disable-metrics), POST
-/tokenize, POST /detokenize, GET /version (vLLM's shapes).
+Routes (``API_ROUTES``): POST /v1/completions, POST /v1/chat/completions, GET /v1/models and
+/v1/models/{model}, GET /health (503 while no engine serves this frontend, saying why, or while
+this frontend drains), GET /metrics (Prometheus text: the whole server's, whichever frontend
+answers; 404 with --disable-metrics), POST /tokenize, POST /detokenize, GET /version (vLLM's
+shapes), and the operator routes of ``operator_routes`` (/ping, /invocations, /tokenizer_info,
+/load). An unknown route's 404 names the routes there are.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -36,10 +38,24 @@ from conveyor.frontend.input_processor import context_limit
 from conveyor.frontend.server.chat import create_chat_completion
 from conveyor.frontend.server.completions import create_completion
 from conveyor.frontend.server.connection import DEFAULT_MAX_REQUEST_BODY_BYTES
-from conveyor.frontend.server.errors import RETRY_AFTER_UNAVAILABLE_S, ApiError, error_response
-from conveyor.frontend.server.gate import GateMiddleware
+from conveyor.frontend.server.errors import (
+    RETRY_AFTER_UNAVAILABLE_S,
+    ROUTE_LIST_CHARS,
+    ApiError,
+    error_response,
+    truncate,
+)
+from conveyor.frontend.server.gate import GateMiddleware, route_path
 from conveyor.frontend.server.http_options import HttpOptions, outer_middleware
 from conveyor.frontend.server.metrics import PUBLISH_INTERVAL_S, FrontendMetrics
+from conveyor.frontend.server.openapi import ApiRoute, shown_path
+from conveyor.frontend.server.operator_routes import (
+    ServerLoad,
+    invocation_route,
+    model_card,
+    server_load,
+    tokenizer_info,
+)
 from conveyor.frontend.server.request_log import RequestLogger
 from conveyor.frontend.server.request_models import (
     ChatCompletionRequest,
@@ -129,8 +145,12 @@ def _serving(request: Request) -> ServingState:
 
 async def read_request(request: Request, body_type: type[T]) -> T:
     """The body, decoded and type-checked; a large one is decoded off the event loop."""
-    state = _serving(request)
-    raw = await read_body(request, state.max_request_body_bytes)
+    raw = await read_body(request, _serving(request).max_request_body_bytes)
+    return await decode_request(_serving(request), raw, body_type)
+
+
+async def decode_request(state: ServingState, raw: bytes, body_type: type[T]) -> T:
+    """``raw`` decoded and type-checked; a large body off the event loop."""
     if len(raw) < LOOP_DECODE_LIMIT_BYTES:
         return decode_body(raw, body_type)
     max_prompts = state.inputs.max_choices or MAX_CHOICES_PER_REQUEST
@@ -146,6 +166,26 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     body = await read_request(request, ChatCompletionRequest)
     return await create_chat_completion(_serving(request), body, request.receive)
+
+
+# The generation routes /invocations hands a body to: path -> (request model, handler).
+GENERATION_HANDLERS: dict[str, tuple[type[Any], Callable[..., Awaitable[Response]]]] = {
+    "/v1/chat/completions": (ChatCompletionRequest, create_chat_completion),
+    "/v1/completions": (CompletionRequest, create_completion),
+}
+
+
+async def invocations(request: Request) -> Response:
+    """SageMaker's route: the body's shape picks the generation route that serves it."""
+    state = _serving(request)
+    raw = await read_body(request, state.max_request_body_bytes)
+    if len(raw) < LOOP_DECODE_LIMIT_BYTES:
+        path = invocation_route(raw)
+    else:
+        path = await state.run_cpu(invocation_route, raw)
+    body_type, handler = GENERATION_HANDLERS[path]
+    body = await decode_request(state, raw, body_type)
+    return await handler(state, body, request.receive)
 
 
 async def tokenize_route(request: Request) -> Response:
@@ -169,6 +209,19 @@ async def models(request: Request) -> Response:
     limit = context_limit(state.config)
     cards = [ModelCard(name, state.created, limit) for name in state.model_names]
     return Response(encode_json(ModelList(cards)), media_type="application/json")
+
+
+async def model_route(request: Request) -> Response:
+    card = model_card(_serving(request), request.path_params["model"])
+    return Response(encode_json(card), media_type="application/json")
+
+
+async def tokenizer_info_route(request: Request) -> Response:
+    return JSONResponse(tokenizer_info(_serving(request)))
+
+
+async def load_route(request: Request) -> Response:
+    return Response(encode_json(server_load(_serving(request))), media_type="application/json")
 
 
 async def health(request: Request) -> Response:
@@ -208,7 +261,21 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return error_response(_no_route(request))
     return error_response(ApiError(exc.status_code, str(exc.detail)))
+
+
+def _no_route(request: Request) -> ApiError:
+    """A 404 that names the routes there are (so a client on the wrong path sees the right one)."""
+    path = truncate(route_path(request.scope), 80)
+    served = ", ".join(
+        f"{'|'.join(sorted(route.methods - {'HEAD'}))} {shown_path(route.path)}"
+        for route in request.app.routes
+        if isinstance(route, Route) and route.methods
+    )
+    message = f"no route {request.method} {path}; this server answers: {served}"
+    return ApiError(404, message, max_chars=ROUTE_LIST_CHARS)
 
 
 async def _engine_dead(request: Request, exc: Exception) -> Response:
@@ -277,17 +344,40 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
         await client.shutdown()
 
 
+_GET, _POST = ("GET",), ("POST",)
+# Every route of the app (and so of /openapi.json).
+API_ROUTES = (
+    ApiRoute("/v1/completions", _POST, completions, "A completion (OpenAI)", CompletionRequest),
+    ApiRoute(
+        "/v1/chat/completions",
+        _POST,
+        chat_completions,
+        "A chat completion (OpenAI)",
+        ChatCompletionRequest,
+    ),
+    ApiRoute("/v1/models", _GET, models, "The served model's names", response=ModelList),
+    ApiRoute("/v1/models/{model:path}", _GET, model_route, "One model", response=ModelCard),
+    ApiRoute("/health", _GET, health, "200 while an engine serves this frontend, else 503"),
+    ApiRoute("/ping", ("GET", "POST"), health, "SageMaker's health check: as /health"),
+    ApiRoute(
+        "/invocations",
+        _POST,
+        invocations,
+        "SageMaker's inference route: a chat completion (messages) or a completion (prompt), "
+        "by the body's keys",
+        tuple(body_type for body_type, _ in GENERATION_HANDLERS.values()),
+    ),
+    ApiRoute("/metrics", _GET, metrics, "Prometheus metrics of the whole server"),
+    ApiRoute("/load", _GET, load_route, "Generation requests in flight here", response=ServerLoad),
+    ApiRoute("/tokenize", _POST, tokenize_route, "Tokenize a prompt or a chat", TokenizeRequest),
+    ApiRoute("/detokenize", _POST, detokenize_route, "Token ids to text", DetokenizeRequest),
+    ApiRoute("/tokenizer_info", _GET, tokenizer_info_route, "The tokenizer's configuration"),
+    ApiRoute("/version", _GET, version_route, "The server's version"),
+)
+
+
 def build_app(settings: ServerSettings) -> Starlette:
-    routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/tokenize", tokenize_route, methods=["POST"]),
-        Route("/detokenize", detokenize_route, methods=["POST"]),
-        Route("/version", version_route, methods=["GET"]),
-    ]
+    routes = [Route(r.path, r.endpoint, methods=list(r.methods)) for r in API_ROUTES]
     app: Starlette
 
     def serving_state() -> ServingState | None:

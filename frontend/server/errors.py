@@ -12,6 +12,8 @@ from starlette.responses import Response
 
 # Long enough for any message we write, short enough that echoed input cannot bloat a response.
 MAX_MESSAGE_CHARS = 512
+# A 404's list of the routes there are: the server's own words, only the path it echoes is cut.
+ROUTE_LIST_CHARS = 2048
 _ELLIPSIS = "..."
 
 # OpenAI's "type" for each status we send.
@@ -53,12 +55,14 @@ class ApiError(Exception):
         message: str,
         param: str | None = None,
         retry_after_s: int | None = None,
+        max_chars: int = MAX_MESSAGE_CHARS,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.retry_after_s = retry_after_s
+        self.max_chars = max_chars
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -69,14 +73,18 @@ def truncate(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - len(_ELLIPSIS)] + _ELLIPSIS
 
 
-def error_body(status: int, message: str, param: str | None = None) -> ErrorResponse:
+def error_body(
+    status: int, message: str, param: str | None = None, max_chars: int = MAX_MESSAGE_CHARS
+) -> ErrorResponse:
     error_type = _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "ServerError")
     param = truncate(param, 64) if param is not None else None
-    return ErrorResponse(ErrorInfo(truncate(message), error_type, param, status))
+    return ErrorResponse(ErrorInfo(truncate(message, max_chars), error_type, param, status))
 
 
-def error_json(status: int, message: str, param: str | None = None) -> bytes:
-    return msgspec.json.encode(error_body(status, message, param))
+def error_json(
+    status: int, message: str, param: str | None = None, max_chars: int = MAX_MESSAGE_CHARS
+) -> bytes:
+    return msgspec.json.encode(error_body(status, message, param, max_chars))
 
 
 def error_response(error: ApiError) -> Response:
@@ -84,7 +92,7 @@ def error_response(error: ApiError) -> Response:
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(error.retry_after_s)
     return Response(
-        error_json(error.status, error.message, error.param),
+        error_json(error.status, error.message, error.param, error.max_chars),
         status_code=error.status,
         headers=headers,
         media_type="application/json",

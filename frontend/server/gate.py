@@ -3,8 +3,8 @@
 Runs in an HTTP frontend process. A pure ASGI middleware, so it sees a streamed response to its
 very end: a generation request counts as in flight from the moment its body has arrived until its
 last byte is sent (or its client leaves), so slow uploads hold no place. Refusals go out before
-any body is read: 401 without one of the keys (constant-time compares; /health, /metrics and
-/version stay open), 503 + Retry-After while the engine is dead or this frontend drains, 429 + Retry-After when
+any body is read: 401 without one of the keys (constant-time compares; /health, /metrics,
+/version, /ping and /load stay open), 503 + Retry-After while the engine is dead or this frontend drains, 429 + Retry-After when
 ``max_queued_requests`` generation requests are already in flight here (checked again when the
 body has arrived, so the count never passes the cap).
 """
@@ -24,9 +24,10 @@ from conveyor.frontend.server.errors import (
 )
 from conveyor.frontend.server.serving import ServingState
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-# What needs no API key: probes and the version. Everything else (/tokenize spends CPU) does.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
+# What needs no API key: probes (SageMaker's /ping, vLLM's /load) and the version. Everything
+# else (/tokenize spends CPU) does.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/load"})
 
 
 def _body_complete(message: Message) -> bool:

@@ -152,14 +152,20 @@ def test_bad_input_gets_an_openai_error_and_the_engine_keeps_serving(
 
 ROUTES = [("GET", "/v1/models", 200), ("POST", "/v1/completions", 200),
           ("POST", "/v1/chat/completions", 200), ("GET", "/v1/nonexistent", 404),
-          ("POST", "/tokenize", 200), ("POST", "/detokenize", 200)]  # fmt: skip
+          ("POST", "/tokenize", 200), ("POST", "/detokenize", 200),
+          ("GET", "/v1/models/{model:path}", 200), ("POST", "/invocations", 200),
+          ("GET", "/tokenizer_info", 200)]  # fmt: skip
 BODIES = {"/v1/completions": GREEDY, "/v1/chat/completions": {"messages": CHAT_MESSAGES,
                                                               "max_tokens": 2},
-          "/tokenize": {"prompt": "x"}, "/detokenize": {"tokens": [1, 2]}}  # fmt: skip
-OPEN = {"/health", "/metrics", "/version"}
+          "/tokenize": {"prompt": "x"}, "/detokenize": {"tokens": [1, 2]},
+          "/invocations": GREEDY}  # fmt: skip
+# A route's path as the app lists it -> the path a request takes.
+REQUEST_PATHS = {"/v1/models/{model:path}": f"/v1/models/{MODEL_NAME}"}
+OPEN = {"/health", "/metrics", "/version", "/ping", "/load"}
 
 
 def _call(base_url: str, method: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    path = REQUEST_PATHS.get(path, path)
     if method == "GET":
         status, text = get(base_url, path, headers)
         return status, text.encode()
