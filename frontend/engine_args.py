@@ -20,7 +20,8 @@ from typing import Any
 import msgspec
 
 from conveyor.frontend.model_source import resolve_model
-from conveyor.frontend.tool_calls import PARSERS
+from conveyor.frontend.parsers.reasoning import REASONING_PARSERS
+from conveyor.frontend.parsers.tool_calls import TOOL_CALL_PARSERS
 from conveyor.frontend.vllm_flags import ENGINE_FLAGS, add_vllm_flags
 from conveyor.protocol import (
     CacheConfig,
@@ -132,8 +133,13 @@ class EngineArgs:
     generation_config: str = "auto"
     # A Jinja chat template file replacing the tokenizer's own.
     chat_template: str | None = None
-    # "hermes" or "llama3_json": the format of the model's tool calls.
+    # The format of the model's tool calls (a name of TOOL_CALL_PARSERS).
     tool_call_parser: str | None = None
+    # The format of the model's reasoning (a name of REASONING_PARSERS): split out of content.
+    reasoning_parser: str | None = None
+    # What an object schema that says nothing of other keys admits beyond its properties:
+    # False (nothing: strict, as xgrammar's and OpenAI's) or True (any key, JSON Schema's).
+    default_additional_properties: bool = False
     # tool_choice "auto" (vLLM's contract: it needs this and tool_call_parser; without it a
     # request asking for auto is refused, and required or named choices still work).
     enable_auto_tool_choice: bool = False
@@ -156,6 +162,8 @@ class EngineArgs:
             sampling_defaults=self._sampling_defaults(model_config.model),
             chat_template=self._read_chat_template(),
             tool_call_parser=self._auto_tool_call_parser(),
+            reasoning_parser=self._reasoning_parser(),
+            strict_object_schemas=not self.default_additional_properties,
             quantization=self.quantization,
             tokenizer=self._tokenizer_dir(model),
             max_logprobs=self._max_logprobs(model_config.vocab_size),
@@ -235,10 +243,9 @@ class EngineArgs:
         """The parser of tool_choice "auto", or None: auto needs --enable-auto-tool-choice and
         --tool-call-parser, as in vLLM (required and named choices need neither)."""
         parser = self.tool_call_parser
-        if parser is not None and parser not in PARSERS:
-            raise ConfigError(
-                f"tool_call_parser must be one of {', '.join(sorted(PARSERS))}, got {parser!r}"
-            )
+        if parser is not None and parser not in TOOL_CALL_PARSERS:
+            names = ", ".join(sorted(TOOL_CALL_PARSERS))
+            raise ConfigError(f"tool_call_parser must be one of {names}, got {parser!r}")
         if self.enable_auto_tool_choice and parser is None:
             raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser")
         if parser is not None and not self.enable_auto_tool_choice:
@@ -248,6 +255,13 @@ class EngineArgs:
                 parser,
             )
         return parser if self.enable_auto_tool_choice else None
+
+    def _reasoning_parser(self) -> str | None:
+        parser = self.reasoning_parser
+        if parser is not None and parser not in REASONING_PARSERS:
+            names = ", ".join(sorted(REASONING_PARSERS))
+            raise ConfigError(f"reasoning_parser must be one of {names}, got {parser!r}")
+        return parser
 
     def _sampling_defaults(self, model_dir: str) -> dict[str, int | float]:
         """generation_config's sampling defaults with override_generation_config on top."""
@@ -547,10 +561,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--tool-call-parser",
-        choices=sorted(PARSERS),
+        choices=sorted(TOOL_CALL_PARSERS),
         default=d.tool_call_parser,
-        help="the format the model writes tool calls in (hermes: Hermes, Qwen 2.5/3; "
-        "llama3_json: Llama 3.x); tool_choice auto needs --enable-auto-tool-choice too",
+        help="the format the model writes tool calls in (vLLM's names: hermes for Hermes and "
+        "Qwen 2.5/3, llama3_json, mistral, ...; docs/api.md lists them); tool_choice auto needs "
+        "--enable-auto-tool-choice too",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=d.reasoning_parser,
+        help="the format of the model's reasoning (vLLM's names: qwen3, deepseek_r1, "
+        "deepseek_v3, openai_gptoss, mistral, granite): split out of the content into the "
+        "response's reasoning field",
+    )
+    group.add_argument(
+        "--default-additional-properties",
+        type=_false_or_true,
+        metavar="{false,true}",
+        default=d.default_additional_properties,
+        help="what a JSON schema's object admits beyond its properties when it does not say "
+        "(additionalProperties): false (default: nothing, as xgrammar's strict mode and "
+        "OpenAI's structured outputs) or true (any key, JSON Schema's default)",
     )
     group.add_argument(
         "--max-logprobs",
@@ -644,6 +676,12 @@ def add_node_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
         default=d.node_join_timeout_s,
         help="how long the head waits for each host to join, and a host for the head",
     )
+
+
+def _false_or_true(text: str) -> bool:
+    if text not in ("false", "true"):
+        raise argparse.ArgumentTypeError(f"expected false or true, got {text!r}")
+    return text == "true"
 
 
 def engine_args_from_kwargs(model: str | None, kwargs: dict[str, Any]) -> EngineArgs:

@@ -99,7 +99,13 @@ class InputProcessor:
         self.sampling_defaults: dict[str, Any] = dict(config.model.sampling_defaults)
         self.chat_template = config.model.chat_template
         self.tool_call_parser = config.model.tool_call_parser
-        self.grammars = GrammarChecker(tokenizer, config.model.vocab_size, self._eos_token_ids)
+        self.reasoning_parser = config.model.reasoning_parser
+        self.grammars = GrammarChecker(
+            tokenizer,
+            config.model.vocab_size,
+            self._eos_token_ids,
+            config.model.strict_object_schemas,
+        )
         # No text of more characters than this can fit the context. A token's string in the
         # vocabulary is at least as long as the text it decodes to (one character per byte for
         # byte-level BPE, "▁" for a space in SentencePiece); the factor covers normalizers
@@ -200,12 +206,13 @@ class InputProcessor:
             ) from None
 
     def resolve_structured_outputs(
-        self, params: SamplingParams, param: str = "structured_outputs"
+        self, params: SamplingParams, param: str = "structured_outputs", after: str | None = None
     ) -> SamplingParams:
         """``params`` with its structured-output constraint as a checked grammar (see
-        ``frontend/structured_outputs.py``); a ``PromptError`` naming ``param`` if unusable."""
+        ``frontend/structured_outputs.py``), applied ``after`` a reasoning parser's grammar
+        prefix if given; a ``PromptError`` naming ``param`` if unusable."""
         try:
-            return self.grammars.resolve(params)
+            return self.grammars.resolve(params, after)
         except RecursionError:
             # Python's parsers (a schema's JSON text, llguidance's GBNF converter) give up on
             # deep nesting this way: the client's input, so a 400, never a 500.

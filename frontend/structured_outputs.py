@@ -11,7 +11,16 @@ naming the problem, so an HTTP 400), and travels to the workers as ``SamplingPar
 the workers hold one matcher per request (``worker/structured_output.py``).
 
 JSON is generated compact (no free whitespace between tokens): a model may otherwise fill
-``max_tokens`` with spaces, which is valid JSON nowhere.
+``max_tokens`` with spaces, which is valid JSON nowhere. Object schemas are strict by default
+(``close_objects``): an object admits no keys beyond its ``properties`` unless
+``additionalProperties`` or ``patternProperties`` says so, as xgrammar's strict mode (vLLM's
+default backend) and OpenAI's structured outputs have it; JSON Schema's own default (any key)
+would let a model open a key of its own and write it until max_tokens. A server started with
+``--default-additional-properties true`` keeps JSON Schema's default.
+
+With a reasoning parser, a constraint applies to the answer after the reasoning
+(``after_reasoning``): the grammar admits the reasoning parser's free text up to its end marker,
+then the constraint, as vLLM starts its grammar after the end of the reasoning.
 
 What a constraint may cost is bounded at the door (``MAX_*`` below, then llguidance's own limits,
 ``GRAMMAR_LIMITS``, set the same in the frontend and the workers): the check builds a matcher and
@@ -47,7 +56,7 @@ class StructuredOutputError(ValueError):
     """A constraint that cannot be used; the message says why."""
 
 
-def grammar_of(spec: StructuredOutputsParams) -> str:
+def grammar_of(spec: StructuredOutputsParams, strict_objects: bool = True) -> str:
     """The llguidance grammar (its JSON text) for ``spec``, not yet checked."""
     from llguidance import LLMatcher, grammar_from
 
@@ -67,6 +76,8 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
                 raise StructuredOutputError(f"the JSON schema is not JSON: {exc}") from None
         if not isinstance(schema, dict):
             raise StructuredOutputError("a JSON schema must be an object")
+        if strict_objects:
+            schema = close_objects(schema)
         return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     if spec.json_object:
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
@@ -78,6 +89,57 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
         return grammar_from("regex", "(" + "|".join(map(_regex_literal, spec.choice)) + ")")
     assert spec.grammar is not None
     return grammar_from("grammar", spec.grammar)
+
+
+# Where a schema holds schemas: maps of them, lists of them, and single ones.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = (
+    "items", "additionalProperties", "additionalItems", "unevaluatedProperties",
+    "propertyNames", "contains", "not", "if", "then", "else",
+)  # fmt: skip
+_OPEN_OBJECT_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def close_objects(schema: Any, closable: bool = True) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that says nothing
+    of keys beyond its properties. The parts of an ``allOf`` are not closed one by one (each
+    would forbid the others' keys), nor is an object that has one; their nested schemas are."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(value) for name, value in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(value) for value in out[key]]
+    for key in _SCHEMA_ONE:
+        if key in out:
+            out[key] = close_objects(out[key])
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [close_objects(value, closable=False) for value in out["allOf"]]
+        closable = False
+    types = out.get("type")
+    is_object = types == "object" or (isinstance(types, list) and "object" in types)
+    if closable and is_object and not any(key in out for key in _OPEN_OBJECT_KEYS):
+        out["additionalProperties"] = False
+    return out
+
+
+_ANSWER = "answer"
+
+
+def after_reasoning(grammar: str, prefix: str) -> str:
+    """``grammar`` applied after the Lark rule ``reasoning`` that ``prefix`` defines (a
+    reasoning parser's free text and end marker), with whitespace allowed between them."""
+    if grammar.lstrip().startswith("{"):
+        parts = json.loads(grammar)["grammars"]
+        parts[0] = {**parts[0], "name": _ANSWER}
+    else:
+        parts = [{"name": _ANSWER, "lark_grammar": grammar}]
+    lark = f"start: reasoning ANSWER_SPACE? @{_ANSWER}\nANSWER_SPACE: /[ \\t\\r\\n]+/\n{prefix}"
+    return json.dumps({"grammars": [{"name": "after_reasoning", "lark_grammar": lark}, *parts]})
 
 
 def check_sizes(spec: StructuredOutputsParams) -> None:
@@ -111,8 +173,15 @@ def _regex_literal(text: str) -> str:
 class GrammarChecker:
     """Checks grammars against one tokenizer; the llguidance tokenizer is built on first use."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        strict_objects: bool = True,
+    ) -> None:
         self._hf_tokenizer = tokenizer
+        self._strict_objects = strict_objects
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids
         self._lock = threading.Lock()
@@ -142,12 +211,15 @@ class GrammarChecker:
             return None
         return matcher.get_error().replace("<non-verbose/>", "").strip() or "failed"
 
-    def resolve(self, params: SamplingParams) -> SamplingParams:
-        """``params`` with its ``structured_outputs`` turned into a checked ``grammar``."""
+    def resolve(self, params: SamplingParams, after: str | None = None) -> SamplingParams:
+        """``params`` with its ``structured_outputs`` turned into a checked ``grammar``;
+        ``after``: the Lark rule ``reasoning`` it applies after (``after_reasoning``)."""
         spec = params.structured_outputs
         if spec is None:
             return params
-        grammar = grammar_of(spec)
+        grammar = grammar_of(spec, self._strict_objects)
+        if after is not None:
+            grammar = after_reasoning(grammar, after)
         problem = self.check(grammar)
         if problem is not None:
             raise StructuredOutputError(f"invalid {spec.kinds()[0]}: {problem.strip()}")

@@ -251,10 +251,9 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
         "conveyor exports no OpenTelemetry traces; the nearest are /metrics and --trace-steps FILE",
     ),
     _refused(
-        "--reasoning-parser --reasoning-parser-plugin",
+        "--reasoning-parser-plugin",
         VALUE,
-        "conveyor has no reasoning parser (a model's thinking stays in content; requests can "
-        'turn it off with chat_template_kwargs {"enable_thinking": false})',
+        "conveyor's reasoning parsers are built in: --reasoning-parser NAME",
     ),
     _refused("--calculate-kv-scales", SWITCH, "conveyor has no fp8 KV cache"),
     _refused(
@@ -356,7 +355,7 @@ SERVER_FLAGS: tuple[VllmFlag, ...] = (
     _refused(
         "--tool-parser-plugin --tool-server",
         VALUE,
-        "conveyor's tool-call parsers are built in: --tool-call-parser hermes|llama3_json",
+        "conveyor's tool-call parsers are built in: --tool-call-parser NAME",
     ),
     _refused(
         "--chat-template-content-format",

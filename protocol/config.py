@@ -57,6 +57,12 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # How the frontends read tool calls out of the text for ``tool_choice: "auto"``
     # (``--tool-call-parser`` with ``--enable-auto-tool-choice``); None: no auto.
     tool_call_parser: str | None = None
+    # How the frontends split a chat answer's reasoning out of its content
+    # (``--reasoning-parser``); None: the reasoning stays in the content.
+    reasoning_parser: str | None = None
+    # Object schemas of structured outputs admit no keys beyond their properties unless they
+    # say so (``--default-additional-properties false``, the default).
+    strict_object_schemas: bool = True
     # One of QUANTIZATION_METHODS, applied to the decoder's linears and experts at load time;
     # None: none.
     quantization: str | None = None

@@ -6,11 +6,17 @@ spends its own CPU on it. In a stream, a choice's first chunk carries its ``role
 with the choice's first output, so a request that fails before the engine produced anything gets
 an error event, not the start of a message. The role is the assistant's, or, as vLLM has it,
 the last message's when the request adds no generation prompt (it continues that message).
+
+With a reasoning parser (``--reasoning-parser``) or tools, each choice's text is split into
+reasoning, content and tool calls (``frontend/parsers/output_split.py``); a stream sends a chunk
+only when the split has something new, so a held-back marker or a call's unfinished name sends
+nothing rather than an empty delta.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -18,7 +24,9 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from conveyor.frontend.input_processor import ChatOptions, Choice
-from conveyor.frontend.output_processor import ChoiceDelta, LogprobRow
+from conveyor.frontend.output_processor import ChoiceDelta, ChoiceState, LogprobRow
+from conveyor.frontend.parsers.output_split import ChoiceSplit, split_output
+from conveyor.frontend.parsers.reasoning import ReasoningParser, reasoning_parser
 from conveyor.frontend.server.chat_tools import (
     ChatTools,
     call_deltas,
@@ -46,6 +54,7 @@ from conveyor.frontend.server.response_models import (
     ChatDelta,
     ChatMessageOut,
     ChatStreamChoice,
+    CompletionTokensDetails,
     UsageInfo,
     sse_event,
 )
@@ -90,7 +99,7 @@ async def create_chat_completion(
     params = to_sampling_params(body, max_tokens, num_logprobs, vocab_size, defaults)
     if tools.schema is not None:
         params = msgspec.structs.replace(params, structured_outputs=tools.structured_outputs())
-    prompt, prompt_text, response_id, choices = await state.run_cpu_unless_small(
+    prompt, prompt_text, response_id, choices, reasoning = await state.run_cpu_unless_small(
         prepare_size(size, params),
         _prepare,
         state,
@@ -102,7 +111,7 @@ async def create_chat_completion(
         arrival_time,
         tools,
     )
-    run = _ChatRun(state, body, [prompt], response_id, choices, num_logprobs, tools)
+    run = _ChatRun(state, body, [prompt], response_id, choices, num_logprobs, tools, reasoning)
     run.role = ROLE if body.add_generation_prompt else conversation[-1]["role"]
     if body.return_prompt_text:
         run.prompt_text = prompt_text
@@ -119,7 +128,8 @@ def conversation_of(
     (see ``LOOP_PREPARE_LIMIT``)."""
     with as_bad_request():
         state.inputs.check_conversation_size(len(messages), 0)
-    conversation = [message_dict(m, message_text(m, i)) for i, m in enumerate(messages)]
+    parser = state.inputs.reasoning_parser
+    conversation = [message_dict(m, message_text(m, i), parser) for i, m in enumerate(messages)]
     num_chars = sum(len(m["content"]) for m in conversation)
     if not truncating:
         with as_bad_request():
@@ -137,20 +147,32 @@ def _prepare(
     params: SamplingParams,
     arrival_time: float,
     tools: ChatTools,
-) -> tuple[list[int], str, str, list[Choice]]:
+) -> tuple[list[int], str, str, list[Choice], ReasoningParser | None]:
     """The chat template, tokenizing, checks and fan-out: on the CPU pool unless small. Also
-    the template's text (for ``return_prompt_text``)."""
+    the template's text (for ``return_prompt_text``) and the request's reasoning parser, made
+    from the prompt (which may have closed the reasoning already)."""
     inputs = state.inputs
+    param = "tools" if tools.schema is not None else structured_param(body)
+    reasoning = None
     with as_bad_request():
         text = inputs.chat_text(conversation, options)
+        if inputs.reasoning_parser is not None:
+            reasoning = reasoning_parser(inputs.reasoning_parser, options.template_kwargs, text)
+        if tools.needs_special_tokens or (reasoning is not None and reasoning.needs_special_tokens):
+            # The format's markers are special tokens (vLLM's parsers do the same).
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
+        if reasoning is not None and not reasoning.ended_in_prompt:
+            # A constraint applies to the answer, after the reasoning.
+            after = reasoning.grammar_prefix(state.tokenizer)
+            params = inputs.resolve_structured_outputs(params, param, after)
         prompt = inputs.tokenize(text, options.add_special_tokens)
         prompt = inputs.truncate(prompt, body.truncate_prompt_tokens, body.truncation_side)
     check_prompts(state, [prompt], max_tokens)
     engine_id, choices = make_choices(
-        state, [prompt], params, body.priority, arrival_time, bool(body.stream),
-        "tools" if tools.schema is not None else structured_param(body), body.cache_salt,
+        state, [prompt], params, body.priority, arrival_time, bool(body.stream), param,
+        body.cache_salt,
     )  # fmt: skip
-    return prompt, text, response_id_of("chatcmpl", body, engine_id), choices
+    return prompt, text, response_id_of("chatcmpl", body, engine_id), choices, reasoning
 
 
 class _ChatRun(GenerationRun):
@@ -165,6 +187,7 @@ class _ChatRun(GenerationRun):
         choices: list[Choice],
         num_logprobs: int | None,
         tools: ChatTools,
+        reasoning: ReasoningParser | None,
     ) -> None:
         super().__init__(state, body, prompts, response_id, choices)
         self.num_logprobs = num_logprobs
@@ -174,19 +197,27 @@ class _ChatRun(GenerationRun):
         self.prompt_text: str | None = None
         self.echoed = ""
         self._started: set[int] = set()  # choices whose role went out
-        self._tools = tools
-        self._tool_streams = (
-            {c.state.index: tools.stream() for c in choices} if tools.active else {}
-        )
+        self._reasoning = reasoning
+        self._include_reasoning = body.include_reasoning is not False
+        self._tool_parser = tools.parser if tools.active else None
+        self._max_calls = None if tools.parallel else 1
+        self._splits = {}
+        if reasoning is not None or self._tool_parser is not None:
+            self._splits = {
+                c.state.index: ChoiceSplit(reasoning, self._tool_parser, self._max_calls)
+                for c in choices
+            }
 
     def response(self) -> ChatCompletionResponse:
         choices = []
         for c in self.states:
             message, finish_reason = ChatMessageOut(self.role, c.text), c.finish_reason
-            if self._tools.active:
-                content, calls = self._tools.split(c.text)
-                if calls:
-                    message = ChatMessageOut(self.role, content, calls_out(calls))
+            if self._splits:
+                out = split_output(c.text, self._reasoning, self._tool_parser, self._max_calls)
+                message = ChatMessageOut(self.role, out.content, calls_out(out.calls) or None)
+                if self._include_reasoning:
+                    message.reasoning = out.reasoning
+                if out.calls:
                     finish_reason = "tool_calls"
             if self.echoed:
                 message.content = self.echoed + (message.content or "")
@@ -209,20 +240,30 @@ class _ChatRun(GenerationRun):
             )
         return response
 
+    async def events(self, source: AsyncIterator[ChoiceDelta]) -> AsyncIterator[bytes]:
+        async for event in super().events(source):
+            if event:  # a delta the split held back entirely sends nothing
+                yield event
+
     def delta_event(self, delta: ChoiceDelta) -> bytes:
         first = delta.index not in self._started
-        self._started.add(delta.index)
         message = ChatDelta(self.role if first else None, delta.text)
         finish_reason = delta.finish_reason
-        stream = self._tool_streams.get(delta.index)
-        if stream is not None:
-            num_sent = stream.num_calls
-            content, calls = stream.feed(delta.text, done=delta.finish_reason is not None)
-            message.content = content
-            if calls:
-                message.tool_calls = call_deltas(calls, num_sent)
-            if stream.num_calls and ended_normally(delta):
+        split = self._splits.get(delta.index)
+        if split is not None:
+            piece = split.feed(delta.text, done=delta.finish_reason is not None)
+            message.content = piece.content or None
+            if self._include_reasoning:
+                message.reasoning = piece.reasoning or None
+            if piece.calls:
+                message.tool_calls = call_deltas(piece.calls)
+            if split.num_calls and ended_normally(delta):
                 finish_reason = "tool_calls"
+            with_ids = self.return_token_ids and delta.token_ids
+            news = message.content or message.reasoning or message.tool_calls
+            if not (news or delta.logprobs or ended_normally(delta) or with_ids):
+                return b""
+        self._started.add(delta.index)
         if first and self.echoed:
             message.content = self.echoed + (message.content or "")
         choice = ChatStreamChoice(delta.index, message, self._logprobs(delta.logprobs))
@@ -245,6 +286,15 @@ class _ChatRun(GenerationRun):
     def usage_event(self) -> bytes:
         return sse_event(self._chunk([], self.usage()))
 
+    def usage(self) -> UsageInfo:
+        usage = super().usage()
+        if self._reasoning is not None:
+            count = sum(
+                reasoning_tokens(self.state.tokenizer, c, self._reasoning) for c in self.states
+            )
+            usage.completion_tokens_details = CompletionTokensDetails(count)
+        return usage
+
     def _chunk(
         self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None
     ) -> ChatCompletionChunk:
@@ -259,3 +309,24 @@ class _ChatRun(GenerationRun):
         return ChatChoiceLogprobs(
             chat_logprobs(self.state.tokenizer, rows, self.num_logprobs, as_ids)
         )
+
+
+def reasoning_tokens(tokenizer: Any, choice: ChoiceState, reasoning: ReasoningParser) -> int:
+    """How many of the choice's tokens are reasoning: those that start inside the reasoning's
+    spans of its text (found by decoding prefixes: a binary search per span end)."""
+    token_ids = choice.token_ids[: choice.num_text_tokens]
+    skip = choice.sampling_params.skip_special_tokens
+
+    def tokens_before(offset: int) -> int:
+        low, high = 0, len(token_ids)
+        while low < high:  # the first k whose decoded prefix reaches past ``offset``
+            middle = (low + high) // 2
+            if len(tokenizer.decode(token_ids[: middle + 1], skip_special_tokens=skip)) > offset:
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+    return sum(
+        tokens_before(end) - tokens_before(start) for start, end in reasoning.spans(choice.text)
+    )

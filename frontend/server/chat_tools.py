@@ -1,8 +1,10 @@
 """A chat request's tools: which ``tool_choice`` it has, what the template and the sampler get,
 and how each choice's output becomes content and tool calls.
 
-Runs in an HTTP frontend process. See ``frontend/tool_calls.py`` for the two ways calls come out
-(a parser for ``auto``, a JSON schema for ``required`` and a named function).
+Runs in an HTTP frontend process. Calls come out two ways: the model's own format, read by the
+parser chosen with ``--tool-call-parser`` (``auto``; ``frontend/parsers/tool_calls/``), or a
+JSON format a grammar forces (``required`` and a named function;
+``frontend/parsers/tool_calls/forced.py``). Either streams through one ``ToolCallStream``.
 """
 
 from __future__ import annotations
@@ -10,6 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.frontend.parsers.reasoning import history_fields
+from conveyor.frontend.parsers.tool_calls import tool_call_parser
+from conveyor.frontend.parsers.tool_calls.base import ToolCall, ToolCallParser
+from conveyor.frontend.parsers.tool_calls.forced import (
+    NamedCallParser,
+    RequiredCallsParser,
+    forced_schema,
+)
+from conveyor.frontend.parsers.tool_calls.stream import CallDelta, ToolCallStream
 from conveyor.frontend.server.errors import bad_request
 from conveyor.frontend.server.request_models import ChatCompletionRequest, NamedToolChoice
 from conveyor.frontend.server.response_models import (
@@ -17,14 +28,6 @@ from conveyor.frontend.server.response_models import (
     FunctionDelta,
     ToolCallDelta,
     ToolCallOut,
-)
-from conveyor.frontend.tool_calls import (
-    PARSERS,
-    ToolCall,
-    ToolCallParser,
-    ToolCallStream,
-    forced_calls,
-    forced_schema,
 )
 from conveyor.protocol import StructuredOutputsParams
 
@@ -36,6 +39,7 @@ class ChatTools:
     mode: str
     tools: list[dict[str, Any]] | None = None
     named: str | None = None
+    # auto: the model's format; required / named: the forced one.
     parser: ToolCallParser | None = None
     # For required / named: the schema that forces the output.
     schema: dict[str, Any] | None = None
@@ -50,18 +54,19 @@ class ChatTools:
     def structured_outputs(self) -> StructuredOutputsParams | None:
         return None if self.schema is None else StructuredOutputsParams(json=self.schema)
 
+    @property
+    def needs_special_tokens(self) -> bool:
+        return self.parser is not None and self.parser.needs_special_tokens
+
     def stream(self) -> ToolCallStream:
-        forced = False if self.mode == "auto" else self.named
-        return ToolCallStream(self.parser, forced, None if self.parallel else 1)
+        assert self.parser is not None
+        return ToolCallStream(self.parser, None if self.parallel else 1)
 
     def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole output."""
-        if self.mode == "auto":
-            assert self.parser is not None
-            content, calls = self.parser.parse(text)
-            return content, calls if self.parallel else calls[:1]
-        calls = forced_calls(text, self.named)
-        return (None if calls else text), calls
+        assert self.parser is not None
+        content, calls = self.parser.parse(text)
+        return content, calls if self.parallel else calls[:1]
 
 
 def chat_tools(body: ChatCompletionRequest, parser_name: str | None) -> ChatTools:
@@ -99,8 +104,9 @@ def chat_tools(body: ChatCompletionRequest, parser_name: str | None) -> ChatTool
             raise bad_request(f"tool_choice names {named!r}, not among the tools", "tool_choice")
         parallel = body.parallel_tool_calls is not False
         schema = forced_schema(tools, named, parallel)
-        mode = "named" if named else "required"
-        return ChatTools(mode, tools, named, schema=schema, parallel=parallel)
+        if named is not None:
+            return ChatTools("named", tools, named, NamedCallParser(named), schema, parallel)
+        return ChatTools("required", tools, None, RequiredCallsParser(), schema, parallel)
     if choice != "auto":
         raise bad_request(
             f"tool_choice must be none, auto, required or a named function, got {choice!r}",
@@ -113,7 +119,7 @@ def chat_tools(body: ChatCompletionRequest, parser_name: str | None) -> ChatTool
             "tool_choice",
         )
     parallel = body.parallel_tool_calls is not False
-    return ChatTools("auto", tools, parser=PARSERS[parser_name](), parallel=parallel)
+    return ChatTools("auto", tools, parser=tool_call_parser(parser_name), parallel=parallel)
 
 
 def tool_dict(tool: Any) -> dict[str, Any]:
@@ -133,20 +139,30 @@ def calls_out(calls: list[ToolCall]) -> list[ToolCallOut]:
     return [ToolCallOut(c.id, FunctionCallOut(c.name, c.arguments)) for c in calls]
 
 
-def call_deltas(calls: list[ToolCall], first_index: int) -> list[ToolCallDelta]:
-    """OpenAI's stream shape: a call's index, id, type and name first, then its arguments (as
-    one fragment: the call is sent once its end is seen)."""
+def call_deltas(pieces: list[CallDelta]) -> list[ToolCallDelta]:
+    """vLLM's stream shape: a call's index, id, type and name first, then its arguments in
+    fragments as the model writes them."""
     deltas = []
-    for i, call in enumerate(calls, first_index):
-        deltas.append(ToolCallDelta(i, call.id, "function", FunctionDelta(call.name, "")))
-        deltas.append(ToolCallDelta(i, function=FunctionDelta(arguments=call.arguments)))
+    for piece in pieces:
+        if piece.name is not None:
+            deltas.append(
+                ToolCallDelta(piece.index, piece.id, "function", FunctionDelta(piece.name))
+            )
+        else:
+            deltas.append(
+                ToolCallDelta(piece.index, function=FunctionDelta(arguments=piece.arguments))
+            )
     return deltas
 
 
-def message_dict(message: Any, text: str) -> dict[str, Any]:
+def message_dict(message: Any, text: str, reasoning_parser: str | None = None) -> dict[str, Any]:
     """A history message as the chat template takes it (OpenAI's shape: assistant tool calls
-    and tool results are rendered, not dropped)."""
+    and tool results are rendered, not dropped; an earlier answer's reasoning under the names
+    the family's template reads)."""
     out: dict[str, Any] = {"role": message.role, "content": text}
+    reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
+    if reasoning is not None:
+        out.update(history_fields(reasoning_parser, reasoning))
     if message.tool_calls:
         out["tool_calls"] = [
             {

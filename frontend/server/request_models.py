@@ -197,6 +197,10 @@ class ChatMessage(StrictStruct):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    # An earlier answer's reasoning, as vLLM returns it (``reasoning``) or as older servers
+    # and clients name it (``reasoning_content``): rendered where the template reads it.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class FunctionDef(StrictStruct, kw_only=True):
@@ -244,10 +248,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     echo: bool | None = False
     # vLLM's: the prompt's text, as the chat template wrote it, in the response.
     return_prompt_text: bool | None = None
-    # Accepted, no effect. vLLM's include_reasoning: what a reasoning parser splits out (there
-    # is none here, so the reasoning stays in the content, as vLLM's without one). OpenAI's
-    # predicted output: only a speed-up in OpenAI's service, the output stays the same.
+    # vLLM's: false leaves out what the reasoning parser split from the content.
     include_reasoning: bool | None = None
+    # Accepted, no effect: OpenAI's predicted output only speeds its own service up.
     prediction: dict[str, Any] | None = None
     # Only their no-op value (UNSUPPORTED).
     chat_template: Any = None
@@ -276,7 +279,7 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "watermarking": ((None, False), "not implemented"),
     "bad_words": ((None, []), "not implemented (logit_bias bans single tokens)"),
     "logprob_token_ids": ((None,), "not implemented (use logprobs)"),
-    "thinking_token_budget": ((None, -1), "needs a reasoning parser (there is none)"),
+    "thinking_token_budget": ((None, -1), "not implemented"),
     "repetition_detection": ((None,), "not implemented"),
     "vllm_xargs": ((None, {}), "for extensions this server does not have"),
     "kv_transfer_params": ((None,), "needs a KV connector (disaggregated serving)"),

@@ -13,10 +13,17 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 
+class CompletionTokensDetails(msgspec.Struct):
+    # Of completion_tokens, those of the reasoning (with a reasoning parser).
+    reasoning_tokens: int
+
+
 class UsageInfo(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # OpenAI's, with a reasoning parser only.
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
 
 
 # ---------------------------------------------------------------- /v1/completions
@@ -98,6 +105,8 @@ class ChatMessageOut(msgspec.Struct, omit_defaults=True):
     # Always written, null when the message is only tool calls (as OpenAI writes it).
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    # vLLM's: what a reasoning parser split out of the content.
+    reasoning: str | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -137,6 +146,7 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
     # The first chunk of a choice carries the role, later ones only content.
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None  # vLLM's, with a reasoning parser
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -1,4 +1,10 @@
-"""Tool-call parsers on scripted outputs: whole, and streamed in every split of the text."""
+"""Tool-call parsers on scripted outputs: whole, and streamed split at every point of the text.
+
+Each case is a text a model of the family writes and the calls vLLM's parser of the same name
+gives for it (names and arguments compared as JSON values: vLLM re-serializes the arguments of
+a whole response, conveyor keeps the model's text so that a stream's fragments join to exactly
+the whole response's arguments).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +12,13 @@ import json
 
 import pytest
 
-from conveyor.frontend.tool_calls import (
-    HermesParser,
-    Llama3JsonParser,
-    ToolCallStream,
-    forced_calls,
+from conveyor.frontend.parsers.tool_calls import TOOL_CALL_PARSERS, tool_call_parser
+from conveyor.frontend.parsers.tool_calls.forced import (
+    NamedCallParser,
+    RequiredCallsParser,
     forced_schema,
 )
+from conveyor.frontend.parsers.tool_calls.stream import ToolCallStream
 
 WEATHER = {"city": "Paris", "unit": "C"}
 HERMES = (
@@ -25,47 +31,98 @@ HERMES = (
 LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}; ' + (
     '{"name": "get_time", "parameters": {"zone": "CET"}}'
 )
+TWO_CALLS = [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]
+
+# (parser, model output, content, [(name, arguments)]) as vLLM's parser reads them.
+CASES = [
+    ("hermes", HERMES, "Let me check.\n", TWO_CALLS),
+    ("hermes", "No tools needed.", "No tools needed.", []),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', None, [("f", {})]),
+    # The closing tag not yet written (EOS right after the JSON): still a call, as in vLLM.
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": [1, {"b": "}"}]}}', None,
+     [("f", {"a": [1, {"b": "}"}]})]),
+    ("hermes", "<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
+    ("llama3_json", LLAMA, None, TWO_CALLS),
+    ("llama3_json", '{"name": "f", "arguments": {"x": 1.5}}', None, [("f", {"x": 1.5})]),
+    ("llama3_json", "The weather is fine.", "The weather is fine.", []),
+    ("llama3_json", "{broken", "{broken", []),
+]  # fmt: skip
 
 
-def _names_and_arguments(calls):
-    return [(c.name, json.loads(c.arguments)) for c in calls]
+def _values(calls) -> list[tuple[str, object]]:
+    return [(call.name, json.loads(call.arguments)) for call in calls]
 
 
-EXPECTED = [("get_weather", WEATHER), ("get_time", {"zone": "CET"})]
+def stream(parser, text: str, cuts: list[int], max_calls: int | None = None):
+    """The joined content and the calls (id, name, joined arguments) of ``text`` sent in pieces
+    ending at ``cuts``; also every delta, to check none is empty."""
+    calls_stream = ToolCallStream(parser, max_calls)
+    content, calls, pieces = "", {}, []
+    bounds = [c for c in cuts if 0 < c < len(text)] + [len(text)]
+    for end in bounds:
+        out, deltas = calls_stream.feed(text[:end], done=end == len(text))
+        content += out
+        pieces += deltas
+        for delta in deltas:
+            call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+            if delta.name is not None:
+                assert call["name"] is None and delta.id, "a call's header goes out once"
+                call["id"], call["name"] = delta.id, delta.name
+            else:
+                assert call["name"] is not None, "arguments before the call's name"
+                assert delta.arguments, "an empty arguments fragment"
+                call["arguments"] += delta.arguments
+    return content, [calls[i] for i in sorted(calls)], pieces
 
 
-@pytest.mark.parametrize(
-    ("parser", "text", "content"),
-    [(HermesParser(), HERMES, "Let me check.\n"), (Llama3JsonParser(), LLAMA, None)],
-)
-def test_calls_are_read_whole_and_streamed_in_any_split(parser, text, content):
+@pytest.mark.parametrize(("name", "text", "content", "expected"), CASES)
+def test_each_format_reads_whole_and_streamed_at_every_split(name, text, content, expected):
+    parser = tool_call_parser(name)
     got_content, calls = parser.parse(text)
-    assert got_content == content and _names_and_arguments(calls) == EXPECTED
-    assert len({c.id for c in calls}) == 2
-    for size in (1, 3, 7, 50):
-        stream = ToolCallStream(parser, False)
-        pieces = [text[i : i + size] for i in range(0, len(text), size)]
-        streamed_content, streamed_calls = "", []
-        for i, piece in enumerate(pieces):
-            out, new_calls = stream.feed(piece, done=i == len(pieces) - 1)
-            streamed_content += out
-            streamed_calls += new_calls
+    assert got_content == content
+    assert _values(calls) == expected
+    assert len({c.id for c in calls}) == len(calls)
+    splits = [[i] for i in range(len(text))] + [list(range(len(text)))]
+    for cuts in splits:
+        streamed_content, streamed_calls, _ = stream(parser, text, cuts)
         assert streamed_content == (content or "")
-        assert "<tool" not in streamed_content and "{" not in streamed_content
-        assert _names_and_arguments(streamed_calls) == EXPECTED
+        assert [c["name"] for c in streamed_calls] == [n for n, _ in expected], cuts
+        # The fragments join to exactly the whole response's arguments.
+        assert [c["arguments"] for c in streamed_calls] == [c.arguments for c in calls], cuts
 
 
-@pytest.mark.parametrize("parser", [HermesParser(), Llama3JsonParser()])
-def test_text_that_is_no_call_stays_content(parser):
-    for text in ("Just words, no calls.", "<tool_call>{not json}</tool_call>", "{broken"):
-        content, calls = parser.parse(text)
-        assert (content, calls) == (text, [])
-        stream = ToolCallStream(parser, False)
-        assert stream.feed(text, done=True) == (text, [])
-    # A growing text that only might start a call is held back, then released.
-    stream = ToolCallStream(HermesParser(), False)
-    assert stream.feed("a <tool", done=False) == ("a ", [])
-    assert stream.feed("box", done=True) == ("<toolbox", [])
+def test_every_registered_name_makes_a_parser():
+    for name in TOOL_CALL_PARSERS:
+        assert tool_call_parser(name).scan("", done=True).content == ""
+
+
+def test_a_call_streams_its_name_first_then_its_arguments_as_written():
+    text = HERMES
+    start = text.index("<tool_call>")
+    _, calls, pieces = stream(tool_call_parser("hermes"), text, list(range(len(text))))
+    headers = [p for p in pieces if p.name is not None]
+    fragments = [p for p in pieces if p.arguments is not None]
+    assert [h.name for h in headers] == ["get_weather", "get_time"]
+    # Character by character, the arguments go out in many fragments, not one at the end.
+    assert len([f for f in fragments if f.index == 0]) > 10
+    assert calls[0]["arguments"] == json.dumps(WEATHER)
+    assert start > 0
+
+
+def test_parallel_calls_cut_by_max_tokens_keep_the_whole_ones():
+    cut = HERMES[: HERMES.rindex('"zone"')]
+    content, calls = tool_call_parser("hermes").parse(cut)
+    assert content == "Let me check.\n" and _values(calls) == TWO_CALLS[:1]
+    cut = LLAMA[: LLAMA.rindex('"zone"')]
+    assert _values(tool_call_parser("llama3_json").parse(cut)[1]) == TWO_CALLS[:1]
+    cut = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y"'
+    content, calls = RequiredCallsParser().parse(cut)
+    assert content is None and _values(calls) == [("a", {"x": 1})]
+
+
+def test_without_parallel_calls_the_first_call_is_kept():
+    content, calls, _ = stream(tool_call_parser("hermes"), HERMES, [5, 40], max_calls=1)
+    assert content == "Let me check.\n" and [c["name"] for c in calls] == ["get_weather"]
 
 
 def test_forced_schemas_and_their_outputs():
@@ -79,23 +136,17 @@ def test_forced_schemas_and_their_outputs():
     assert forced_schema(tools, "a", parallel=True) == {"type": "object"}
     with pytest.raises(ValueError, match="'c'"):
         forced_schema(tools, "c", parallel=True)
-    calls = forced_calls(
-        '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]', None
-    )
-    assert _names_and_arguments(calls) == [("a", {"x": 1}), ("b", {})]
-    assert _names_and_arguments(forced_calls('{"x": 2}', "a")) == [("a", {"x": 2})]
-    assert forced_calls('[{"name": "a", "par', None) == []  # cut at max_tokens
-    # Without parallel calls, the first the model writes is the one kept.
-    single = ToolCallStream(HermesParser(), False, max_calls=1)
-    content, calls = single.feed(HERMES, done=True)
-    assert content == "Let me check.\n" and _names_and_arguments(calls) == EXPECTED[:1]
-    # Streamed: a forced output is held until it ends; cut, it goes out as content.
-    stream = ToolCallStream(None, None)
-    assert stream.feed('[{"name": "a", ', done=False) == ("", [])
-    assert stream.feed('"par', done=True) == ('[{"name": "a", "par', [])
-    named = ToolCallStream(None, "a")
-    content, calls = named.feed('{"x": 3}', done=True)
-    assert content == "" and _names_and_arguments(calls) == [("a", {"x": 3})]
+    required = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]'
+    assert _values(RequiredCallsParser().parse(required)[1]) == [("a", {"x": 1}), ("b", {})]
+    assert _values(NamedCallParser("a").parse('{"x": 2}')[1]) == [("a", {"x": 2})]
+    # Cut before any call is whole: the text is content.
+    assert RequiredCallsParser().parse('[{"name": "a", "par') == ('[{"name": "a", "par', [])
+    assert NamedCallParser("a").parse('{"x": ') == ('{"x": ', [])
+    for parser, text in ((RequiredCallsParser(), required), (NamedCallParser("a"), '{"x": 2}')):
+        whole = parser.parse(text)[1]
+        for cut in range(len(text)):
+            _, calls, _ = stream(parser, text, [cut])
+            assert [c["arguments"] for c in calls] == [c.arguments for c in whole]
 
 
 @pytest.mark.parametrize("depth", [100, 900, 990, 1100, 5000])
@@ -106,19 +157,17 @@ def test_arguments_nested_past_the_parsers_reach_are_content_never_an_error(dept
     arguments = '{"a": ' + "[" * depth + "]" * depth + "}"
     hermes = f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>'
     llama = f'{{"name": "f", "parameters": {arguments}}}'
-    for parser, text in ((HermesParser(), hermes), (Llama3JsonParser(), llama)):
+    for name, text in (("hermes", hermes), ("llama3_json", llama)):
+        parser = tool_call_parser(name)
         content, calls = parser.parse(text)
         assert (content, calls) == (text, []) or [c.name for c in calls] == ["f"]
         if depth >= 1100:
             assert (content, calls) == (text, [])
-        stream = ToolCallStream(parser, False)
-        streamed = [stream.feed(text[i : i + 500], done=i + 500 >= len(text))
-                    for i in range(0, len(text), 500)]  # fmt: skip
-        streamed_content = "".join(out for out, _ in streamed)
-        streamed_calls = [call for _, new in streamed for call in new]
-        assert streamed_content == text or [c.name for c in streamed_calls] == ["f"]
+        streamed_content, streamed_calls, _ = stream(parser, text, list(range(0, len(text), 500)))
+        assert streamed_content == text or [c["name"] for c in streamed_calls] == ["f"]
     if depth >= 1100:
-        assert forced_calls(arguments, "f") == []
-        assert forced_calls(f'[{{"name": "f", "parameters": {arguments}}}]', None) == []
+        assert NamedCallParser("f").parse(arguments)[1] == []
+        assert RequiredCallsParser().parse(f'[{{"name": "f", "parameters": {arguments}}}]')[1] == []
     if depth == 100:
-        assert json.loads(HermesParser().parse(hermes)[1][0].arguments) == json.loads(arguments)
+        parsed = tool_call_parser("hermes").parse(hermes)[1][0].arguments
+        assert json.loads(parsed) == json.loads(arguments)
