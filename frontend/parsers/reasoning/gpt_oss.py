@@ -10,7 +10,11 @@ import re
 from typing import Any
 
 from conveyor.frontend.parsers import harmony
-from conveyor.frontend.parsers.reasoning.base import ReasoningParser
+from conveyor.frontend.parsers.reasoning.base import (
+    ReasoningParser,
+    reasoning_until,
+    special_token_id,
+)
 
 FINAL_HEADER = harmony.CHANNEL + "final" + harmony.MESSAGE
 _ANALYSIS = re.compile(
@@ -34,15 +38,16 @@ class GptOssParser(ReasoningParser):
         return harmony.reasoning_and_content(harmony.read_messages(text, done))
 
     def grammar_prefix(self, tokenizer: Any) -> str:
-        ids = {
-            name: tokenizer.convert_tokens_to_ids(token)
-            for name, token in (
-                ("start", harmony.START),
-                ("channel", harmony.CHANNEL),
-                ("message", harmony.MESSAGE),
-                ("end", harmony.END),
-            )
-        }
+        ids = {}
+        for name, marker in (
+            ("start", harmony.START),
+            ("channel", harmony.CHANNEL),
+            ("message", harmony.MESSAGE),
+            ("end", harmony.END),
+        ):
+            ids[name] = special_token_id(tokenizer, marker)
+        if None in ids.values():  # a tokenizer without harmony's tokens: the markers are text
+            return reasoning_until(tokenizer, FINAL_HEADER)
         return (
             f'reasoning: analysis* <[{ids["channel"]}]> "final" <[{ids["message"]}]>\n'
             f'analysis: <[{ids["channel"]}]> "analysis" <[{ids["message"]}]> HARMONY_TEXT '
