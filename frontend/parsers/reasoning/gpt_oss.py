@@ -35,7 +35,10 @@ class GptOssParser(ReasoningParser):
     def split(self, text: str, done: bool) -> tuple[str, str]:
         if self.ended_in_prompt:
             return "", text
-        return harmony.reasoning_and_content(harmony.read_messages(text, done))
+        messages = harmony.read_messages(text, done)
+        if done and not messages:
+            return "", text  # no harmony at all: the text is the answer
+        return harmony.reasoning_and_content(messages)
 
     def grammar_prefix(self, tokenizer: Any) -> str:
         ids = {}
