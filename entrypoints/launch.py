@@ -40,6 +40,8 @@ from conveyor.entrypoints.supervisor import (
 from conveyor.frontend.engine_client import EngineProcess, EngineStartError
 from conveyor.frontend.server.main import api_key_env
 from conveyor.frontend.server.metrics_dir import MULTIPROC_DIR_ENV, make_shared_dir
+from conveyor.frontend.server.responses_store import RESPONSES_DIR_ENV
+from conveyor.frontend.server.responses_store import make_shared_dir as make_responses_dir
 from conveyor.protocol import EngineConfig
 from conveyor.runtime.exit_codes import ExitCode
 from conveyor.runtime.listen import ListeningSockets
@@ -172,6 +174,8 @@ def start_frontends(
     started), then wait for each: they load their tokenizers in parallel."""
     # By the environment, which, unlike a command line, other users cannot read.
     env = api_key_env(frontends.api_keys)
+    # One store for all: a response kept by one frontend is found through any.
+    env[RESPONSES_DIR_ENV] = str(make_responses_dir(runtime_dir))
     metrics_dir = None
     if frontends.metrics:
         # One folder for all: a scrape of any frontend reports the whole server.

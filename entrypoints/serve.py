@@ -55,6 +55,7 @@ from conveyor.frontend.server.main import (
     add_drain_args,
     add_engine_session_args,
     add_observability_args,
+    add_responses_store_args,
     add_router_args,
     add_served_model_name_arg,
     check_observability_args,
@@ -262,6 +263,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--frontend-restart-window-s", type=positive_float, default=60.0)
     add_observability_args(group)
+    add_responses_store_args(group)
     add_http_args(group)
     add_vllm_flags(group, SERVER_FLAGS)
     group.add_argument(

@@ -22,6 +22,7 @@ from conveyor.frontend.server.main import (
     engine_session_options,
     observability_options,
     resolve_api_keys,
+    responses_store_options,
     router_options,
 )
 from conveyor.protocol import EngineConfig
@@ -170,5 +171,6 @@ def _frontend_options(args: argparse.Namespace, served_model_names: tuple[str, .
     options += router_options(args)
     options += engine_session_options(args)
     options += observability_options(args)
+    options += responses_store_options(args)
     options += http_flags(args.http)
     return options

@@ -8,6 +8,8 @@ Runs in an HTTP frontend process, on a uvloop event loop.
   ``request_models``  request bodies (msgspec) and their checks -> ``SamplingParams``
   ``response_models`` response bodies and server-sent events
   ``completions``, ``chat``   the two generation endpoints
+  ``responses``       OpenAI's Responses API, a view of chat (``responses_input``,
+                      ``responses_stream``, ``responses_models``, ``responses_store``)
   ``serving``         what they share: state, the pipeline's errors as 400s, streaming helpers
   ``choice_stream``   one HTTP request's engine requests, merged into one delta stream
   ``logprobs``        engine logprob rows -> OpenAI's two formats

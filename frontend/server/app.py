@@ -22,6 +22,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from starlette.applications import Starlette
@@ -64,6 +65,14 @@ from conveyor.frontend.server.request_models import (
     decode_large_body,
 )
 from conveyor.frontend.server.response_models import ModelCard, ModelList, encode_json
+from conveyor.frontend.server.responses import (
+    cancel_response,
+    create_response,
+    delete_response,
+    get_response,
+)
+from conveyor.frontend.server.responses_models import ResponseObject, ResponsesRequest
+from conveyor.frontend.server.responses_store import ResponsesStore, StoreLimits, store_folder
 from conveyor.frontend.server.serving import (
     MAX_CHOICES_PER_REQUEST,
     ClientDisconnected,
@@ -115,6 +124,8 @@ class ServerSettings:
     router_affinity_margin: float = DEFAULT_AFFINITY_MARGIN
     # TLS, CORS, the root path, uvicorn's log level, X-Request-Id headers.
     http: HttpOptions = HttpOptions()
+    # The stored responses of /v1/responses (shared by the server's frontends).
+    responses_store: StoreLimits = StoreLimits()
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -168,10 +179,44 @@ async def chat_completions(request: Request) -> Response:
     return await create_chat_completion(_serving(request), body, request.receive)
 
 
+async def responses(request: Request) -> Response:
+    body = await read_request(request, ResponsesRequest)
+    return await _create_response(request, body)
+
+
+async def _create_response(request: Request, body: ResponsesRequest) -> Response:
+    store = request.app.state.responses_store
+    return await create_response(_serving(request), store, body, request.receive)
+
+
+async def stored_response(request: Request) -> Response:
+    state, store = _serving(request), request.app.state.responses_store
+    response_id = request.path_params["response_id"]
+    if request.method == "DELETE":
+        return await delete_response(state, store, response_id)
+    if request.query_params.get("stream") not in (None, "false"):
+        raise ApiError(400, "a stored response is not streamed again here", "stream")
+    return await get_response(state, store, response_id)
+
+
+async def cancel_route(request: Request) -> Response:
+    store = request.app.state.responses_store
+    return await cancel_response(_serving(request), store, request.path_params["response_id"])
+
+
+async def _chat(request: Request, body: Any) -> Response:
+    return await create_chat_completion(_serving(request), body, request.receive)
+
+
+async def _completion(request: Request, body: Any) -> Response:
+    return await create_completion(_serving(request), body, request.receive)
+
+
 # The generation routes /invocations hands a body to: path -> (request model, handler).
-GENERATION_HANDLERS: dict[str, tuple[type[Any], Callable[..., Awaitable[Response]]]] = {
-    "/v1/chat/completions": (ChatCompletionRequest, create_chat_completion),
-    "/v1/completions": (CompletionRequest, create_completion),
+GENERATION_HANDLERS: dict[str, tuple[type[Any], Callable[[Request, Any], Awaitable[Response]]]] = {
+    "/v1/chat/completions": (ChatCompletionRequest, _chat),
+    "/v1/completions": (CompletionRequest, _completion),
+    "/v1/responses": (ResponsesRequest, _create_response),
 }
 
 
@@ -184,8 +229,7 @@ async def invocations(request: Request) -> Response:
     else:
         path = await state.run_cpu(invocation_route, raw)
     body_type, handler = GENERATION_HANDLERS[path]
-    body = await decode_request(state, raw, body_type)
-    return await handler(state, body, request.receive)
+    return await handler(request, await decode_request(state, raw, body_type))
 
 
 async def tokenize_route(request: Request) -> Response:
@@ -325,6 +369,9 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
             request_log,
             model_names=model_names,
         )
+        limits = settings.responses_store
+        folder = store_folder() if limits.enabled else Path()
+        app.state.responses_store = ResponsesStore(folder, limits)
         if metrics is not None:
             publisher = asyncio.create_task(_publish_metrics(state, metrics))
         freeze_startup_heap()
@@ -355,6 +402,22 @@ API_ROUTES = (
         "A chat completion (OpenAI)",
         ChatCompletionRequest,
     ),
+    ApiRoute(
+        "/v1/responses", _POST, responses, "A response (OpenAI's Responses API)", ResponsesRequest
+    ),
+    ApiRoute(
+        "/v1/responses/{response_id}",
+        ("GET", "DELETE"),
+        stored_response,
+        "A stored response, or delete it",
+        response=ResponseObject,
+    ),
+    ApiRoute(
+        "/v1/responses/{response_id}/cancel",
+        _POST,
+        cancel_route,
+        "Cancel a background response (there are none here: 400, or 404 for an unknown id)",
+    ),
     ApiRoute("/v1/models", _GET, models, "The served model's names", response=ModelList),
     ApiRoute("/v1/models/{model:path}", _GET, model_route, "One model", response=ModelCard),
     ApiRoute("/health", _GET, health, "200 while an engine serves this frontend, else 503"),
@@ -363,8 +426,8 @@ API_ROUTES = (
         "/invocations",
         _POST,
         invocations,
-        "SageMaker's inference route: a chat completion (messages) or a completion (prompt), "
-        "by the body's keys",
+        "SageMaker's inference route: a chat completion (messages), a completion (prompt) "
+        "or a response (input), by the body's keys",
         tuple(body_type for body_type, _ in GENERATION_HANDLERS.values()),
     ),
     ApiRoute("/metrics", _GET, metrics, "Prometheus metrics of the whole server"),

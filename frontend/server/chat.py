@@ -79,6 +79,13 @@ TEMPLATE_CHARS_PER_MESSAGE = 128
 async def create_chat_completion(
     state: ServingState, body: ChatCompletionRequest, receive: Receive
 ) -> Response:
+    run = await prepare_chat_run(state, body)
+    return await run.respond(receive)
+
+
+async def prepare_chat_run(state: ServingState, body: ChatCompletionRequest) -> _ChatRun:
+    """The chat's engine requests, checked and ready to run: what the other API surfaces that
+    are chats underneath (Responses, Messages) translate their requests into."""
     arrival_time = time.monotonic()
     check_model(state, body.model)
     num_logprobs = chat_num_logprobs(body)
@@ -117,7 +124,7 @@ async def create_chat_completion(
         run.prompt_text = prompt_text
     if body.echo and conversation[-1]["role"] == run.role:
         run.echoed = conversation[-1]["content"]
-    return await run.respond(receive)
+    return run
 
 
 def conversation_of(
@@ -246,6 +253,12 @@ class _ChatRun(GenerationRun):
                 yield event
 
     def delta_event(self, delta: ChoiceDelta) -> bytes:
+        chunk = self.stream_chunk(delta)
+        return b"" if chunk is None else sse_event(chunk)
+
+    def stream_chunk(self, delta: ChoiceDelta) -> ChatCompletionChunk | None:
+        """The chunk one delta makes, None if it has nothing to send (what the other API
+        surfaces translate, event by event)."""
         first = delta.index not in self._started
         message = ChatDelta(self.role if first else None, delta.text)
         finish_reason = delta.finish_reason
@@ -262,7 +275,7 @@ class _ChatRun(GenerationRun):
             with_ids = self.return_token_ids and delta.token_ids
             news = message.content or message.reasoning or message.tool_calls
             if not (news or delta.logprobs or ended_normally(delta) or with_ids):
-                return b""
+                return None
         self._started.add(delta.index)
         if first and self.echoed:
             message.content = self.echoed + (message.content or "")
@@ -281,7 +294,7 @@ class _ChatRun(GenerationRun):
             chunk.prompt_logprobs = prompt_logprobs_entries(
                 self.state.tokenizer, prompt_rows, self.body.prompt_logprobs
             )
-        return sse_event(chunk)
+        return chunk
 
     def usage_event(self) -> bytes:
         return sse_event(self._chunk([], self.usage()))

@@ -24,7 +24,7 @@ from conveyor.frontend.server.errors import (
 )
 from conveyor.frontend.server.serving import ServingState
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
 # What needs no API key: probes (SageMaker's /ping, vLLM's /load) and the version. Everything
 # else (/tokenize spends CPU) does.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/load"})

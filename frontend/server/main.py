@@ -31,6 +31,7 @@ from conveyor.frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN, ROUT
 from conveyor.frontend.server.connection import DEFAULT_MAX_REQUEST_BODY_BYTES, ConnectionLimits
 from conveyor.frontend.server.http_options import add_http_args, http_options
 from conveyor.frontend.server.metrics_dir import ensure_multiprocess_dir
+from conveyor.frontend.server.responses_store import StoreLimits
 from conveyor.frontend.vllm_flags import (
     SERVER_FLAGS,
     FlagParser,
@@ -54,6 +55,56 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def add_responses_store_args(parser: argparse._ActionsContainer) -> None:
+    """How many responses of /v1/responses the server keeps, and for how long."""
+    limits = StoreLimits()
+    parser.add_argument(
+        "--responses-store-size",
+        type=_non_negative_int,
+        default=limits.max_responses,
+        metavar="N",
+        help="keep the last N responses of /v1/responses for GET /v1/responses/{id} and "
+        "previous_response_id, shared by every frontend (0: keep none; store: true is refused)",
+    )
+    parser.add_argument(
+        "--responses-store-max-mib",
+        type=positive_float,
+        default=limits.max_bytes / (1 << 20),
+        metavar="MIB",
+        help="and at most this much of them (the oldest go first)",
+    )
+    parser.add_argument(
+        "--responses-store-ttl-s",
+        type=positive_float,
+        default=limits.ttl_s,
+        help="a stored response is forgotten this long after it was made",
+    )
+
+
+def responses_store_limits(args: argparse.Namespace) -> StoreLimits:
+    return StoreLimits(
+        args.responses_store_size,
+        int(args.responses_store_max_mib * (1 << 20)),
+        args.responses_store_ttl_s,
+    )
+
+
+def responses_store_options(args: argparse.Namespace) -> list[str]:
+    """The store flags in ``args``, as command-line options again."""
+    return [
+        "--responses-store-size", str(args.responses_store_size),
+        "--responses-store-max-mib", str(args.responses_store_max_mib),
+        "--responses-store-ttl-s", str(args.responses_store_ttl_s),
+    ]  # fmt: skip
 
 
 def add_engine_session_args(parser: argparse._ActionsContainer) -> None:
@@ -213,6 +264,7 @@ def add_frontend_process_args(parser: argparse.ArgumentParser) -> argparse.Argum
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when it dies")
     parser.add_argument("--ready-file", type=Path, default=None, help="written once serving")
     add_observability_args(parser)
+    add_responses_store_args(parser)
     add_http_args(parser)
     add_vllm_flags(parser, SERVER_FLAGS)
     parser.add_argument("--log-level", default=None, help="default: $CONVEYOR_LOG_LEVEL or INFO")
@@ -351,6 +403,7 @@ def run(args: argparse.Namespace) -> int:
         router=args.router,
         router_affinity_margin=args.router_affinity_margin,
         http=args.http,
+        responses_store=responses_store_limits(args),
     )
     for flag, why in flags_without_effect(args):
         logging.getLogger("conveyor.frontend").info("%s has no effect here: %s", flag, why)

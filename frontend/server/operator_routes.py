@@ -4,8 +4,8 @@ Runs in an HTTP frontend process, on its event loop.
 
 * ``GET|POST /ping``: SageMaker's health check, the same answer as ``/health``.
 * ``POST /invocations``: SageMaker's one inference route, routed by the body's shape as vLLM
-  routes it: ``messages`` is a chat completion, ``prompt`` a completion; each is then served
-  exactly as on its own route.
+  routes it: ``messages`` is a chat completion, ``prompt`` a completion, ``input`` a Responses
+  request; each is then served exactly as on its own route.
 * ``GET /tokenizer_info``: vLLM's: the tokenizer's configuration (its ``init_kwargs`` without
   file paths), its class and the chat template the server renders with.
 * ``GET /v1/models/{model}``: OpenAI's model retrieval (``client.models.retrieve``).
@@ -29,6 +29,7 @@ from conveyor.frontend.server.serving import ServingState
 INVOCATION_ROUTES = (
     ("messages", "/v1/chat/completions"),
     ("prompt", "/v1/completions"),
+    ("input", "/v1/responses"),
 )
 
 
@@ -37,6 +38,7 @@ class _BodyShape(msgspec.Struct):
 
     messages: msgspec.Raw = msgspec.Raw()
     prompt: msgspec.Raw = msgspec.Raw()
+    input: msgspec.Raw = msgspec.Raw()
 
 
 def invocation_route(raw: bytes) -> str:

@@ -329,6 +329,8 @@ class _Counted(msgspec.Struct):
 
     prompt: msgspec.Raw = msgspec.Raw()
     messages: msgspec.Raw = msgspec.Raw()
+    # The Responses API's list of input items.
+    input: msgspec.Raw = msgspec.Raw()
 
 
 def decode_large_body(
@@ -346,16 +348,9 @@ def decode_large_body(
         counted = msgspec.json.decode(body, type=_Counted)
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
         return decode_body(body, body_type)  # reports what is wrong with it
-    if counted.messages:
-        # Every message has a "role" key, written `"role":` or `"role": ` by every JSON
-        # encoder we know (others are counted as none); the text cannot occur in a string.
-        messages = bytes(counted.messages)
-        num_messages = messages.count(b'"role":') + messages.count(b'"role" :')
-        if num_messages > max_messages:
-            raise bad_request(
-                f"over {max_messages} messages: more than this model's context can hold",
-                "messages",
-            )
+    for name, raw in (("messages", counted.messages), ("input", counted.input)):
+        if raw:
+            _count_messages(bytes(raw), name, max_messages)
     prompt = bytes(counted.prompt)
     if prompt.startswith(b"["):
         if b'"' in prompt:
@@ -370,6 +365,21 @@ def decode_large_body(
                 "prompt",
             )
     return decode_body(body, body_type)
+
+
+def _count_messages(raw: bytes, param: str, max_messages: int) -> None:
+    """Refuse a list of messages (or Responses' input items) that certainly holds more than
+    the context can: more "role" keys than ``max_messages``, or more "type" keys (content
+    parts, blocks, items) than twice that. Every JSON encoder we know writes a key as `"key":`
+    or `"key" :` (others are counted as none); the text cannot occur in a string."""
+    num_roles = raw.count(b'"role":') + raw.count(b'"role" :')
+    num_typed = raw.count(b'"type":') + raw.count(b'"type" :')
+    if num_roles > max_messages or num_typed > 2 * max_messages:
+        raise bad_request(
+            f"over {max_messages} messages or {2 * max_messages} content parts: more than this "
+            "model's context can hold",
+            param,
+        )
 
 
 def _raise_invalid(message: str) -> Any:

@@ -191,11 +191,17 @@ def test_huge_prompts_and_chats_are_refused_at_once_and_other_streams_go_on(serv
     messages = [{"role": "user", "content": "a"}] * 240_000
     chat = json.dumps({"model": MODEL_NAME, "messages": messages}, separators=(",", ":"))
     assert len(text) > 7_500_000 and len(chat) < 8 << 20
+    # The Responses API's input items: messages, and items that hold no role.
+    items = json.dumps({"input": messages}, separators=(",", ":"))
+    reasoning = json.dumps({"input": [{"type": "reasoning"}] * 300_000}, separators=(",", ":"))
+    assert len(items) < 8 << 20 and len(reasoning) < 8 << 20
 
     def heavy() -> None:
         _refused_in_time(served, "/v1/completions", text, "prompt")
         _refused_in_time(served, "/v1/completions", strings, "prompt")
         _refused_in_time(served, "/v1/chat/completions", chat.encode(), "messages")
+        _refused_in_time(served, "/v1/responses", items.encode(), "input")
+        _refused_in_time(served, "/v1/responses", reasoning.encode(), "input")
 
     _while_streams_run(served, reference, heavy)
 

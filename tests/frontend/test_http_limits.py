@@ -154,13 +154,18 @@ ROUTES = [("GET", "/v1/models", 200), ("POST", "/v1/completions", 200),
           ("POST", "/v1/chat/completions", 200), ("GET", "/v1/nonexistent", 404),
           ("POST", "/tokenize", 200), ("POST", "/detokenize", 200),
           ("GET", "/v1/models/{model:path}", 200), ("POST", "/invocations", 200),
-          ("GET", "/tokenizer_info", 200)]  # fmt: skip
+          ("GET", "/tokenizer_info", 200), ("POST", "/v1/responses", 200),
+          ("GET", "/v1/responses/{response_id}", 404),
+          ("POST", "/v1/responses/{response_id}/cancel", 404)]  # fmt: skip
 BODIES = {"/v1/completions": GREEDY, "/v1/chat/completions": {"messages": CHAT_MESSAGES,
                                                               "max_tokens": 2},
           "/tokenize": {"prompt": "x"}, "/detokenize": {"tokens": [1, 2]},
-          "/invocations": GREEDY}  # fmt: skip
+          "/invocations": GREEDY, "/v1/responses": {"input": "hi", "max_output_tokens": 2},
+          "/v1/responses/resp_unknown/cancel": {}}  # fmt: skip
 # A route's path as the app lists it -> the path a request takes.
-REQUEST_PATHS = {"/v1/models/{model:path}": f"/v1/models/{MODEL_NAME}"}
+REQUEST_PATHS = {"/v1/models/{model:path}": f"/v1/models/{MODEL_NAME}",
+                 "/v1/responses/{response_id}": "/v1/responses/resp_unknown",
+                 "/v1/responses/{response_id}/cancel": "/v1/responses/resp_unknown/cancel"}  # fmt: skip
 OPEN = {"/health", "/metrics", "/version", "/ping", "/load"}
 
 
