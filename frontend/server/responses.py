@@ -4,19 +4,25 @@ Runs in an HTTP frontend process, on its event loop. A Responses request is a ch
 ``responses_input`` translates it (input items -> messages, options -> chat's fields), chat's
 pipeline prepares and runs it (``chat.prepare_chat_run``: the chat template, tools, structured
 outputs, the engine requests), and this module translates what comes out: the whole chat
-response into a response object. A response is kept in the server's store
-(``responses_store``) unless ``store: false``, so GET /v1/responses/{id} finds it and
-``previous_response_id`` continues its conversation.
+response into a response object, or each chat chunk into Responses' stream events
+(``responses_stream``). A response is kept in the server's store (``responses_store``) unless
+``store: false``, so GET /v1/responses/{id} finds it and ``previous_response_id`` continues its
+conversation.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 from starlette.responses import Response
 from starlette.types import Receive
 
+from conveyor.frontend.engine_client.session import EngineDeadError
+from conveyor.frontend.output_processor import ChoiceDelta
 from conveyor.frontend.server.chat import _ChatRun as ChatRun  # chat's run, read-only here
 from conveyor.frontend.server.chat import prepare_chat_run
 from conveyor.frontend.server.errors import ApiError, bad_request
@@ -46,11 +52,18 @@ from conveyor.frontend.server.responses_models import (
     TextFormat,
 )
 from conveyor.frontend.server.responses_store import ResponsesStore, StoredResponse
+from conveyor.frontend.server.responses_stream import ResponseEvents
 from conveyor.frontend.server.serving import (
     ServingState,
+    SSEResponse,
     check_model,
+    raise_on_error,
     run_unless_disconnected,
+    start_stream,
 )
+from conveyor.protocol import FAILED_FINISH_REASONS
+
+logger = logging.getLogger(__name__)
 
 
 async def create_response(
@@ -114,7 +127,8 @@ class ResponsesRun:
 
     async def respond(self, receive: Receive) -> Response:
         if self.body.stream:
-            raise bad_request("stream: not yet implemented for /v1/responses", "stream")
+            deltas = await start_stream(receive, self.chat_run.deltas())
+            return SSEResponse(self.events(deltas))
         chat = await run_unless_disconnected(receive, self.chat_run.collect())
         assert isinstance(chat, ChatCompletionResponse)
         response = self.response(_output_items(chat), chat.choices[0].finish_reason)
@@ -169,6 +183,44 @@ class ResponsesRun:
             return
         messages = [*self.conversation, *_as_messages(response.output)]
         await self.state.run_cpu(self.store.put, StoredResponse(response, messages))
+
+    async def events(self, source: AsyncIterator[ChoiceDelta]) -> AsyncIterator[bytes]:
+        """Responses' stream: created, in_progress, the output items' events as the chat's
+        chunks come, then completed (or an error event and failed)."""
+        events = ResponseEvents()
+        yield events.created(self.response([], None))
+        finish_reason = None
+        try:
+            async with contextlib.aclosing(source) as deltas:  # type: ignore[type-var]
+                async for delta in deltas:
+                    if delta.finish_reason in FAILED_FINISH_REASONS:
+                        continue  # reported below, as the whole response's error
+                    chunk = self.chat_run.stream_chunk(delta)
+                    if chunk is None:
+                        continue  # held back (a marker's first characters, say)
+                    choice = chunk.choices[0]
+                    for event in events.chat_delta(choice.delta, choice.logprobs):
+                        yield event
+                    finish_reason = choice.finish_reason or finish_reason
+            raise_on_error(self.chat_run.states)
+        except Exception as exc:
+            yield events.failed(self.response(events.items(), None, "failed"), *_error_of(exc))
+            return
+        for event in events.close():
+            yield event
+        response = self.response(events.items(), finish_reason or "stop")
+        await self.keep(response)
+        yield events.completed(response)
+
+
+def _error_of(exc: Exception) -> tuple[str, str]:
+    """(code, message) of a failed stream, as a whole response's error would say it."""
+    if isinstance(exc, ApiError):
+        return str(exc.status), exc.message
+    if isinstance(exc, EngineDeadError):
+        return "503", f"the engine failed: {exc}"
+    logger.exception("unexpected error streaming a response", exc_info=exc)
+    return "500", f"internal error: {type(exc).__name__}"
 
 
 def _output_items(chat: ChatCompletionResponse) -> list[OutputItem]:

@@ -12,6 +12,7 @@ grammar; greedy text through /v1/responses equals /v1/chat/completions on the sa
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from tests.frontend.http_helpers import (
     MODEL_NAME,
     ServedHttp,
+    get,
+    metric,
+    parse_metrics,
     post_json,
+    read_events,
     start_served_http,
+    wait_for,
 )
 from tests.frontend.test_http_api_surface import TEMPLATE
 
@@ -91,6 +97,25 @@ def test_greedy_text_equals_chat_whole_and_streamed(client):
     assert response.usage.total_tokens == chat.usage.total_tokens
     (item,) = response.output
     assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+    # The same through the client's stream helper.
+    with client.responses.stream(
+        model=MODEL_NAME, input=HELLO, instructions="be brief", max_output_tokens=12, temperature=0
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert final.output_text == response.output_text
+    assert final.usage.output_tokens == 12 and final.status == "incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert deltas >= 1 and kinds == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", *["response.output_text.delta"] * deltas,
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed",
+    ]  # fmt: skip
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == response.output_text == events[-4].text
 
 
 def test_message_items_and_reasoning_effort_render_as_chat(client):
@@ -140,6 +165,22 @@ def test_a_function_tool_round_trip_whole_streamed_and_by_previous_response_id(c
     arguments = json.loads(call.arguments)
     jsonschema.validate(arguments, WEATHER)
     assert call.call_id and call.id.startswith("fc_") and first.status == "completed"
+    # The same call through the stream helper: the arguments as deltas, then done.
+    with client.responses.stream(
+        model=MODEL_NAME, input=question, tools=TOOLS, tool_choice=GET_WEATHER,
+        max_output_tokens=60, temperature=0,
+    ) as stream:  # fmt: skip
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert "response.function_call_arguments.delta" in kinds
+    assert kinds[-3:] == [
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    (streamed,) = final.output
+    assert (streamed.name, json.loads(streamed.arguments)) == ("get_weather", arguments)
     # The result goes back as a function_call_output; the prompt is chat's for the same turn.
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}
     second = client.responses.create(
@@ -173,6 +214,14 @@ def test_auto_tool_choice_reads_the_call_the_model_writes(client):
     assert [item.type for item in response.output] == ["message", "function_call"]
     assert response.output[0].content[0].text == "Checking.\n"
     assert json.loads(response.output[1].arguments) == {"city": "Rome"}
+    with client.responses.stream(**kwargs) as stream:
+        final = stream.get_final_response()
+    assert [item.type for item in final.output] == ["message", "function_call"]
+    assert final.output_text == "Checking.\n"
+    assert (final.output[1].name, json.loads(final.output[1].arguments)) == (
+        "get_weather",
+        {"city": "Rome"},
+    )
 
 
 def test_text_format_json_schema_gives_a_valid_object_whole_and_streamed(client):
@@ -181,6 +230,12 @@ def test_text_format_json_schema_gives_a_valid_object_whole_and_streamed(client)
     )
     assert isinstance(parsed.output_parsed, Ticket)
     jsonschema.validate(json.loads(parsed.output_text), Ticket.model_json_schema())
+    with client.responses.stream(
+        model=MODEL_NAME, input="File a ticket", text_format=Ticket, max_output_tokens=100,
+        temperature=1.0, extra_body={"seed": 3},
+    ) as stream:  # fmt: skip
+        final = stream.get_final_response()
+    assert isinstance(final.output_parsed, Ticket)
     json_object = client.responses.create(
         model=MODEL_NAME, input="JSON please", text={"format": {"type": "json_object"}},
         max_output_tokens=60, extra_body={"structured_outputs": None},
@@ -224,6 +279,10 @@ def test_stored_responses_are_found_through_every_frontend(client, served):
     assert not unstored.store
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+    # A streamed response is stored too, once completed.
+    with client.responses.stream(model=MODEL_NAME, input=HELLO, max_output_tokens=3) as stream:
+        final = stream.get_final_response()
+    assert client.responses.retrieve(final.id).output_text == final.output_text
 
 
 @pytest.mark.parametrize(
@@ -268,3 +327,26 @@ def test_invocations_serve_an_input_body_as_a_response(served):
         and invoked["output"][0]["content"][0]["text"]
         == (direct["output"][0]["content"][0]["text"])
     )
+
+
+def _send(base_url: str, path: str, body: dict[str, Any]) -> socket.socket:
+    """POST on a raw socket, left unread: the test decides when to hang up."""
+    raw = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", int(base_url.rsplit(":", 1)[1])), timeout=30)
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"{head}Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    return sock
+
+
+def test_a_disconnect_aborts_the_streamed_response(served):
+    def engine() -> tuple[float, float]:
+        samples = parse_metrics(get(served.base_url, "/metrics")[1])
+        aborted = metric(samples, "conveyor:request_success_total", finished_reason="abort")
+        return aborted, metric(samples, "conveyor:num_requests_running")
+
+    before, _ = engine()
+    body = {"input": "x", "max_output_tokens": 3000, "ignore_eos": True, "stream": True}
+    with _send(served.base_url, "/v1/responses", body) as sock:
+        received = read_events(sock, 6)
+        assert received.startswith(b"HTTP/1.1 200") and b"event: response.created" in received
+    assert wait_for(lambda: engine() == (before + 1, 0), 10.0), engine()
