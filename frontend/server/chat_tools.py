@@ -119,7 +119,7 @@ def chat_tools(body: ChatCompletionRequest, parser_name: str | None) -> ChatTool
             "tool_choice",
         )
     parallel = body.parallel_tool_calls is not False
-    return ChatTools("auto", tools, parser=tool_call_parser(parser_name), parallel=parallel)
+    return ChatTools("auto", tools, parser=tool_call_parser(parser_name, tools), parallel=parallel)
 
 
 def tool_dict(tool: Any) -> dict[str, Any]:

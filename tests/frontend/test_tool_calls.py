@@ -46,6 +46,55 @@ CASES = [
     ("llama3_json", '{"name": "f", "arguments": {"x": 1.5}}', None, [("f", {"x": 1.5})]),
     ("llama3_json", "The weather is fine.", "The weather is fine.", []),
     ("llama3_json", "{broken", "{broken", []),
+    ("mistral", 'Sure.[TOOL_CALLS]add{"a": 3.5, "b": 4}[TOOL_CALLS]mul{"c": 2}', "Sure.",
+     [("add", {"a": 3.5, "b": 4}), ("mul", {"c": 2})]),
+    ("mistral", '[TOOL_CALLS]add[ARGS]{"a": 1}', None, [("add", {"a": 1})]),
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 3.5, "b": 4}}]', None,
+     [("add", {"a": 3.5, "b": 4})]),
+    ("mistral", "No calls here.", "No calls here.", []),
+    ("pythonic", "[get_weather(city='San Francisco', metric='celsius')]", None,
+     [("get_weather", {"city": "San Francisco", "metric": "celsius"})]),
+    ("pythonic", "[register_user(name='John Doe', age=37, address={'city': 'SF'}, role=None, "
+     "passed_test=True, aliases=['John', 'Johnny']), get_weather()]", None,
+     [("register_user", {"name": "John Doe", "age": 37, "address": {"city": "SF"}, "role": None,
+                         "passed_test": True, "aliases": ["John", "Johnny"]}),
+      ("get_weather", {})]),
+    ("pythonic", r"[get_weather(city='Martha\'s Vineyard', metric='\"cool units\"')]", None,
+     [("get_weather", {"city": "Martha's Vineyard", "metric": '"cool units"'})]),
+    ("pythonic", "[bad(x=b'z'), calc(x=1e999), get_weather(city='SF')]", None,
+     [("get_weather", {"city": "SF"})]),
+    ("pythonic", "[f(a='x 'y' 'z), g(b='p 'q' 'r)]", "[f(a='x 'y' 'z), g(b='p 'q' 'r)]", []),
+    ("pythonic", "<|python_start|>[get_weather(city='SF')]<|python_end|>", None,
+     [("get_weather", {"city": "SF"})]),
+    ("pythonic", "How can I help you today?", "How can I help you today?", []),
+    ("qwen3_coder", "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+     "Paris\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+     "Let me check.\n", [("get_weather", {"city": "Paris", "days": 3})]),
+    ("qwen3_coder", "<tool_call>\n<function=get_time>\n</function>\n</tool_call>", None,
+     [("get_time", {})]),
+    ("deepseek_v3", "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+     'get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+     "Sure.", [("get_weather", {"city": "Paris"})]),
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+     '{"city": "Paris", "unit": "C"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time'
+     '<｜tool▁sep｜>{"zone": "CET"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None, TWO_CALLS),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+     '"C"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]', None, TWO_CALLS),
+    ("granite", "It is sunny.", "It is sunny.", []),
+    ("kimi_k2", "Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+     '<|tool_call_argument_begin|>{"city": "Paris", "unit": "C"}<|tool_call_end|>'
+     "<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>"
+     '{"zone": "CET"}<|tool_call_end|><|tool_calls_section_end|>', "Checking.", TWO_CALLS),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+     "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>", None,
+     [("get_weather", {"city": "Paris", "days": 3})]),
+    ("internlm", 'Sure.<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": '
+     '{"city": "Paris"}}<|action_end|>', "Sure.", [("get_weather", {"city": "Paris"})]),
+    ("openai", "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+     "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+     '{"city": "Paris"}', None, [("get_weather", {"city": "Paris"})]),
+    ("openai", "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
+     "<|message|>It is 4.", "It is 4.", []),
 ]  # fmt: skip
 
 
@@ -89,6 +138,47 @@ def test_each_format_reads_whole_and_streamed_at_every_split(name, text, content
         assert [c["name"] for c in streamed_calls] == [n for n, _ in expected], cuts
         # The fragments join to exactly the whole response's arguments.
         assert [c["arguments"] for c in streamed_calls] == [c.arguments for c in calls], cuts
+
+
+def test_text_parameters_take_the_types_the_tools_declare():
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {
+                    "properties": {
+                        "zip": {"type": "string"},
+                        "n": {"type": "integer"},
+                        "tags": {"type": "array"},
+                    }
+                },
+            },
+        }
+    ]
+    coder = "<tool_call>\n<function=f>\n<parameter=zip>\n75001\n</parameter>\n<parameter=n>\n" + (
+        '3\n</parameter>\n<parameter=tags>\n["a"]\n</parameter>\n</function>\n</tool_call>'
+    )
+    glm = "<tool_call>f\n<arg_key>zip</arg_key><arg_value>75001</arg_value>\n" + (
+        "<arg_key>n</arg_key><arg_value>3</arg_value></tool_call>"
+    )
+    expected = {"zip": "75001", "n": 3, "tags": ["a"]}
+    assert (
+        json.loads(tool_call_parser("qwen3_coder", tools).parse(coder)[1][0].arguments) == expected
+    )
+    del expected["tags"]
+    assert json.loads(tool_call_parser("glm45", tools).parse(glm)[1][0].arguments) == expected
+
+
+def test_kimi_k2_ids_are_the_models_and_mistral_ids_its_format():
+    text = next(c[1] for c in CASES if c[0] == "kimi_k2")
+    calls = tool_call_parser("kimi_k2").parse(text)[1]
+    assert [c.id for c in calls] == ["functions.get_weather:0", "functions.get_time:1"]
+    _, streamed, _ = stream(tool_call_parser("kimi_k2"), text, list(range(len(text))))
+    assert [c["id"] for c in streamed] == ["functions.get_weather:0", "functions.get_time:1"]
+    text = next(c[1] for c in CASES if c[0] == "mistral")
+    for call in tool_call_parser("mistral").parse(text)[1]:
+        assert len(call.id) == 9 and call.id.isalnum()
 
 
 def test_every_registered_name_makes_a_parser():
@@ -171,3 +261,106 @@ def test_arguments_nested_past_the_parsers_reach_are_content_never_an_error(dept
     if depth == 100:
         parsed = tool_call_parser("hermes").parse(hermes)[1][0].arguments
         assert json.loads(parsed) == json.loads(arguments)
+
+
+# ---------------------------------------------------------------- through the chat handler
+
+
+@pytest.fixture(scope="module")
+def handler_state(tiny_model_dir):
+    """A chat handler on a scripted engine that answers with ``SCRIPT[0]`` one token a step."""
+    import msgspec
+
+    from conveyor.frontend.server.serving import ServingState
+    from conveyor.frontend.tokenizer import load_tokenizer
+    from conveyor.protocol import (
+        CacheConfig,
+        EngineConfig,
+        EngineCoreOutput,
+        ModelConfig,
+        SchedulerConfig,
+    )
+    from tests.frontend.test_http_serving import ScriptedEngineClient
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    script: list[str] = [""]
+
+    def play(request):
+        token_ids = tokenizer(script[0], add_special_tokens=False).input_ids
+        outputs = [EngineCoreOutput(request.request_id, [t]) for t in token_ids]
+        outputs.append(EngineCoreOutput(request.request_id, [2], finish_reason="stop"))
+        return outputs
+
+    def state(parser: str) -> ServingState:
+        model = ModelConfig(str(tiny_model_dir), "Qwen3ForCausalLM", 2048, 4096, (2, 0))
+        model = msgspec.structs.replace(model, tool_call_parser=parser)
+        config = EngineConfig(
+            model, CacheConfig(block_size=16), SchedulerConfig(max_model_len=4096)
+        )
+        client = ScriptedEngineClient(config, play)
+        return ServingState(client, tokenizer, "tiny", None, 1 << 20)  # type: ignore[arg-type]
+
+    return state, script
+
+
+def _chat(state, body):
+    import asyncio
+
+    from conveyor.frontend.server.chat import create_chat_completion
+    from conveyor.frontend.server.request_models import ChatCompletionRequest, decode_body
+
+    async def never_disconnects():
+        await asyncio.Event().wait()
+
+    async def run():
+        request = decode_body(json.dumps(body).encode(), ChatCompletionRequest)
+        response = await create_chat_completion(state, request, never_disconnects)
+        if not body.get("stream"):
+            return json.loads(response.body)
+        return b"".join([chunk async for chunk in response.body_iterator])
+
+    result = asyncio.run(run())
+    if not body.get("stream"):
+        return result
+    events = result.decode().split("\n\n")
+    return [json.loads(e.removeprefix("data: ")) for e in events if e and "[DONE]" not in e]
+
+
+CALL_CASES = [case for case in CASES if case[3]]
+HANDLER_TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+                 for name in ("get_weather", "get_time", "f", "add", "mul", "register_user",
+                              "calc", "bad")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "text", "content", "expected"), CALL_CASES)
+def test_auto_calls_of_every_format_come_out_of_the_chat_handler(
+    handler_state, name, text, content, expected
+):
+    make, script = handler_state
+    script[0] = text
+    state = make(name)
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": HANDLER_TOOLS,
+            "tool_choice": "auto", "max_tokens": 500}  # fmt: skip
+    whole = _chat(state, body)["choices"][0]
+    assert whole["finish_reason"] == "tool_calls"
+    assert whole["message"]["content"] == content
+    calls = whole["message"]["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == (
+        expected
+    )
+    events = _chat(state, {**body, "stream": True})
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == (content or "")
+    streamed: dict[int, list[str]] = {}
+    for delta in deltas:
+        for call in delta.get("tool_calls") or []:
+            parts = streamed.setdefault(call["index"], ["", ""])
+            parts[0] += call["function"].get("name") or ""
+            parts[1] += call["function"].get("arguments") or ""
+    assert [streamed[i] for i in sorted(streamed)] == [
+        [c["function"]["name"], c["function"]["arguments"]] for c in calls
+    ]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # none: no parsing, the text is content.
+    none = _chat(state, {**body, "tool_choice": "none"})["choices"][0]["message"]
+    assert none["content"] == text and "tool_calls" not in none

@@ -25,8 +25,16 @@ from __future__ import annotations
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
-from conveyor.frontend.parsers.tool_calls.json_text import BROKEN, decode, object_members
+from conveyor.frontend.parsers.tool_calls.json_text import (
+    BROKEN,
+    decode,
+    object_members,
+    partial_overlap,
+    skip_space,
+    value_end,
+)
 
 
 def new_call_id() -> str:
@@ -70,6 +78,20 @@ class ToolCallParser(ABC):
     # The parser reads the model's raw output rather than the content a reasoning parser left
     # (gpt-oss: the calls are messages on a channel of their own).
     reads_raw_output = False
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        """``tools``: the request's function definitions (formats that write arguments as text
+        convert them to JSON by each parameter's type)."""
+        self.tools = tools or []
+
+    def parameter_type(self, function: str, parameter: str) -> str | None:
+        """The JSON type a function's parameter declares, or None."""
+        for tool in self.tools:
+            if tool.get("function", {}).get("name") == function:
+                spec = (tool["function"].get("parameters") or {}).get("properties", {})
+                declared = spec.get(parameter, {}).get("type")
+                return declared if isinstance(declared, str) else None
+        return None
 
     @abstractmethod
     def scan(self, text: str, done: bool) -> Scan:
@@ -142,3 +164,47 @@ def _is_object_text(text: str) -> bool:
 def is_object_text(text: str) -> bool:
     """``text`` is a JSON object (what a call's arguments must be)."""
     return _is_object_text(text)
+
+
+def text_value(text: str, declared: str | None) -> Any:
+    """A parameter written as text (XML formats) as the JSON value its declared type says:
+    strings stay text, anything else is read as JSON where it reads (vLLM's conversion)."""
+    if declared == "string":
+        return text
+    try:
+        return decode(text)
+    except ValueError:
+        return text
+
+
+def tagged_region(text: str, start: str, end: str, position: int) -> tuple[int, int, int] | None:
+    """The next ``start``...``end`` region from ``position``: (where start begins, where its body
+    begins, where end begins or -1 while open), or None if there is no ``start``."""
+    found = text.find(start, position)
+    if found < 0:
+        return None
+    body = found + len(start)
+    return found, body, text.find(end, body)
+
+
+def json_arguments(text: str, start: int, closed: bool) -> tuple[str, bool]:
+    """The JSON object written from ``start`` as a call's arguments: its text so far and
+    whether it is whole (an object that parses). ``closed``: the call's end marker follows,
+    so nothing more will come."""
+    position = skip_space(text, start)
+    end = value_end(text, position, done=closed)
+    if end is None:
+        return ("" if closed else text[position:].rstrip()), False
+    if end == BROKEN:
+        return "", False
+    arguments = text[position:end]
+    return arguments, _is_object_text(arguments)
+
+
+def content_before(text: str, marker: str, done: bool) -> tuple[str, int]:
+    """The content before the first ``marker`` and where the marker is (-1: none yet, the
+    content holding back what may be its start)."""
+    found = text.find(marker)
+    if found >= 0:
+        return text[:found], found
+    return (text if done else text[: len(text) - partial_overlap(text, marker)]), -1

@@ -84,6 +84,7 @@ class NamedCallParser(ToolCallParser):
     """The named function's arguments object."""
 
     def __init__(self, name: str) -> None:
+        super().__init__()
         self.name = name
 
     def scan(self, text: str, done: bool) -> Scan:

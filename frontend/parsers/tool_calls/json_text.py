@@ -86,11 +86,11 @@ def decode(text: str) -> Any:
 
 
 def encode(value: Any) -> str | None:
-    """``value`` as JSON text (non-ASCII kept, as vLLM writes it), or None where it nests too
-    deeply to write."""
+    """``value`` as JSON text (non-ASCII kept, as vLLM writes it), or None where it is no JSON
+    value (bytes, infinity) or nests too deeply to write."""
     try:
-        return json.dumps(value, ensure_ascii=False)
-    except RecursionError:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (RecursionError, TypeError, ValueError):
         return None
 
 
