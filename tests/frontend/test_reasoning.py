@@ -183,7 +183,15 @@ FAMILIES = [
      "\n\nHello!"),
     ("gpt_oss", "openai_gptoss", "<|channel|>analysis<|message|>The user greets.<|end|>"
      "<|start|>assistant<|channel|>final<|message|>Hello!", "The user greets.", "Hello!"),
+    ("deepseek_v31", "deepseek_v3", "The user greets.</think>Hello!", "The user greets.",
+     "Hello!"),
+    ("mistral3", "mistral", "[THINK]The user greets.[/THINK]Hello!", "The user greets.",
+     "Hello!"),
+    ("granite32", "granite", "Here is my thought process:\nThe user greets.\n"
+     "Here is my response:\nHello!", "\nThe user greets.\n", "\nHello!"),
 ]  # fmt: skip
+# The template variables that turn each family's thinking on (the others think by default).
+THINKING = {"deepseek_v31": {"thinking": True}, "granite32": {"thinking": True}}
 
 
 @pytest.mark.parametrize(("family", "parser", "output", "reasoning", "content"), FAMILIES)
@@ -192,6 +200,8 @@ def test_the_real_templates_answer_split_whole_and_streamed(
 ):
     state = _state(tokenizer, tiny_model_dir, family, parser, output)
     body: dict[str, Any] = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64}
+    if family in THINKING:
+        body["chat_template_kwargs"] = THINKING[family]
     whole = _chat(state, body)
     message = whole["choices"][0]["message"]
     assert (message["reasoning"], message["content"]) == (reasoning, content)
@@ -226,6 +236,25 @@ def test_thinking_off_closes_the_reasoning_in_the_prompt(tokenizer, tiny_model_d
     # reasoning_effort "none" turns thinking off the same way (vLLM's enable_thinking).
     body = {"messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": "none"}
     assert _chat(state, body)["choices"][0]["message"]["content"] == "Hello!"
+
+
+@pytest.mark.parametrize(
+    ("family", "parser"), [("deepseek_v31", "deepseek_v3"), ("granite32", "granite")]
+)
+def test_hybrid_families_answer_without_reasoning_unless_asked(
+    tokenizer, tiny_model_dir, family, parser
+):
+    output = dict((f, o) for f, _, o, _, _ in FAMILIES)[family]
+    state = _state(tokenizer, tiny_model_dir, family, parser, output)
+    body = {"messages": [{"role": "user", "content": "Hi"}], "return_prompt_text": True}
+    whole = _chat(state, body)
+    message = whole["choices"][0]["message"]
+    assert "reasoning" not in message and message["content"] == output
+    if family == "deepseek_v31":
+        # (vLLM's copy of the template leaves its indentation in the prompt)
+        assert whole["prompt_text"].rstrip().endswith("</think>")
+        thinking = _chat(state, {**body, "chat_template_kwargs": {"thinking": True}})
+        assert thinking["prompt_text"].rstrip().endswith("<think>")
 
 
 def test_reasoning_effort_reaches_the_template(tokenizer, tiny_model_dir):
