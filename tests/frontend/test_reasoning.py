@@ -300,3 +300,27 @@ def test_an_earlier_turns_reasoning_renders_as_the_template_reads_it(
         prompt = _chat(state, body)["prompt_text"]
         if rendered is not None:
             assert rendered in prompt, prompt
+
+
+def test_a_forced_call_is_read_after_the_reasoning(tokenizer, tiny_model_dir):
+    # The grammar lets the reasoning through and forces the call after </think>; the reasoning
+    # parser takes the reasoning out and the forced format is read from what follows.
+    call = '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
+    output = "<think>\nA weather question.\n</think>\n\n" + call
+    state = _state(tokenizer, tiny_model_dir, "qwen3", "qwen3", output)
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS,
+            "tool_choice": "required", "max_tokens": 64}  # fmt: skip
+    whole = _chat(state, body)["choices"][0]
+    assert whole["finish_reason"] == "tool_calls"
+    assert whole["message"]["reasoning"] == "\nA weather question.\n"
+    (tool_call,) = whole["message"]["tool_calls"]
+    assert tool_call["function"]["name"] == "get_weather"
+    assert json.loads(tool_call["function"]["arguments"]) == {"city": "Paris"}
+    events = _chat(state, {**body, "stream": True})
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == "\nA weather question.\n"
+    fragments = [
+        c["function"].get("arguments", "") for d in deltas for c in d.get("tool_calls") or []
+    ]
+    assert "".join(fragments) == tool_call["function"]["arguments"] and len(fragments) > 2
+    assert not any(d.get("content") for d in deltas)

@@ -283,12 +283,15 @@ def handler_state(tiny_model_dir):
     from tests.frontend.test_http_serving import ScriptedEngineClient
 
     tokenizer = load_tokenizer(tiny_model_dir)
-    script: list[str] = [""]
+    script: list[str] = ["", "stop"]  # the text, and how it ends (stop: EOS; length: cut)
 
     def play(request):
         token_ids = tokenizer(script[0], add_special_tokens=False).input_ids
         outputs = [EngineCoreOutput(request.request_id, [t]) for t in token_ids]
-        outputs.append(EngineCoreOutput(request.request_id, [2], finish_reason="stop"))
+        if script[1] == "length":
+            outputs[-1].finish_reason = "length"
+        else:
+            outputs.append(EngineCoreOutput(request.request_id, [2], finish_reason="stop"))
         return outputs
 
     def state(parser: str) -> ServingState:
@@ -337,7 +340,7 @@ def test_auto_calls_of_every_format_come_out_of_the_chat_handler(
     handler_state, name, text, content, expected
 ):
     make, script = handler_state
-    script[0] = text
+    script[:] = [text, "stop"]
     state = make(name)
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": HANDLER_TOOLS,
             "tool_choice": "auto", "max_tokens": 500}  # fmt: skip
@@ -364,3 +367,23 @@ def test_auto_calls_of_every_format_come_out_of_the_chat_handler(
     # none: no parsing, the text is content.
     none = _chat(state, {**body, "tool_choice": "none"})["choices"][0]["message"]
     assert none["content"] == text and "tool_calls" not in none
+
+
+def test_parallel_calls_cut_by_max_tokens_report_the_whole_ones_through_the_handler(handler_state):
+    make, script = handler_state
+    script[:] = [HERMES[: HERMES.rindex('"zone"')], "length"]
+    state = make("hermes")
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": HANDLER_TOOLS,
+            "max_tokens": 500}  # fmt: skip
+    whole = _chat(state, body)["choices"][0]
+    calls = whole["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert whole["message"]["content"] == "Let me check.\n"
+    events = _chat(state, {**body, "stream": True})
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    names = [c["function"]["name"] for d in deltas for c in d.get("tool_calls") or []
+             if "name" in c["function"]]  # fmt: skip
+    assert names == ["get_weather", "get_time"]  # the cut call's header went out as it came
+    first = "".join(c["function"].get("arguments", "") for d in deltas
+                    for c in d.get("tool_calls") or [] if c["index"] == 0)  # fmt: skip
+    assert first == calls[0]["function"]["arguments"]
