@@ -207,7 +207,7 @@ class _ChatRun(GenerationRun):
         self._reasoning = reasoning
         self._include_reasoning = body.include_reasoning is not False
         self._tool_parser = tools.parser if tools.active else None
-        self._max_calls = None if tools.parallel else 1
+        self._max_calls = tools.max_calls
         self._splits = {}
         if reasoning is not None or self._tool_parser is not None:
             self._splits = {

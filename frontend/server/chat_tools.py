@@ -20,7 +20,7 @@ from conveyor.frontend.parsers.tool_calls.forced import (
     RequiredCallsParser,
     forced_schema,
 )
-from conveyor.frontend.parsers.tool_calls.stream import CallDelta, ToolCallStream
+from conveyor.frontend.parsers.tool_calls.stream import CallDelta
 from conveyor.frontend.server.errors import bad_request
 from conveyor.frontend.server.request_models import ChatCompletionRequest, NamedToolChoice
 from conveyor.frontend.server.response_models import (
@@ -58,15 +58,10 @@ class ChatTools:
     def needs_special_tokens(self) -> bool:
         return self.parser is not None and self.parser.needs_special_tokens
 
-    def stream(self) -> ToolCallStream:
-        assert self.parser is not None
-        return ToolCallStream(self.parser, None if self.parallel else 1)
-
-    def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a whole output."""
-        assert self.parser is not None
-        content, calls = self.parser.parse(text)
-        return content, calls if self.parallel else calls[:1]
+    @property
+    def max_calls(self) -> int | None:
+        """The calls kept (None: all)."""
+        return None if self.parallel else 1
 
 
 def chat_tools(body: ChatCompletionRequest, parser_name: str | None) -> ChatTools:
