@@ -10,6 +10,8 @@ Runs in an HTTP frontend process, on a uvloop event loop.
   ``completions``, ``chat``   the two generation endpoints
   ``responses``       OpenAI's Responses API, a view of chat (``responses_input``,
                       ``responses_stream``, ``responses_models``, ``responses_store``)
+  ``messages``        Anthropic's Messages API, a view of chat (``messages_input``,
+                      ``messages_stream``, ``messages_models``)
   ``serving``         what they share: state, the pipeline's errors as 400s, streaming helpers
   ``choice_stream``   one HTTP request's engine requests, merged into one delta stream
   ``logprobs``        engine logprob rows -> OpenAI's two formats
@@ -17,7 +19,7 @@ Runs in an HTTP frontend process, on a uvloop event loop.
   ``metrics_export``  a scrape: every frontend's files merged into the server's totals
   ``metrics_dir``     the folder a server's frontends share their metrics in
   ``request_log``     ``--enable-log-requests``: a line per request at arrival and at its end
-  ``errors``          OpenAI-shaped error bodies
+  ``errors``          OpenAI-shaped error bodies (Anthropic-shaped on /v1/messages)
   ``operator_routes`` /ping, /invocations, /tokenizer_info, /v1/models/{model}, /load
   ``openapi``         the route table every route is registered from
 """

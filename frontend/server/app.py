@@ -48,6 +48,12 @@ from conveyor.frontend.server.errors import (
 )
 from conveyor.frontend.server.gate import GateMiddleware, route_path
 from conveyor.frontend.server.http_options import HttpOptions, outer_middleware
+from conveyor.frontend.server.messages import count_tokens, create_message
+from conveyor.frontend.server.messages_models import (
+    CountTokensRequest,
+    MessagesRequest,
+    TokenCount,
+)
 from conveyor.frontend.server.metrics import PUBLISH_INTERVAL_S, FrontendMetrics
 from conveyor.frontend.server.openapi import ApiRoute, shown_path
 from conveyor.frontend.server.operator_routes import (
@@ -204,6 +210,16 @@ async def cancel_route(request: Request) -> Response:
     return await cancel_response(_serving(request), store, request.path_params["response_id"])
 
 
+async def messages(request: Request) -> Response:
+    body = await read_request(request, MessagesRequest)
+    return await create_message(_serving(request), body, request.receive)
+
+
+async def messages_count_tokens(request: Request) -> Response:
+    body = await read_request(request, CountTokensRequest)
+    return await count_tokens(_serving(request), body)
+
+
 async def _chat(request: Request, body: Any) -> Response:
     return await create_chat_completion(_serving(request), body, request.receive)
 
@@ -300,14 +316,14 @@ async def _publish_metrics(state: ServingState, metrics: FrontendMetrics) -> Non
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return error_response(exc)
+    return error_response(exc, route_path(request.scope))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
         return error_response(_no_route(request))
-    return error_response(ApiError(exc.status_code, str(exc.detail)))
+    return error_response(ApiError(exc.status_code, str(exc.detail)), route_path(request.scope))
 
 
 def _no_route(request: Request) -> ApiError:
@@ -324,7 +340,8 @@ def _no_route(request: Request) -> ApiError:
 
 async def _engine_dead(request: Request, exc: Exception) -> Response:
     message = f"the engine is unavailable: {exc}"
-    return error_response(ApiError(503, message, retry_after_s=RETRY_AFTER_UNAVAILABLE_S))
+    error = ApiError(503, message, retry_after_s=RETRY_AFTER_UNAVAILABLE_S)
+    return error_response(error, route_path(request.scope))
 
 
 async def _client_closed(request: Request, exc: Exception) -> Response:
@@ -333,7 +350,8 @@ async def _client_closed(request: Request, exc: Exception) -> Response:
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     logger.exception("unexpected error serving %s", request.url.path, exc_info=exc)
-    return error_response(ApiError(500, f"internal error: {type(exc).__name__}"))
+    error = ApiError(500, f"internal error: {type(exc).__name__}")
+    return error_response(error, route_path(request.scope))
 
 
 @contextlib.asynccontextmanager
@@ -417,6 +435,17 @@ API_ROUTES = (
         _POST,
         cancel_route,
         "Cancel a background response (there are none here: 400, or 404 for an unknown id)",
+    ),
+    ApiRoute(
+        "/v1/messages", _POST, messages, "A message (Anthropic's Messages API)", MessagesRequest
+    ),
+    ApiRoute(
+        "/v1/messages/count_tokens",
+        _POST,
+        messages_count_tokens,
+        "The input tokens of a message request (Anthropic's)",
+        CountTokensRequest,
+        TokenCount,
     ),
     ApiRoute("/v1/models", _GET, models, "The served model's names", response=ModelList),
     ApiRoute("/v1/models/{model:path}", _GET, model_route, "One model", response=ModelCard),

@@ -1,4 +1,6 @@
-"""HTTP errors in the shape OpenAI clients expect: ``{"error": {message, type, param, code}}``.
+"""HTTP errors in the shape OpenAI clients expect: ``{"error": {message, type, param, code}}``,
+or on Anthropic's Messages routes the shape Anthropic's clients expect:
+``{"type": "error", "error": {type, message}}``.
 
 Runs in an HTTP frontend process. Every failure a handler can foresee is an ``ApiError`` carrying
 its status; the server turns it into a JSON body. Messages are truncated, so a body that echoes
@@ -38,6 +40,43 @@ class ErrorInfo(msgspec.Struct):
 
 class ErrorResponse(msgspec.Struct):
     error: ErrorInfo
+
+
+# The routes whose errors take Anthropic's shape (its Messages API: /v1/messages and below).
+ANTHROPIC_ROUTES = "/v1/messages"
+# Anthropic's "type" for each status we send.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+
+
+class AnthropicErrorInfo(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicError(msgspec.Struct, kw_only=True):
+    type: str = "error"
+    error: AnthropicErrorInfo
+
+
+def anthropic_error(status: int, message: str, max_chars: int = 0) -> AnthropicError:
+    error_type = _ANTHROPIC_TYPES.get(
+        status, "invalid_request_error" if status < 500 else "api_error"
+    )
+    return AnthropicError(
+        error=AnthropicErrorInfo(error_type, truncate(message, max_chars or MAX_MESSAGE_CHARS))
+    )
+
+
+def is_anthropic_route(path: str) -> bool:
+    return path == ANTHROPIC_ROUTES or path.startswith(ANTHROPIC_ROUTES + "/")
 
 
 # Seconds a refused client is told to wait: overload passes quickly (a few steps free a slot);
@@ -87,12 +126,17 @@ def error_json(
     return msgspec.json.encode(error_body(status, message, param, max_chars))
 
 
-def error_response(error: ApiError) -> Response:
+def error_response(error: ApiError, path: str = "") -> Response:
+    """The error's response; on an Anthropic route (``path``) in Anthropic's shape."""
     headers = {}
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(error.retry_after_s)
+    if is_anthropic_route(path):
+        body = msgspec.json.encode(anthropic_error(error.status, error.message, error.max_chars))
+    else:
+        body = error_json(error.status, error.message, error.param, error.max_chars)
     return Response(
-        error_json(error.status, error.message, error.param, error.max_chars),
+        body,
         status_code=error.status,
         headers=headers,
         media_type="application/json",

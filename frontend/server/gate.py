@@ -6,7 +6,8 @@ last byte is sent (or its client leaves), so slow uploads hold no place. Refusal
 any body is read: 401 without one of the keys (constant-time compares; /health, /metrics,
 /version, /ping and /load stay open), 503 + Retry-After while the engine is dead or this frontend drains, 429 + Retry-After when
 ``max_queued_requests`` generation requests are already in flight here (checked again when the
-body has arrived, so the count never passes the cap).
+body has arrived, so the count never passes the cap). On Anthropic's Messages routes the key may
+also come as ``x-api-key``, and refusals take Anthropic's error shape.
 """
 
 from __future__ import annotations
@@ -21,10 +22,17 @@ from conveyor.frontend.server.errors import (
     RETRY_AFTER_UNAVAILABLE_S,
     ApiError,
     error_response,
+    is_anthropic_route,
 )
 from conveyor.frontend.server.serving import ServingState
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
+GENERATION_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/invocations",
+)
 # What needs no API key: probes (SageMaker's /ping, vLLM's /load) and the version. Everything
 # else (/tokenize spends CPU) does.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/load"})
@@ -65,7 +73,7 @@ class GateMiddleware:
 
         refusal = self._refusal(scope, state)
         if refusal is not None:
-            await error_response(refusal)(scope, receive, send_counted)
+            await error_response(refusal, route_path(scope))(scope, receive, send_counted)
             return
         generation = route_path(scope) in GENERATION_PATHS
         counted = False
@@ -97,8 +105,9 @@ class GateMiddleware:
 
     def _refusal(self, scope: Scope, state: ServingState) -> ApiError | None:
         path = route_path(scope)
-        if self._api_keys and path not in OPEN_PATHS and not self._authorized(scope):
-            return ApiError(401, "a valid API key is required (Authorization: Bearer KEY)")
+        if self._api_keys and path not in OPEN_PATHS and not self._authorized(scope, path):
+            how = "x-api-key: KEY or " if is_anthropic_route(path) else ""
+            return ApiError(401, f"a valid API key is required ({how}Authorization: Bearer KEY)")
         if path not in GENERATION_PATHS:
             return None
         if state.client.dead_reason is not None:
@@ -116,15 +125,23 @@ class GateMiddleware:
             return ApiError(429, message, retry_after_s=RETRY_AFTER_OVERLOADED_S)
         return None
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _authorized(self, scope: Scope, path: str) -> bool:
+        """A key in ``Authorization: Bearer KEY``, or on Anthropic's routes in ``x-api-key``
+        (how Anthropic's clients send it)."""
+        x_api_key = is_anthropic_route(path)
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                token = token.strip()
-                # Every key compared, whichever matches: the time tells nothing about which.
-                matches = [hmac.compare_digest(token, key) for key in self._api_keys]
-                return scheme.lower() == b"bearer" and any(matches)
+                if scheme.lower() == b"bearer" and self._matches(token.strip()):
+                    return True
+            elif name == b"x-api-key" and x_api_key and self._matches(value.strip()):
+                return True
         return False
+
+    def _matches(self, token: bytes) -> bool:
+        # Every key compared, whichever matches: the time tells nothing about which.
+        matches = [hmac.compare_digest(token, key) for key in self._api_keys]
+        return any(matches)
 
 
 def route_path(scope: Scope) -> str:

@@ -376,8 +376,8 @@ def _count_messages(raw: bytes, param: str, max_messages: int) -> None:
     num_typed = raw.count(b'"type":') + raw.count(b'"type" :')
     if num_roles > max_messages or num_typed > 2 * max_messages:
         raise bad_request(
-            f"over {max_messages} messages or {2 * max_messages} content parts: more than this "
-            "model's context can hold",
+            f"{param}: over {max_messages} messages or {2 * max_messages} content parts, more "
+            "than this model's context can hold",
             param,
         )
 

@@ -181,7 +181,8 @@ def _refused_in_time(served: ServedHttp, path: str, body: bytes, param: str) -> 
     elapsed = time.perf_counter() - start
     assert status == 400, raw[:300]
     error = json.loads(raw)["error"]
-    assert error["param"] == param, error
+    # Anthropic's shape has no param: its message names the field.
+    assert error.get("param", param) == param and param in error["message"], error
     assert elapsed < REFUSAL_BUDGET_S, f"{path} {param}: refused after {elapsed:.2f} s"
 
 
@@ -195,6 +196,11 @@ def test_huge_prompts_and_chats_are_refused_at_once_and_other_streams_go_on(serv
     items = json.dumps({"input": messages}, separators=(",", ":"))
     reasoning = json.dumps({"input": [{"type": "reasoning"}] * 300_000}, separators=(",", ":"))
     assert len(items) < 8 << 20 and len(reasoning) < 8 << 20
+    # Anthropic's: messages, and one message of a great many blocks.
+    anthropic = json.dumps({"max_tokens": 4, "messages": messages}, separators=(",", ":"))
+    one = {"role": "user", "content": [{"type": "text", "text": ""}] * 280_000}
+    blocks = json.dumps({"max_tokens": 4, "messages": [one]}, separators=(",", ":"))
+    assert len(blocks) < 8 << 20
 
     def heavy() -> None:
         _refused_in_time(served, "/v1/completions", text, "prompt")
@@ -202,6 +208,8 @@ def test_huge_prompts_and_chats_are_refused_at_once_and_other_streams_go_on(serv
         _refused_in_time(served, "/v1/chat/completions", chat.encode(), "messages")
         _refused_in_time(served, "/v1/responses", items.encode(), "input")
         _refused_in_time(served, "/v1/responses", reasoning.encode(), "input")
+        _refused_in_time(served, "/v1/messages", anthropic.encode(), "messages")
+        _refused_in_time(served, "/v1/messages", blocks.encode(), "messages")
 
     _while_streams_run(served, reference, heavy)
 

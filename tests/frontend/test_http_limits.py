@@ -156,12 +156,15 @@ ROUTES = [("GET", "/v1/models", 200), ("POST", "/v1/completions", 200),
           ("GET", "/v1/models/{model:path}", 200), ("POST", "/invocations", 200),
           ("GET", "/tokenizer_info", 200), ("POST", "/v1/responses", 200),
           ("GET", "/v1/responses/{response_id}", 404),
-          ("POST", "/v1/responses/{response_id}/cancel", 404)]  # fmt: skip
+          ("POST", "/v1/responses/{response_id}/cancel", 404), ("POST", "/v1/messages", 200),
+          ("POST", "/v1/messages/count_tokens", 200)]  # fmt: skip
 BODIES = {"/v1/completions": GREEDY, "/v1/chat/completions": {"messages": CHAT_MESSAGES,
                                                               "max_tokens": 2},
           "/tokenize": {"prompt": "x"}, "/detokenize": {"tokens": [1, 2]},
           "/invocations": GREEDY, "/v1/responses": {"input": "hi", "max_output_tokens": 2},
-          "/v1/responses/resp_unknown/cancel": {}}  # fmt: skip
+          "/v1/responses/resp_unknown/cancel": {},
+          "/v1/messages": {"max_tokens": 2, "messages": CHAT_MESSAGES},
+          "/v1/messages/count_tokens": {"messages": CHAT_MESSAGES}}  # fmt: skip
 # A route's path as the app lists it -> the path a request takes.
 REQUEST_PATHS = {"/v1/models/{model:path}": f"/v1/models/{MODEL_NAME}",
                  "/v1/responses/{response_id}": "/v1/responses/resp_unknown",
@@ -187,7 +190,11 @@ def test_api_key_guards_every_route_but_the_probes_and_version(served):
     for method, path, allowed_status in ROUTES:
         for headers in wrong_keys:
             status, raw = _call(served.base_url, method, path, headers)
-            _assert_error_body(status, raw, 401)
+            if path.startswith("/v1/messages"):  # Anthropic's routes, Anthropic's shape
+                body = json.loads(raw)
+                assert status == 401 and body["error"]["type"] == "authentication_error"
+            else:
+                _assert_error_body(status, raw, 401)
         assert _call(served.base_url, method, path, AUTH)[0] == allowed_status, path
     for path in OPEN:
         assert get(served.base_url, path)[0] == 200
