@@ -218,8 +218,10 @@ class InputProcessor:
             # deep nesting this way: the client's input, so a 400, never a 500.
             raise PromptError(f"{param} is nested too deeply to parse", param) from None
         except ValueError as exc:
-            # StructuredOutputError, or llguidance's own for a grammar it cannot convert.
-            raise PromptError(str(exc), param) from None
+            # StructuredOutputError, or llguidance's own for a grammar it cannot convert. The
+            # message names the field: Anthropic's error shape has no param to carry it.
+            message = str(exc) if str(exc).startswith(param) else f"{param}: {exc}"
+            raise PromptError(message, param) from None
 
     def truncate(
         self, token_ids: list[int], truncate_prompt_tokens: int | None, side: str | None = None
