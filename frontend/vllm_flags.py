@@ -291,7 +291,8 @@ SERVER_FLAGS: tuple[VllmFlag, ...] = (
     _no_effect(
         "--disable-fastapi-docs",
         SWITCH,
-        "conveyor serves no /docs, /redoc or /openapi.json",
+        "/openapi.json and /docs are always served (they describe the API and nothing else); "
+        "there is no /redoc",
     ),
     _no_effect(
         "--disable-frontend-multiprocessing",
@@ -394,10 +395,10 @@ SERVER_FLAGS: tuple[VllmFlag, ...] = (
         SWITCH,
         "GET /tokenizer_info is always served (behind the API key, if there is one)",
     ),
-    _refused(
+    _no_effect(
         "--enable-offline-docs",
         SWITCH,
-        "conveyor serves no API documentation pages",
+        "/docs is always offline: a page made by the server itself, nothing loaded from a CDN",
     ),
 )
 

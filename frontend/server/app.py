@@ -10,8 +10,9 @@ Routes (``API_ROUTES``): POST /v1/completions, POST /v1/chat/completions, GET /v
 /v1/models/{model}, GET /health (503 while no engine serves this frontend, saying why, or while
 this frontend drains), GET /metrics (Prometheus text: the whole server's, whichever frontend
 answers; 404 with --disable-metrics), POST /tokenize, POST /detokenize, GET /version (vLLM's
-shapes), and the operator routes of ``operator_routes`` (/ping, /invocations, /tokenizer_info,
-/load). An unknown route's 404 names the routes there are.
+shapes), the operator routes of ``operator_routes`` (/ping, /invocations, /tokenizer_info,
+/load), and /openapi.json and /docs (``openapi``). An unknown route's 404 names the routes
+there are.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from conveyor.frontend.engine_client.engine_group import LOST_LIMIT_S, EngineGroupClient
@@ -51,11 +53,12 @@ from conveyor.frontend.server.http_options import HttpOptions, outer_middleware
 from conveyor.frontend.server.messages import count_tokens, create_message
 from conveyor.frontend.server.messages_models import (
     CountTokensRequest,
+    MessageObject,
     MessagesRequest,
     TokenCount,
 )
 from conveyor.frontend.server.metrics import PUBLISH_INTERVAL_S, FrontendMetrics
-from conveyor.frontend.server.openapi import ApiRoute, shown_path
+from conveyor.frontend.server.openapi import ApiRoute, docs_page, openapi_spec, shown_path
 from conveyor.frontend.server.operator_routes import (
     ServerLoad,
     invocation_route,
@@ -70,7 +73,13 @@ from conveyor.frontend.server.request_models import (
     decode_body,
     decode_large_body,
 )
-from conveyor.frontend.server.response_models import ModelCard, ModelList, encode_json
+from conveyor.frontend.server.response_models import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    encode_json,
+)
 from conveyor.frontend.server.responses import (
     cancel_response,
     create_response,
@@ -260,6 +269,26 @@ async def detokenize_route(request: Request) -> Response:
     return Response(encode_json(response), media_type="application/json")
 
 
+async def openapi_route(request: Request) -> Response:
+    return Response(_spec(request.app), media_type="application/json")
+
+
+async def docs_route(request: Request) -> Response:
+    spec = msgspec.json.decode(_spec(request.app))
+    return HTMLResponse(docs_page(spec))
+
+
+def _spec(app: Starlette) -> bytes:
+    """The OpenAPI description, made once (the routes and models never change)."""
+    spec = getattr(app.state, "openapi", None)
+    if spec is None:
+        title = "conveyor: OpenAI- and Anthropic-compatible API"
+        spec = app.state.openapi = msgspec.json.encode(
+            openapi_spec(API_ROUTES, title, package_version())
+        )
+    return spec
+
+
 async def version_route(request: Request) -> Response:
     return JSONResponse({"version": package_version()})
 
@@ -412,16 +441,29 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
 _GET, _POST = ("GET",), ("POST",)
 # Every route of the app (and so of /openapi.json).
 API_ROUTES = (
-    ApiRoute("/v1/completions", _POST, completions, "A completion (OpenAI)", CompletionRequest),
+    ApiRoute(
+        "/v1/completions",
+        _POST,
+        completions,
+        "A completion (OpenAI); stream: true for server-sent events",
+        CompletionRequest,
+        CompletionResponse,
+    ),
     ApiRoute(
         "/v1/chat/completions",
         _POST,
         chat_completions,
-        "A chat completion (OpenAI)",
+        "A chat completion (OpenAI); stream: true for server-sent events",
         ChatCompletionRequest,
+        ChatCompletionResponse,
     ),
     ApiRoute(
-        "/v1/responses", _POST, responses, "A response (OpenAI's Responses API)", ResponsesRequest
+        "/v1/responses",
+        _POST,
+        responses,
+        "A response (OpenAI's Responses API); stream: true for its events",
+        ResponsesRequest,
+        ResponseObject,
     ),
     ApiRoute(
         "/v1/responses/{response_id}",
@@ -437,7 +479,12 @@ API_ROUTES = (
         "Cancel a background response (there are none here: 400, or 404 for an unknown id)",
     ),
     ApiRoute(
-        "/v1/messages", _POST, messages, "A message (Anthropic's Messages API)", MessagesRequest
+        "/v1/messages",
+        _POST,
+        messages,
+        "A message (Anthropic's Messages API); stream: true for its events",
+        MessagesRequest,
+        MessageObject,
     ),
     ApiRoute(
         "/v1/messages/count_tokens",
@@ -465,6 +512,8 @@ API_ROUTES = (
     ApiRoute("/detokenize", _POST, detokenize_route, "Token ids to text", DetokenizeRequest),
     ApiRoute("/tokenizer_info", _GET, tokenizer_info_route, "The tokenizer's configuration"),
     ApiRoute("/version", _GET, version_route, "The server's version"),
+    ApiRoute("/openapi.json", _GET, openapi_route, "This description of every route and field"),
+    ApiRoute("/docs", _GET, docs_route, "This description as a page"),
 )
 
 

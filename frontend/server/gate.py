@@ -4,7 +4,7 @@ Runs in an HTTP frontend process. A pure ASGI middleware, so it sees a streamed 
 very end: a generation request counts as in flight from the moment its body has arrived until its
 last byte is sent (or its client leaves), so slow uploads hold no place. Refusals go out before
 any body is read: 401 without one of the keys (constant-time compares; /health, /metrics,
-/version, /ping and /load stay open), 503 + Retry-After while the engine is dead or this frontend drains, 429 + Retry-After when
+/version, /ping, /load, /openapi.json and /docs stay open), 503 + Retry-After while the engine is dead or this frontend drains, 429 + Retry-After when
 ``max_queued_requests`` generation requests are already in flight here (checked again when the
 body has arrived, so the count never passes the cap). On Anthropic's Messages routes the key may
 also come as ``x-api-key``, and refusals take Anthropic's error shape.
@@ -33,9 +33,11 @@ GENERATION_PATHS = (
     "/v1/messages",
     "/invocations",
 )
-# What needs no API key: probes (SageMaker's /ping, vLLM's /load) and the version. Everything
-# else (/tokenize spends CPU) does.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/load"})
+# What needs no API key: probes (SageMaker's /ping, vLLM's /load), the version and the API's
+# description. Everything else (/tokenize spends CPU) does.
+OPEN_PATHS = frozenset(
+    {"/health", "/metrics", "/version", "/ping", "/load", "/openapi.json", "/docs"}
+)
 
 
 def _body_complete(message: Message) -> bool:

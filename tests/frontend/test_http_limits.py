@@ -169,7 +169,7 @@ BODIES = {"/v1/completions": GREEDY, "/v1/chat/completions": {"messages": CHAT_M
 REQUEST_PATHS = {"/v1/models/{model:path}": f"/v1/models/{MODEL_NAME}",
                  "/v1/responses/{response_id}": "/v1/responses/resp_unknown",
                  "/v1/responses/{response_id}/cancel": "/v1/responses/resp_unknown/cancel"}  # fmt: skip
-OPEN = {"/health", "/metrics", "/version", "/ping", "/load"}
+OPEN = {"/health", "/metrics", "/version", "/ping", "/load", "/openapi.json", "/docs"}
 
 
 def _call(base_url: str, method: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:

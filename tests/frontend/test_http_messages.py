@@ -1,7 +1,7 @@
 """POST /v1/messages and /v1/messages/count_tokens through the official ``anthropic`` client, as
 its users call it: ``messages.create``, ``messages.stream``, a tool_use -> tool_result round
 trip, ``count_tokens``; Anthropic's error shape, the key as ``x-api-key``, the queue cap and a
-disconnect on these routes.
+disconnect on these routes; metrics and request log lines for them as for chat.
 
 One ``conveyor serve`` per module on the tiny random-weight Qwen3 with an API key (from the
 environment), ``--max-queued-requests 2`` and the chat template of test_http_api_surface (it
@@ -13,6 +13,7 @@ forced by a grammar (a tool's schema, ``output_config.format``); greedy text thr
 from __future__ import annotations
 
 import json
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,7 +64,7 @@ def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     folder = tmp_path_factory.mktemp("messages")
     (folder / "template.jinja").write_text(TEMPLATE)
     extra = ["--chat-template", str(folder / "template.jinja")]
-    extra += ["--max-queued-requests", str(MAX_IN_FLIGHT)]
+    extra += ["--max-queued-requests", str(MAX_IN_FLIGHT), "--enable-log-requests"]
     env = {"CONVEYOR_API_KEY": API_KEY}
     served = start_served_http(tiny_model_dir, folder / "serve.log", extra, env=env)
     try:
@@ -291,3 +292,28 @@ def test_the_queue_cap_holds_and_a_disconnect_aborts(served):
         for sock in streams:
             sock.close()
     assert wait_for(lambda: engine() == (before + MAX_IN_FLIGHT, 0), 10.0), engine()
+
+
+def test_metrics_and_request_logs_count_the_new_routes(served):
+    def counts() -> tuple[float, float, int, int]:
+        samples = parse_metrics(get(served.base_url, "/metrics")[1])
+        log = served.log.read_text()
+        return (
+            metric(samples, "conveyor:request_success_total"),
+            metric(samples, "conveyor:generation_tokens_total"),
+            len(re.findall(r"requests: request \S+: 1 prompt\(s\) of", log)),
+            len(re.findall(r"requests: request \S+ finished: length, 3 tokens", log)),
+        )
+
+    before = counts()
+    bodies = (
+        ("/v1/messages", {"max_tokens": 3, "messages": HELLO}),
+        ("/v1/responses", {"max_output_tokens": 3, "input": "hello there"}),
+        ("/invocations", {"max_tokens": 3, "messages": HELLO}),
+        ("/invocations", {"max_output_tokens": 3, "input": "hello there"}),
+    )
+    for path, body in bodies:
+        status, _, raw = post_raw(served.base_url, path, json.dumps(body).encode(), AUTH)
+        assert status == 200, (path, raw[:300])
+    expected = (before[0] + 4, before[1] + 12, before[2] + 4, before[3] + 4)
+    assert wait_for(lambda: counts() == expected, 10.0), (counts(), expected)

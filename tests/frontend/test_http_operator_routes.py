@@ -1,5 +1,6 @@
 """The routes operators and platforms call: SageMaker's /ping and /invocations, vLLM's /load and
-/tokenizer_info, OpenAI's GET /v1/models/{model}, and a 404 that names the routes there are.
+/tokenizer_info, OpenAI's GET /v1/models/{model}, /openapi.json (checked against the request
+models the routes decode) and /docs, and a 404 that names the routes there are.
 
 One ``conveyor serve`` per module with an API key (from the environment), so every test also
 shows which routes need it: the probes (/ping, /load) do not.
@@ -11,11 +12,14 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import openai
 import pytest
 
-from conveyor.frontend.server.app import API_ROUTES
+from conveyor.frontend.server import messages_models, request_models, responses_models, tokenize
+from conveyor.frontend.server.app import API_ROUTES, ServerSettings, build_app
 from conveyor.frontend.server.openapi import shown_path
+from conveyor.frontend.server.request_models import StrictStruct
 from conveyor.frontend.tokenizer import load_tokenizer
 from tests.frontend.http_helpers import (
     MODEL_NAME,
@@ -131,3 +135,62 @@ def test_an_unknown_route_is_a_404_naming_every_route(served):
     # A known route with another method is a 405, not a 404.
     status, _, _ = post_json(served.base_url, "/v1/models", {}, AUTH)
     assert status == 405
+
+
+def _strict_models() -> dict[str, type]:
+    """Every request model (and part of one) the server's modules define, by name."""
+    modules = (request_models, responses_models, messages_models, tokenize)
+    return {
+        obj.__name__: obj
+        for module in modules
+        for obj in vars(module).values()
+        if isinstance(obj, type) and issubclass(obj, StrictStruct) and obj is not StrictStruct
+    }
+
+
+def test_openapi_lists_every_route_and_every_field_the_server_accepts(served):
+    status, text = get(served.base_url, "/openapi.json")  # no key: it describes, nothing more
+    assert status == 200
+    spec = json.loads(text)
+    assert spec["openapi"].startswith("3.1")
+    app_routes = build_app(ServerSettings(("ipc://unused",))).routes
+    served_routes = {
+        (shown_path(route.path), method.lower())
+        for route in app_routes
+        for method in route.methods - {"HEAD"}
+    }
+    assert {(path, method) for path, ops in spec["paths"].items() for method in ops} == (
+        served_routes
+    )
+    # Every field of every request model, nested ones included, and none more.
+    schemas = spec["components"]["schemas"]
+    models = _strict_models()
+    for name, model in models.items():
+        if name in schemas:
+            fields = {field.encode_name for field in msgspec.structs.fields(model)}
+            assert set(schemas[name]["properties"]) == fields, name
+            assert schemas[name]["additionalProperties"] is False, name
+    bodies = {t.__name__ for route in API_ROUTES for t in route.body_types}
+    assert {name for name in models if name.endswith("Request")} <= bodies
+    # Each route decodes the model it lists: a field outside it is refused by name.
+    for route in API_ROUTES:
+        if route.body is None or route.path == "/invocations":
+            continue
+        body = json.dumps({"not_a_field": 1}).encode()
+        status, _, raw = post_raw(served.base_url, route.path, body, AUTH)
+        assert status == 400 and b"not_a_field" in raw, (route.path, raw)
+    operation = spec["paths"]["/v1/responses"]["post"]
+    assert operation["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ResponsesRequest"
+    }
+    invocations = spec["paths"]["/invocations"]["post"]["requestBody"]["content"]
+    assert len(invocations["application/json"]["schema"]["oneOf"]) == 3
+
+
+def test_docs_is_a_page_of_every_route_and_model(served):
+    status, page = get(served.base_url, "/docs")
+    assert status == 200 and page.startswith("<!doctype html>")
+    for route in API_ROUTES:
+        assert f"<code>{shown_path(route.path)}</code>" in page, route.path
+    assert '<h3 id="MessagesRequest">' in page and "<code>max_output_tokens</code>" in page
+    assert "<script" not in page  # nothing loaded from anywhere else
