@@ -17,6 +17,7 @@ TOOL_CALL_PARSERS: dict[str, tuple[str, str]] = {
     "llama3_json": ("llama3_json", "Llama3JsonParser"),
     "llama4_json": ("llama3_json", "Llama3JsonParser"),
     "openai": ("openai", "OpenAIParser"),
+    "gpt_oss": ("openai", "OpenAIParser"),
     "mistral": ("mistral", "MistralParser"),
     "pythonic": ("pythonic", "PythonicParser"),
     "llama4_pythonic": ("pythonic", "PythonicParser"),
