@@ -15,6 +15,11 @@ twice, on its pure-torch path and with the compiled kernel (cpu_kernel.py), side
 attention GFLOP/s (causal: every query row against the keys it sees, two matmuls) per path.
 --compare-kernel DIR times two versions of the compiled kernel instead (DIR: another commit's
 worker/attention/csrc, from ``git worktree add``), interleaved on the same inputs.
+--compare-amx times the bfloat16 build's AMX tile path against its FMA path (AMX off), interleaved
+on the same inputs, on a host with AMX:
+
+    python -m benchmarks attention --dtype bfloat16 --compare-amx --chunk-lens 256,2048 \
+        --contexts 0,2048
 --triton-configs times the Triton kernel with other tile shapes and launch settings beside its
 defaults (on a GPU; on CPU it runs in Triton's interpreter, for the tests), each checked to give
 the defaults' output first:
@@ -231,6 +236,14 @@ def make_backends(args, device: torch.device, dtype: torch.dtype) -> dict[str, o
         return backends
     if not on_cpu_kernel:
         return {backend.name: backend}
+    if args.compare_amx:
+        kernel = load_kernel(dtype, kv_dtype)
+        if kernel is None or not kernel.amx:
+            raise SystemExit(
+                "--compare-amx needs the bfloat16 build on a host with AMX-BF16 (lscpu: "
+                "amx_bf16), Linux 5.16 or later, and CONVEYOR_CPU_AMX unset"
+            )
+        return {"fma": AmxSwitched(kernel, False), "amx": AmxSwitched(kernel, True)}
     if args.compare_kernel:
         # Two versions of the kernel, interleaved: the sources in that folder, then this tree's.
         other, errors = load_kernel_from(args.compare_kernel, dtype, kv_dtype)
@@ -244,6 +257,18 @@ def make_backends(args, device: torch.device, dtype: torch.dtype) -> dict[str, o
     if load_kernel(dtype, kv_dtype) is not None:
         backends["kernel"] = TorchAttentionBackend()
     return backends
+
+
+class AmxSwitched(TorchAttentionBackend):
+    """The compiled kernel's backend with its AMX path turned on or off before each call."""
+
+    def __init__(self, kernel, amx: bool) -> None:
+        super().__init__()
+        self.kernel, self.amx = kernel, amx
+
+    def forward(self, *args, **kwargs):
+        self.kernel.set_amx(self.amx)
+        return super().forward(*args, **kwargs)
 
 
 def kv_cache_dtype(args: argparse.Namespace, dtype: torch.dtype) -> torch.dtype:
@@ -293,6 +318,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CPU: time the kernel built from the sources in DIR (another commit's "
         "worker/attention/csrc) against this tree's instead of the torch ops; the speed-up "
         "column is then theirs over ours",
+    )
+    parser.add_argument(
+        "--compare-amx",
+        action="store_true",
+        help="CPU, bfloat16: time the kernel's AMX tile path against its FMA path, interleaved; "
+        "the speed-up column is AMX's",
     )
     parser.add_argument(
         "--triton-configs",

@@ -1,4 +1,5 @@
-"""python -m benchmarks attention: its side-by-side timing of two versions of the compiled kernel."""
+"""python -m benchmarks attention: its side-by-side timing of two versions of the compiled kernel,
+and of the bfloat16 build's AMX and FMA paths."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import attention as bench
 from conveyor.worker.attention import cpu_kernel
@@ -91,3 +93,17 @@ def test_triton_configs_are_refused_for_another_backend_or_a_bad_shape():
         bench.main(["--triton-configs", "16x32", "--backend", "torch", "--chunk-lens", "17"])
     with pytest.raises(ValueError, match="expected ROWSxKEYS"):
         bench.main(["--triton-configs", "16by32", "--backend", "triton", "--chunk-lens", "17"])
+
+
+def test_compare_amx_times_both_paths_of_the_bfloat16_build_or_says_what_it_needs(capsys):
+    kernel = cpu_kernel.load_kernel(torch.bfloat16)
+    argv = ["--dtype", "bfloat16", "--compare-amx", "--chunk-lens", "40", "--contexts", "40"]
+    if kernel is None or not kernel.amx:
+        with pytest.raises(SystemExit, match="needs the bfloat16 build on a host with AMX"):
+            bench.main(argv)
+        return
+    assert bench.main([*argv, "--rounds", "1", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "config: fma, amx, bfloat16" in out
+    row = next(line for line in out.splitlines() if line.startswith("chunk 40, ctx 40"))
+    assert len(row.split()[4:]) == 8

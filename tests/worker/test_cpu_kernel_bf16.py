@@ -4,11 +4,18 @@ The reference is the float32 kernel on the same values (the bfloat16 inputs wide
 bfloat16 build must give that result rounded once to bfloat16, so every output element is within
 half a bfloat16 step of it (plus float32 noise). The float32 kernel is itself checked against the
 torch path and dense float64 attention (test_prefill_kernel.py, test_attention.py).
+
+On a host with AMX the query tiles also run on AMX tiles (csrc/amx_tiles.h), which round the
+softmax weights to bfloat16 before multiplying the values: each output element is then also
+within 2^-8 of the weighted sum of the values' magnitudes (that is, the float32 kernel over |V|),
+besides its own rounding. Every check runs both ways: ``path`` "fma" (AMX off) and "amx".
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -76,13 +83,51 @@ def run_kernel(requests: list[Request], num_blocks: int, dtype: torch.dtype, **l
     return output, kv_cache
 
 
-def assert_rounded_from(bf16_out: torch.Tensor, reference: torch.Tensor) -> None:
-    torch.testing.assert_close(bf16_out.float(), reference, rtol=BF16_RTOL, atol=1e-6)
+# The AMX path's weights, rounded to bfloat16 before the value product: at most half a step,
+# 2^-8 of each weight.
+WEIGHT_ROUNDING = 2**-8
+
+
+@pytest.fixture(params=["fma", "amx"])
+def path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The bfloat16 build's query tiles with FMAs on float32, or on AMX tiles where the host
+    has them (the default there)."""
+    kernel = load_kernel(torch.bfloat16)
+    default = kernel.amx
+    if not kernel.set_amx(request.param == "amx") and request.param == "amx":
+        kernel.set_amx(default)
+        pytest.skip("needs a host with AMX-BF16 (lscpu: amx_bf16) and Linux 5.16 or later")
+    yield request.param
+    kernel.set_amx(default)
+
+
+def assert_rounded_from(
+    bf16_out: torch.Tensor,
+    reference: torch.Tensor,
+    path: str = "fma",
+    magnitudes: torch.Tensor | None = None,
+) -> None:
+    """``bf16_out`` is ``reference`` rounded once to bfloat16; on the AMX path, give or take
+    WEIGHT_ROUNDING of ``magnitudes`` (the float32 kernel's output over |V|)."""
+    if path == "fma":
+        torch.testing.assert_close(bf16_out.float(), reference, rtol=BF16_RTOL, atol=1e-6)
+        return
+    error = (bf16_out.float() - reference).abs()
+    bound = BF16_RTOL * reference.abs() + WEIGHT_ROUNDING * magnitudes + 1e-6
+    worst = (error / bound).max().item()
+    assert worst <= 1.0, f"an output is {worst:.2f}x its bound from the float32 result"
+
+
+def magnitudes_of(requests: list[Request], num_blocks: int, **layer) -> torch.Tensor:
+    """The float32 kernel's output with every value replaced by its magnitude: the weighted sum
+    of |V| that bounds what rounding the weights can move an output."""
+    absolute = [dataclasses.replace(r, values=r.values.abs()) for r in requests]
+    return run_kernel(as_dtype(absolute, torch.float32), num_blocks, torch.float32, **layer)[0]
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 4), (8, 2), (16, 2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_a_mixed_step_is_the_float32_result_rounded(num_heads, num_kv_heads, head_dim):
+def test_a_mixed_step_is_the_float32_result_rounded(num_heads, num_kv_heads, head_dim, path):
     # Decodes and prompt chunks of several lengths (short items and query tiles), after cached
     # prefixes on and off block boundaries.
     shapes = [(300, 1), (45, 300), (0, 130), (17, 1), (64, 64), (5, 3), (37, 1000)]
@@ -92,7 +137,7 @@ def test_a_mixed_step_is_the_float32_result_rounded(num_heads, num_kv_heads, hea
     bf16 = as_dtype(requests, torch.bfloat16)
     out_bf16, cache_bf16 = run_kernel(bf16, num_blocks, torch.bfloat16)
     out_fp32, cache_fp32 = run_kernel(as_dtype(bf16, torch.float32), num_blocks, torch.float32)
-    assert_rounded_from(out_bf16, out_fp32)
+    assert_rounded_from(out_bf16, out_fp32, path, magnitudes_of(bf16, num_blocks))
     # The step's keys and values were stored bit for bit.
     assert torch.equal(cache_bf16.float(), cache_fp32)
 
@@ -102,7 +147,7 @@ def test_a_mixed_step_is_the_float32_result_rounded(num_heads, num_kv_heads, hea
     [(100, False, None), (None, True, None), (None, False, 30.0), (5, True, 30.0)],
     ids=["window", "sinks", "softcap", "all-three"],
 )
-def test_windows_sinks_and_softcaps(window, with_sinks, softcap):
+def test_windows_sinks_and_softcaps(window, with_sinks, softcap, path):
     shapes = [(37, 500), (250, 1), (0, 40)]
     requests, num_blocks = make_batch(11, shapes, 8, 2, 64)
     # Sinks stay float32 (one logit per head, as the models keep them).
@@ -111,10 +156,10 @@ def test_windows_sinks_and_softcaps(window, with_sinks, softcap):
     bf16 = as_dtype(requests, torch.bfloat16)
     out_bf16, _ = run_kernel(bf16, num_blocks, torch.bfloat16, **layer)
     out_fp32, _ = run_kernel(as_dtype(bf16, torch.float32), num_blocks, torch.float32, **layer)
-    assert_rounded_from(out_bf16, out_fp32)
+    assert_rounded_from(out_bf16, out_fp32, path, magnitudes_of(bf16, num_blocks, **layer))
 
 
-def test_the_bfloat16_build_is_closer_to_exact_than_the_torch_bfloat16_path():
+def test_the_bfloat16_build_is_closer_to_exact_than_the_torch_bfloat16_path(path):
     """What the build is for: float32 arithmetic inside, one rounding at the end. The torch path
     in bfloat16 rounds its scores and weights along the way."""
     requests, num_blocks = make_batch(5, [(500, 1), (100, 200), (0, 64)], 8, 2, 64)
@@ -174,3 +219,25 @@ def test_a_bfloat16_model_on_the_kernel_is_as_close_to_float32_as_on_torch_ops(t
         kernel_error,
         torch_error,
     )
+
+
+def _host_has_amx() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return " amx_bf16" in flags and " avx512_bf16" in flags
+
+
+@pytest.mark.skipif(not _host_has_amx(), reason="needs a host with AMX-BF16 (lscpu: amx_bf16)")
+def test_a_host_with_amx_runs_its_query_tiles_on_amx_tiles():
+    """Where the CPU has AMX the bfloat16 build uses it by default (a build or permission that
+    silently fell back would pass every tolerance above), and it is another computation."""
+    kernel = load_kernel(torch.bfloat16)
+    assert kernel.amx, "the host has AMX-BF16 but the kernel did not turn it on (Linux < 5.16?)"
+    requests, num_blocks = make_batch(3, [(100, 200), (0, 64)], 8, 2, 128)
+    bf16 = as_dtype(requests, torch.bfloat16)
+    on, _ = run_kernel(bf16, num_blocks, torch.bfloat16)
+    try:
+        kernel.set_amx(False)
+        off, _ = run_kernel(bf16, num_blocks, torch.bfloat16)
+    finally:
+        kernel.set_amx(True)
+    assert not torch.equal(on, off)

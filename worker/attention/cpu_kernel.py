@@ -9,8 +9,11 @@ kernel off.
 The source builds per (model dtype, cache dtype), on demand: float32; ``-DCONVEYOR_BF16`` for
 bfloat16 models (bfloat16 queries, cache and output); ``-DCONVEYOR_KV_BF16`` for float32 models
 over a bfloat16 cache (``--kv-cache-dtype bfloat16``: float32 queries and output, keys and values
-rounded to bfloat16 as they are written). The arithmetic is float32 in all three. ctypes releases the GIL
-for the call; the kernel's OpenMP threads are torch's own (see ``worker.native``).
+rounded to bfloat16 as they are written). The arithmetic is float32 in all three, but for the
+bfloat16 build's query tiles on a host with AMX (csrc/amx_tiles.h): there the two products run as
+bfloat16 tile multiplies with float32 sums, the weights rounded to bfloat16 before the second
+(``PagedAttentionKernel.amx`` says whether; ``CONVEYOR_CPU_AMX=0`` turns it off). ctypes releases
+the GIL for the call; the kernel's OpenMP threads are torch's own (see ``worker.native``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_attention.c"
 # Must match CONVEYOR_ABI_VERSION in the source: a stale or foreign build is never called.
-ABI_VERSION = 11
+ABI_VERSION = 12
 # Must match the source's limits: head_dim (at most MAX_HEAD_DIM, a multiple of
 # HEAD_DIM_MULTIPLE: 8-float vectors). Rows per query tile (query tokens x GQA group) and tiles
 # per work item depend on the build (64 rows and 2 tiles with AVX-512, 32 and 1 otherwise): each
@@ -75,7 +79,18 @@ class PagedAttentionKernel:
         self.max_rows = int(library.conveyor_tile_max_rows())
         self.tiles_per_item = int(library.conveyor_tiles_per_item())
         self._function = native.status_function(library, "conveyor_paged_attention", _ARGTYPES)
+        self._amx_enable = library.conveyor_amx_enable
+        self._amx_enable.argtypes, self._amx_enable.restype = [ctypes.c_int], ctypes.c_int
+        # Whether query tiles run on AMX: a bfloat16 build for a host with AMX, granted the tile
+        # state by Linux (5.16 or later), unless CONVEYOR_CPU_AMX=0.
+        self.amx = self.set_amx(amx_wanted())
         self._write = native.status_function(library, "conveyor_write_kv", _WRITE_ARGTYPES)
+
+    def set_amx(self, on: bool) -> bool:
+        """Turn the AMX path on or off (for every user of this build in the process); whether it
+        is on now."""
+        self.amx = bool(self._amx_enable(int(on)))
+        return self.amx
 
     def supports(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """Whether these tensors fit the kernel: CPU, this build's dtypes, dense head rows, a
@@ -160,18 +175,30 @@ class PagedAttentionKernel:
             raise RuntimeError(f"paged attention kernel failed: {_ERRORS.get(status, status)}")
 
 
+def amx_wanted() -> bool:
+    return os.environ.get("CONVEYOR_CPU_AMX", "1").strip().lower() not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
+
+
 def kernel_disabled() -> bool:
     return native.compiled_paths_disabled()
 
 
-@functools.cache
 def load_kernel(
     dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None
 ) -> PagedAttentionKernel | None:
     """The kernel for queries of ``dtype`` over a cache of ``kv_dtype`` (default: ``dtype``),
     built if needed; None (logged once) where it is disabled, has no build for those dtypes, or
-    cannot be built."""
-    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    cannot be built. One object per build, whichever way it is asked for."""
+    return _load_kernel(dtype, dtype if kv_dtype is None else kv_dtype)
+
+
+@functools.cache
+def _load_kernel(dtype: torch.dtype, kv_dtype: torch.dtype) -> PagedAttentionKernel | None:
     if (dtype, kv_dtype) not in BUILDS:
         return None
     if kernel_disabled():
@@ -183,6 +210,10 @@ def load_kernel(
         functools.partial(_from_library, dtype=dtype, kv_dtype=kv_dtype),
         BUILDS[dtype, kv_dtype], no_compiler_level=logging.INFO,
     )  # fmt: skip
+
+
+# Tests rebuild under another environment.
+load_kernel.cache_clear = _load_kernel.cache_clear  # type: ignore[attr-defined]
 
 
 def load_kernel_from(

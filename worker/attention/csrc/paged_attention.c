@@ -40,7 +40,7 @@
 #include "query_tiles.h"
 #endif
 
-#define CONVEYOR_ABI_VERSION 11
+#define CONVEYOR_ABI_VERSION 12
 /* Items with fewer rows take the short path: below a full vector the query tile's lanes idle. */
 #define TILE_MIN_ROWS LANES
 /* Query tiles per work item: an item of more query tokens than one tile holds runs as two tiles

@@ -20,6 +20,7 @@
 #ifndef CONVEYOR_QUERY_TILES_H
 #define CONVEYOR_QUERY_TILES_H
 
+#include "amx_tiles.h"
 #include "paged_kv.h"
 #include "vector_math.h"
 
@@ -95,6 +96,18 @@ typedef struct {
     QT_VF max[QT_MAX_NRV], sum[QT_MAX_NRV];
     QT_VI first_visible[QT_MAX_NRV], num_visible[QT_MAX_NRV]; /* per row, as in paged_kv.h */
     const kv_t *keys[WIDE_TILE_KEYS], *values[WIDE_TILE_KEYS];
+#if QT_LANES == 16 && defined(CONVEYOR_AMX)
+    int amx;       /* this tile's products run on AMX tiles (amx_tiles.h) */
+    float q_scale; /* the scores' scale, applied after the tile product of unscaled queries */
+    /* Q^T as B operands: [32-dim chunk][row vector][dim pair][row, pair element] */
+    uint16_t qb[MAX_HEAD_DIM / 32][QT_MAX_NRV][16][32] __attribute__((aligned(64)));
+    /* P^T as B operands: [row vector][key pair][row, pair element] */
+    uint16_t pb[QT_MAX_NRV][16][32] __attribute__((aligned(64)));
+    /* V^T as A operands: [16-dim chunk][dim][key] */
+    uint16_t vt[MAX_HEAD_DIM / 16][16][WIDE_TILE_KEYS] __attribute__((aligned(64)));
+    /* 16 keys copied where they are not 16 consecutive rows of the cache */
+    uint16_t ks[16][MAX_HEAD_DIM] __attribute__((aligned(64)));
+#endif
 } QT_FN(query_tile);
 
 /* Pack the item's rows: transposed, scaled queries; running max and sum; visible key ranges.
@@ -126,6 +139,22 @@ static inline __attribute__((always_inline)) void QT_FN(start_tile)(
         st->num_visible[v][l] = row_num_visible(item, qi);
         st->first_visible[v][l] = row_first_visible(a, st->num_visible[v][l]);
     }
+#if QT_LANES == 16 && defined(CONVEYOR_AMX)
+    st->amx = amx_ready && D % 32 == 0;
+    if (st->amx) {
+        st->q_scale = q_scale;
+        memset(st->qb, 0, sizeof st->qb[0] * (size_t)(D / 32));
+        for (int r = 0; r < num_rows; r++) {
+            const int qi = r / group, head = kv_head * group + r % group;
+            const int v = r / QT_LANES, l = r % QT_LANES;
+            const io_t *src = a->query
+                              + (int64_t)(item[ITEM_TOKEN_START] + qi) * a->query_token_stride
+                              + (int64_t)head * a->query_head_stride;
+            for (int d = 0; d < D; d++) st->qb[d / 32][v][d % 32 / 2][2 * l + d % 2] = src[d];
+        }
+        amx_configure();
+    }
+#endif
 }
 
 /* Pointers to the K/V rows of keys pos .. pos + n - 1; false if a block id is out of range. */
@@ -180,6 +209,108 @@ static inline __attribute__((always_inline)) void QT_FN(score_tile)(
         for (int v = 0; v < NRV; v++) st->s[t][v] = acc[v];
     }
 }
+
+#if QT_LANES == 16 && defined(CONVEYOR_AMX)
+/* s[t][v] = the tile's scores (amx_tiles.h): per half of 16 keys, C tile v = K . Q^T over the
+ * head dim's 32-dim chunks, then scaled as the FMA path's prescaled queries scale them. */
+static inline __attribute__((always_inline)) void QT_FN(amx_score_tile)(
+    QT_FN(query_tile) *st, int n, const int NRV, const int D) {
+    const int64_t s_stride = sizeof st->s[0];
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        const uint16_t *rows = st->keys[t0];
+        int64_t stride = (int64_t)D * sizeof(kv_t);
+        int direct = n - t0 >= 16;
+        for (int i = 1; i < 16 && direct; i++) direct = st->keys[t0 + i] == st->keys[t0] + i * D;
+        if (!direct) { /* across blocks, or the tile's last keys: copied, the rest zero */
+            for (int i = 0; i < 16; i++) {
+                if (t0 + i < n) memcpy(st->ks[i], st->keys[t0 + i], (size_t)D * sizeof(kv_t));
+                else memset(st->ks[i], 0, (size_t)D * sizeof(kv_t));
+            }
+            rows = st->ks[0];
+            stride = sizeof st->ks[0];
+        }
+        _tile_zero(0);
+        if (NRV > 1) _tile_zero(1);
+        if (NRV > 2) _tile_zero(2);
+        if (NRV > 3) _tile_zero(3);
+        for (int c = 0; c < D / 32; c++) {
+            _tile_loadd(4, rows + c * 32, stride);
+            _tile_loadd(5, st->qb[c][0], 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (NRV > 1) {
+                _tile_loadd(5, st->qb[c][1], 64);
+                _tile_dpbf16ps(1, 4, 5);
+            }
+            if (NRV > 2) {
+                _tile_loadd(5, st->qb[c][2], 64);
+                _tile_dpbf16ps(2, 4, 5);
+            }
+            if (NRV > 3) {
+                _tile_loadd(5, st->qb[c][3], 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        _tile_stored(0, &st->s[t0][0], s_stride);
+        if (NRV > 1) _tile_stored(1, &st->s[t0][1], s_stride);
+        if (NRV > 2) _tile_stored(2, &st->s[t0][2], s_stride);
+        if (NRV > 3) _tile_stored(3, &st->s[t0][3], s_stride);
+    }
+    const QT_VF scale = QT_OP(splat)(st->q_scale);
+    for (int t = 0; t < n; t++)
+        for (int v = 0; v < NRV; v++) st->s[t][v] *= scale;
+}
+
+/* ot += V^T . P^T over the tile's keys (amx_tiles.h); keys past n weigh 0 against zero values
+ * (never whatever lies beyond the cache's rows, which could be NaN). */
+static inline __attribute__((always_inline)) void QT_FN(amx_accumulate_tile)(
+    QT_FN(query_tile) *st, int n, const int NRV, const int D) {
+    const __m512 zero = _mm512_setzero_ps();
+    for (int v = 0; v < NRV; v++)
+        for (int p = 0; p < 16; p++) {
+            const __m512 lo = 2 * p < n ? (__m512)st->s[2 * p][v] : zero;
+            const __m512 hi = 2 * p + 1 < n ? (__m512)st->s[2 * p + 1][v] : zero;
+            _mm512_store_si512(st->pb[v][p], amx_interleave_bf16(lo, hi));
+        }
+    for (int e = 0; e < D / 16; e++) {
+        __m512i r[16]; /* r[p]: dims 16e.. of keys 2p (low halves) and 2p + 1 (high halves) */
+        for (int p = 0; p < 16; p++) {
+            const __m256i none = _mm256_setzero_si256();
+            const __m256i lo = 2 * p < n ? _mm256_loadu_si256((const void *)(st->values[2 * p] + 16 * e)) : none;
+            const __m256i hi = 2 * p + 1 < n ? _mm256_loadu_si256((const void *)(st->values[2 * p + 1] + 16 * e)) : none;
+            r[p] = _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
+                                   _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+        }
+        amx_transpose16(r); /* r[i]: dim 16e + i of keys 0..31 */
+        for (int i = 0; i < 16; i++) _mm512_store_si512(st->vt[e][i], r[i]);
+    }
+    const int64_t o_stride = sizeof st->ot[0];
+    for (int e = 0; e < D / 16; e++) {
+        _tile_loadd(4, st->vt[e][0], 64);
+        _tile_loadd(0, &st->ot[16 * e][0], o_stride);
+        _tile_loadd(5, st->pb[0][0], 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_stored(0, &st->ot[16 * e][0], o_stride);
+        if (NRV > 1) {
+            _tile_loadd(1, &st->ot[16 * e][1], o_stride);
+            _tile_loadd(5, st->pb[1][0], 64);
+            _tile_dpbf16ps(1, 4, 5);
+            _tile_stored(1, &st->ot[16 * e][1], o_stride);
+        }
+        if (NRV > 2) {
+            _tile_loadd(2, &st->ot[16 * e][2], o_stride);
+            _tile_loadd(5, st->pb[2][0], 64);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_stored(2, &st->ot[16 * e][2], o_stride);
+        }
+        if (NRV > 3) {
+            _tile_loadd(3, &st->ot[16 * e][3], o_stride);
+            _tile_loadd(5, st->pb[3][0], 64);
+            _tile_dpbf16ps(3, 4, 5);
+            _tile_stored(3, &st->ot[16 * e][3], o_stride);
+        }
+    }
+}
+#endif
 
 /* Fold the tile's scores into each row's running max and sum and leave its weights in s.
  * masked: some row cannot see some key of the tile (diagonal or window edge). */
@@ -264,6 +395,29 @@ static inline __attribute__((always_inline)) void QT_FN(finish_tile)(
     }
 }
 
+/* The scores of a key tile: on AMX tiles where this tile may, else with FMAs on row vectors. */
+static inline __attribute__((always_inline)) void QT_FN(score_keys)(
+    QT_FN(query_tile) *st, int n, const int NRV, const int D) {
+#if QT_LANES == 16 && defined(CONVEYOR_AMX)
+    if (st->amx) {
+        QT_FN(amx_score_tile)(st, n, NRV, D);
+        return;
+    }
+#endif
+    QT_FN(score_tile)(st, n, NRV, D);
+}
+
+static inline __attribute__((always_inline)) void QT_FN(accumulate_keys)(
+    QT_FN(query_tile) *st, int n, const int NRV, const int D) {
+#if QT_LANES == 16 && defined(CONVEYOR_AMX)
+    if (st->amx) {
+        QT_FN(amx_accumulate_tile)(st, n, NRV, D);
+        return;
+    }
+#endif
+    QT_FN(accumulate_tile)(st, n, NRV, D);
+}
+
 /* A query tile of NRV row vectors: every key its rows may see, WIDE_TILE_KEYS at a time. */
 static inline __attribute__((always_inline)) int QT_FN(attend_query_tile)(
     const attention_args *a, const int32_t *item, int kv_head, const int NRV, const int D) {
@@ -288,12 +442,15 @@ static inline __attribute__((always_inline)) int QT_FN(attend_query_tile)(
         if (NRV == 1 && ahead < end_key)
             prefetch_keys(a, blocks, kv_head, ahead,
                           end_key - ahead < WIDE_TILE_KEYS ? end_key - ahead : WIDE_TILE_KEYS, D);
-        QT_FN(score_tile)(&st, n, NRV, D);
+        QT_FN(score_keys)(&st, n, NRV, D);
         const int masked = pos < unmasked_from || pos + n > unmasked_to;
         QT_FN(softmax_tile)(&st, n, pos, masked, cap, NRV, D);
-        QT_FN(accumulate_tile)(&st, n, NRV, D);
+        QT_FN(accumulate_keys)(&st, n, NRV, D);
     }
     QT_FN(finish_tile)(&st, a, item, kv_head, D);
+#if QT_LANES == 16 && defined(CONVEYOR_AMX)
+    if (st.amx) _tile_release();
+#endif
     return CONVEYOR_OK;
 }
 
@@ -329,17 +486,20 @@ static inline __attribute__((always_inline)) int QT_FN(attend_query_tile_pair)(
                 st[0].keys[t] = st[1].keys[t];
                 st[0].values[t] = st[1].values[t];
             }
-            QT_FN(score_tile)(&st[0], na, NRV_A, D);
+            QT_FN(score_keys)(&st[0], na, NRV_A, D);
             const int masked = pos < unmasked_from[0] || pos + na > unmasked_to[0];
             QT_FN(softmax_tile)(&st[0], na, pos, masked, cap, NRV_A, D);
-            QT_FN(accumulate_tile)(&st[0], na, NRV_A, D);
+            QT_FN(accumulate_keys)(&st[0], na, NRV_A, D);
         }
-        QT_FN(score_tile)(&st[1], n, NRV_B, D);
+        QT_FN(score_keys)(&st[1], n, NRV_B, D);
         const int masked = pos < unmasked_from[1] || pos + n > unmasked_to[1];
         QT_FN(softmax_tile)(&st[1], n, pos, masked, cap, NRV_B, D);
-        QT_FN(accumulate_tile)(&st[1], n, NRV_B, D);
+        QT_FN(accumulate_keys)(&st[1], n, NRV_B, D);
     }
     for (int h = 0; h < 2; h++) QT_FN(finish_tile)(&st[h], a, halves[h], kv_head, D);
+#if QT_LANES == 16 && defined(CONVEYOR_AMX)
+    if (st[0].amx) _tile_release();
+#endif
     return CONVEYOR_OK;
 }
 
