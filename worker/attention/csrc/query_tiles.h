@@ -260,10 +260,30 @@ static inline __attribute__((always_inline)) void QT_FN(amx_score_tile)(
         for (int v = 0; v < NRV; v++) st->s[t][v] *= scale;
 }
 
-/* ot += V^T . P^T over the tile's keys (amx_tiles.h); keys past n weigh 0 against zero values
- * (never whatever lies beyond the cache's rows, which could be NaN). */
+/* V^T of the tile's first n keys into st->vt (amx_tiles.h); the keys past n are zero, never
+ * whatever lies beyond the cache's rows (which could be NaN, and 0 * NaN is NaN). */
+static inline __attribute__((always_inline)) void QT_FN(amx_transpose_values)(
+    QT_FN(query_tile) *st, int n, const int D) {
+    const __m256i none = _mm256_setzero_si256();
+    for (int e = 0; e < D / 16; e++) {
+        __m512i r[16]; /* r[p]: dims 16e.. of keys 2p (low halves) and 2p + 1 (high halves) */
+        for (int p = 0; p < 16; p++) {
+            const kv_t *lo = st->values[2 * p] + 16 * e, *hi = st->values[2 * p + 1] + 16 * e;
+            const __m256i a = 2 * p < n ? _mm256_loadu_si256((const __m256i *)lo) : none;
+            const __m256i b = 2 * p + 1 < n ? _mm256_loadu_si256((const __m256i *)hi) : none;
+            r[p] = _mm512_or_si512(_mm512_cvtepu16_epi32(a),
+                                   _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+        }
+        amx_transpose16(r); /* r[i]: dim 16e + i of keys 0..31 */
+        for (int i = 0; i < 16; i++) _mm512_store_si512(st->vt[e][i], r[i]);
+    }
+}
+
+/* ot += V^T . P^T over the tile's n keys, V^T from vt (this tile's, or the other tile's of a
+ * pair over the same keys: a key past n weighs 0 here whatever its value). */
 static inline __attribute__((always_inline)) void QT_FN(amx_accumulate_tile)(
-    QT_FN(query_tile) *st, int n, const int NRV, const int D) {
+    QT_FN(query_tile) *st, const uint16_t (*vt)[16][WIDE_TILE_KEYS], int n, const int NRV,
+    const int D) {
     const __m512 zero = _mm512_setzero_ps();
     for (int v = 0; v < NRV; v++)
         for (int p = 0; p < 16; p++) {
@@ -271,21 +291,9 @@ static inline __attribute__((always_inline)) void QT_FN(amx_accumulate_tile)(
             const __m512 hi = 2 * p + 1 < n ? (__m512)st->s[2 * p + 1][v] : zero;
             _mm512_store_si512(st->pb[v][p], amx_interleave_bf16(lo, hi));
         }
-    for (int e = 0; e < D / 16; e++) {
-        __m512i r[16]; /* r[p]: dims 16e.. of keys 2p (low halves) and 2p + 1 (high halves) */
-        for (int p = 0; p < 16; p++) {
-            const __m256i none = _mm256_setzero_si256();
-            const __m256i lo = 2 * p < n ? _mm256_loadu_si256((const void *)(st->values[2 * p] + 16 * e)) : none;
-            const __m256i hi = 2 * p + 1 < n ? _mm256_loadu_si256((const void *)(st->values[2 * p + 1] + 16 * e)) : none;
-            r[p] = _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
-                                   _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-        }
-        amx_transpose16(r); /* r[i]: dim 16e + i of keys 0..31 */
-        for (int i = 0; i < 16; i++) _mm512_store_si512(st->vt[e][i], r[i]);
-    }
     const int64_t o_stride = sizeof st->ot[0];
     for (int e = 0; e < D / 16; e++) {
-        _tile_loadd(4, st->vt[e][0], 64);
+        _tile_loadd(4, vt[e][0], 64);
         _tile_loadd(0, &st->ot[16 * e][0], o_stride);
         _tile_loadd(5, st->pb[0][0], 64);
         _tile_dpbf16ps(0, 4, 5);
@@ -407,14 +415,18 @@ static inline __attribute__((always_inline)) void QT_FN(score_keys)(
     QT_FN(score_tile)(st, n, NRV, D);
 }
 
+/* The weighted values of a key tile. On AMX tiles, ``shared`` (or NULL) is the other tile of a
+ * pair whose V^T of these keys is already built. */
 static inline __attribute__((always_inline)) void QT_FN(accumulate_keys)(
-    QT_FN(query_tile) *st, int n, const int NRV, const int D) {
+    QT_FN(query_tile) *st, const QT_FN(query_tile) *shared, int n, const int NRV, const int D) {
 #if QT_LANES == 16 && defined(CONVEYOR_AMX)
     if (st->amx) {
-        QT_FN(amx_accumulate_tile)(st, n, NRV, D);
+        if (shared == NULL) QT_FN(amx_transpose_values)(st, n, D);
+        QT_FN(amx_accumulate_tile)(st, shared ? shared->vt : st->vt, n, NRV, D);
         return;
     }
 #endif
+    (void)shared;
     QT_FN(accumulate_tile)(st, n, NRV, D);
 }
 
@@ -445,7 +457,7 @@ static inline __attribute__((always_inline)) int QT_FN(attend_query_tile)(
         QT_FN(score_keys)(&st, n, NRV, D);
         const int masked = pos < unmasked_from || pos + n > unmasked_to;
         QT_FN(softmax_tile)(&st, n, pos, masked, cap, NRV, D);
-        QT_FN(accumulate_keys)(&st, n, NRV, D);
+        QT_FN(accumulate_keys)(&st, NULL, n, NRV, D);
     }
     QT_FN(finish_tile)(&st, a, item, kv_head, D);
 #if QT_LANES == 16 && defined(CONVEYOR_AMX)
@@ -480,6 +492,14 @@ static inline __attribute__((always_inline)) int QT_FN(attend_query_tile_pair)(
     for (int pos = 0; pos < end_key[1]; pos += WIDE_TILE_KEYS) {
         const int n = end_key[1] - pos < WIDE_TILE_KEYS ? end_key[1] - pos : WIDE_TILE_KEYS;
         if (!QT_FN(locate_tile)(&st[1], a, blocks, kv_head, pos, n, D)) return CONVEYOR_BAD_BLOCK;
+        /* On AMX tiles both halves take the tile's V^T, built once. */
+        int values_ready = 0;
+#if QT_LANES == 16 && defined(CONVEYOR_AMX)
+        if (st[1].amx && pos < end_key[0]) {
+            QT_FN(amx_transpose_values)(&st[1], n, D);
+            values_ready = 1;
+        }
+#endif
         if (pos < end_key[0]) {
             const int na = end_key[0] - pos < n ? end_key[0] - pos : n;
             for (int t = 0; t < na; t++) {
@@ -489,12 +509,12 @@ static inline __attribute__((always_inline)) int QT_FN(attend_query_tile_pair)(
             QT_FN(score_keys)(&st[0], na, NRV_A, D);
             const int masked = pos < unmasked_from[0] || pos + na > unmasked_to[0];
             QT_FN(softmax_tile)(&st[0], na, pos, masked, cap, NRV_A, D);
-            QT_FN(accumulate_keys)(&st[0], na, NRV_A, D);
+            QT_FN(accumulate_keys)(&st[0], values_ready ? &st[1] : NULL, na, NRV_A, D);
         }
         QT_FN(score_keys)(&st[1], n, NRV_B, D);
         const int masked = pos < unmasked_from[1] || pos + n > unmasked_to[1];
         QT_FN(softmax_tile)(&st[1], n, pos, masked, cap, NRV_B, D);
-        QT_FN(accumulate_keys)(&st[1], n, NRV_B, D);
+        QT_FN(accumulate_keys)(&st[1], values_ready ? &st[1] : NULL, n, NRV_B, D);
     }
     for (int h = 0; h < 2; h++) QT_FN(finish_tile)(&st[h], a, halves[h], kv_head, D);
 #if QT_LANES == 16 && defined(CONVEYOR_AMX)
