@@ -39,8 +39,9 @@ extern long syscall(long number, ...);
 #define AMX_ARCH_REQ_XCOMP_PERM 0x1023
 #define AMX_XFEATURE_XTILEDATA 18
 
-/* 1 once this process may use the tiles and wants them (conveyor_amx_enable), else 0. */
-static int amx_ready = 0;
+/* 1 once this process may use the tiles and wants them (conveyor_amx_enable), else 0; the
+ * permission, once granted, lasts as long as the process. */
+static int amx_ready = 0, amx_granted = 0;
 
 /* Every tile this path uses is 16 rows of 64 bytes: C (16x16 float32) in 0-3, one per row vector,
  * A (16 rows of 32 bfloat16) in 4, B (16 pair-rows of 16x2 bfloat16) in 5. */
@@ -105,9 +106,12 @@ static inline __attribute__((always_inline)) __m512i amx_interleave_bf16(__m512 
 /* Whether the AMX path runs: 1 if asked for (want), built, and granted by the OS; else 0. */
 int conveyor_amx_enable(int want) {
 #ifdef CONVEYOR_AMX
-    if (want && !amx_ready)
-        amx_ready = syscall(AMX_SYS_ARCH_PRCTL, AMX_ARCH_REQ_XCOMP_PERM, AMX_XFEATURE_XTILEDATA) == 0;
-    if (!want) amx_ready = 0;
+    /* The arguments as the longs the kernel reads: through "..." an int's upper half is
+     * whatever the register held. */
+    if (want && !amx_granted)
+        amx_granted = syscall((long)AMX_SYS_ARCH_PRCTL, (long)AMX_ARCH_REQ_XCOMP_PERM,
+                              (long)AMX_XFEATURE_XTILEDATA) == 0;
+    amx_ready = want && amx_granted;
     return amx_ready;
 #else
     (void)want;
