@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 
 from conveyor.engine_core import Request, Scheduler
-from conveyor.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from conveyor.engine_core.stats_logger import format_stats_line
+from conveyor.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput, SchedulerStats
 from conveyor.protocol.speculative import SpeculativeConfig, parse_speculative_config
 from tests.fake_executor import FakeExecutor, OverlappedSteps, fake_next_token, make_scheduler
 
@@ -273,6 +274,18 @@ def test_async_never_runs_a_speculating_request_ahead() -> None:
             assert not after.total_num_scheduled_tokens or after.step_id > before.step_id
     assert sum(bool(s.scheduled_spec_decode_tokens) for s in seen) > 0
     scheduler.check_all_free()
+
+
+def test_the_stats_line_gives_acceptance() -> None:
+    before = SchedulerStats(
+        spec_num_drafts=10, spec_num_draft_tokens=30, spec_num_accepted_tokens=9
+    )
+    after = SchedulerStats(
+        spec_num_drafts=30, spec_num_draft_tokens=90, spec_num_accepted_tokens=54
+    )
+    line = format_stats_line(0, before, after, 1.0, 0)
+    assert line.endswith(", draft acceptance 75.0 %, mean accepted length 3.25")
+    assert "draft" not in format_stats_line(0, before, before, 1.0, 0)
 
 
 def test_speculative_config_parsing_refuses_what_it_does_not_do() -> None:
