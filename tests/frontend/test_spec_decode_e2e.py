@@ -3,7 +3,8 @@
 The embedded default model copies text it has seen, so n-gram drafts are often right and often
 wrong: both the accepted and the rejected paths run. The engines run with async scheduling,
 prompt chunks of 32 tokens, a KV pool small enough to preempt, and repeated prompts (prefix-cache
-hits); the requests cover stop strings, stop tokens, logprobs, min_tokens, penalties and n > 1.
+hits); the requests cover stop strings, stop tokens, logprobs, min_tokens, penalties, n > 1 and
+a structured output (which never speculates, but is sampled in steps that verify others' drafts).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 from conveyor.frontend import LLM
 from conveyor.frontend.engine_args import DEFAULT_MODEL_DIR
-from conveyor.protocol import SamplingParams
+from conveyor.protocol import SamplingParams, StructuredOutputsParams
 
 SPEC = {
     "method": "ngram",
@@ -38,6 +39,7 @@ PROMPTS = [
     "def main():\n    return main()\n\ndef main():\n",
     _copy_prompt(4000, 700, 150),
     _copy_prompt(6000, 400, 60),
+    _copy_prompt(600, 300, 100),
 ]
 PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=40, logprobs=2),
@@ -46,6 +48,12 @@ PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=40, min_tokens=20, stop_token_ids=[198, 220]),
     SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.2),
     SamplingParams(temperature=0.0, max_tokens=5),
+    # Structured: no drafts (the grammar would have to check them), sampled beside rows with.
+    SamplingParams(
+        temperature=0.0,
+        max_tokens=24,
+        structured_outputs=StructuredOutputsParams(regex="[a-z_ .()]{4,40}"),
+    ),
 ]
 
 
@@ -108,3 +116,14 @@ def test_both_paths_ran(runs) -> None:
     assert stats.prefix_cache_hits > 0
     # Rejected drafts are not generated tokens.
     assert stats.num_generation_tokens <= plain_stats.num_generation_tokens + 4 * 8
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_give_the_same_greedy_outputs(runs) -> None:
+    """Every rank verifies the drafts on its own (same logits, same tokens) and proposes from
+    its own mirror: rank 1's mirror going astray would change its KV and then the tokens."""
+    (plain, _), _ = runs
+    spec, stats = _run(speculative_config=SPEC, tensor_parallel_size=2)
+    assert stats.spec_num_accepted_tokens > 0
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        assert [c[:4] for c in b] == [c[:4] for c in a], f"prompt {i}"
