@@ -105,6 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--batch-sizes", default="1,4,16,64", help="for --compare-spec")
     parser.add_argument(
+        "--spec-workload",
+        choices=("copy", "random"),
+        default="copy",
+        help="--compare-spec's prompts: copy (a source file, then its first lines again) or "
+        "random (random tokens: drafts rarely right, what speculation costs)",
+    )
+    parser.add_argument(
         "--spec-max-tokens", type=int, default=128, help="output tokens (--compare-spec)"
     )
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per setup (--compare)")

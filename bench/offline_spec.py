@@ -1,7 +1,7 @@
 """``conveyor bench offline --compare-spec``: output tok/s with and without speculative decoding
 on a copying workload, and the drafts' acceptance rate, at several batch sizes.
 
-The copying workload: each prompt is a real source file's text (this package's own, so every
+The copying workload: each prompt is a real source file's text (the engine's own, so every
 installation has them) followed by its first lines again, so the model's greedy continuation
 copies the file on. The two engines (one without speculation, one with ``--speculative-config``,
 default ngram k=4 with the off-switch out of the way) run the same prompts, interleaved
@@ -14,6 +14,9 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
+
+from conveyor import engine_core, frontend, worker
 from conveyor.bench.machine import Timing, machine_info
 from conveyor.frontend import LLM
 from conveyor.protocol import SamplingParams
@@ -34,13 +37,20 @@ REPEAT_CHARS = 240
 def copy_prompts(tokenizer, count: int) -> list[list[int]]:
     """``count`` prompts, each a source file's first FILE_CHARS characters, a blank line, then
     its first REPEAT_CHARS characters again (the model copies from there)."""
-    root = Path(__file__).resolve().parents[1]
-    files = sorted(p for p in root.rglob("*.py") if p.stat().st_size > FILE_CHARS)
+    folders = [Path(package.__file__).parent for package in (engine_core, frontend, worker)]
+    files = sorted(p for f in folders for p in f.rglob("*.py") if p.stat().st_size > FILE_CHARS)
     prompts = []
     for i in range(count):
         text = files[i % len(files)].read_text()[:FILE_CHARS]
         prompts.append(tokenizer.encode(text + "\n\n" + text[:REPEAT_CHARS]))
     return prompts
+
+
+def random_prompts(vocab_size: int, count: int, length: int = 600) -> list[list[int]]:
+    """Random-token prompts (seeded): text that nothing copies, where drafts are rarely right;
+    what speculation costs when it does not pay."""
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, vocab_size, length).tolist() for _ in range(count)]
 
 
 def _run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
@@ -75,8 +85,12 @@ def compare_spec(args: argparse.Namespace, engine_kwargs: dict[str, object]) -> 
         warmup = copy_prompts(tokenizer, 2)
         for llm in llms.values():
             llm.generate(warmup, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        vocab_size = min(len(tokenizer), llms["plain"].config.model.vocab_size)
         for size in sizes:
-            prompts = copy_prompts(tokenizer, size)
+            if args.spec_workload == "copy":
+                prompts = copy_prompts(tokenizer, size)
+            else:
+                prompts = random_prompts(vocab_size, size)
             runs: dict[str, list[dict[str, float]]] = {name: [] for name in llms}
             for _ in range(args.repeats):
                 for name, llm in llms.items():
@@ -96,7 +110,7 @@ def compare_spec(args: argparse.Namespace, engine_kwargs: dict[str, object]) -> 
         for llm in llms.values():
             llm.shutdown()
     report = {
-        "workload": "copy",
+        "workload": args.spec_workload,
         "speculative_config": spec,
         "max_tokens": args.spec_max_tokens,
         "results": results,
@@ -107,7 +121,9 @@ def compare_spec(args: argparse.Namespace, engine_kwargs: dict[str, object]) -> 
         print(json.dumps(report))
         return 0
     print("machine:", ", ".join(f"{k}={v}" for k, v in report["machine"].items()))
-    print(f"copy workload, {args.spec_max_tokens} output tokens, best of {args.repeats}; {spec}")
+    print(
+        f"{args.spec_workload} workload, {args.spec_max_tokens} output tokens, best of {args.repeats}; {spec}"
+    )
     print(f"{'batch':>6} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} {'accepted':>9}")
     for row in results:
         print(

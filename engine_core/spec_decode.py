@@ -21,6 +21,11 @@ overlap, at the price of positions the workers must shift after the fact; the si
 exact, and costs the overlap only while speculation is on, i.e. at small batches (see
 ``disable_by_batch_size``), where a step is short and the overlap small.
 
+Backing off: a request whose drafts keep being rejected (text nothing copies) pays for verifying
+k positions that yield nothing. After two draft steps in a row with nothing accepted, the request
+gets no drafts for its next 2, then 4, 8, ... up to ``MAX_BACKOFF_STEPS`` steps; an accepted
+draft ends the back-off. The cost of useless drafts is then a few percent of the steps.
+
 Requests with a grammar (structured outputs) never speculate: their matcher would have to check
 every draft and roll back over the rejected ones.
 """
@@ -32,6 +37,8 @@ from conveyor.protocol import ModelRunnerOutput, SchedulerOutput
 from conveyor.protocol.speculative import SpeculativeConfig
 
 _RUNNING = RequestStatus.RUNNING
+# The longest a request whose drafts keep failing goes without them (its steps).
+MAX_BACKOFF_STEPS = 32
 
 
 def may_speculate(request: Request) -> bool:
@@ -55,6 +62,9 @@ class SpecDecodeScheduling:
         self.accepted_per_pos = [0] * config.num_speculative_tokens
         # Rejected drafts since the engine started: scheduled as generated tokens, never output.
         self.num_rejected_tokens = 0
+        # req_id -> draft steps in a row that accepted nothing, and steps left without drafts.
+        self._misses: dict[int, int] = {}
+        self._paused: dict[int, int] = {}
 
     def active(self, num_running: int) -> bool:
         """Whether a step with this many running requests carries drafts (the off-switch)."""
@@ -65,6 +75,10 @@ class SpecDecodeScheduling:
         step's budget and the request's max_tokens leave; [] if none are valid."""
         entry = self._drafts.pop(request.req_id, None)
         if entry is None:
+            return []
+        paused = self._paused.get(request.req_id)
+        if paused:
+            self._paused[request.req_id] = paused - 1
             return []
         num_tokens, drafts = entry
         if num_tokens != len(request.all_token_ids):
@@ -77,6 +91,17 @@ class SpecDecodeScheduling:
 
     def forget(self, req_id: int) -> None:
         self._drafts.pop(req_id, None)
+        self._misses.pop(req_id, None)
+        self._paused.pop(req_id, None)
+
+    def _back_off(self, req_id: int, num_accepted: int) -> None:
+        if num_accepted:
+            self._misses.pop(req_id, None)
+            return
+        misses = self._misses.get(req_id, 0) + 1
+        self._misses[req_id] = misses
+        if misses >= 2:
+            self._paused[req_id] = min(1 << (misses - 1), MAX_BACKOFF_STEPS)
 
     def roll_back(
         self,
@@ -103,6 +128,7 @@ class SpecDecodeScheduling:
             self.num_rejected_tokens += num_rejected
             for pos in range(num_accepted):
                 self.accepted_per_pos[pos] += 1
+            self._back_off(req_id, num_accepted)
             request = requests.get(req_id)
             # A request preempted (or ended) while the step ran has num_computed_tokens reset.
             if request is not None and request.status is _RUNNING:

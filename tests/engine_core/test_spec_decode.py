@@ -306,3 +306,24 @@ def test_speculative_config_parsing_refuses_what_it_does_not_do() -> None:
     ]:
         with pytest.raises(ValueError, match=word):
             parse_speculative_config(bad)
+
+
+class WrongDraftsExecutor(SpecFakeExecutor):
+    def _propose(self, req_id: int, step_id: int) -> list[int]:
+        history = self.mirrors[req_id].token_ids
+        return [(fake_next_token(history, self.vocab_size) + 1) % self.vocab_size] * K
+
+
+def test_a_request_whose_drafts_keep_failing_backs_off() -> None:
+    spec = SpeculativeConfig(num_speculative_tokens=K)
+    scheduler, plain = make_scheduler(num_blocks=64, speculative=spec)
+    executor = WrongDraftsExecutor(64, VOCAB, plain.block_size)
+    prompt = prompts(1)[0]
+    scheduler.add_request(make_request(0, prompt, max_tokens=80))
+    result = run(scheduler, executor)
+    assert result["tokens"]["0"] == expected(prompt, 80)
+    with_drafts = [bool(s.scheduled_spec_decode_tokens) for s in executor.scheduler_outputs]
+    # Every draft fails: after two misses, 2, 4, 8, 16, 32 steps without; a handful in all.
+    assert 3 <= sum(with_drafts) <= 8
+    assert scheduler.make_stats().spec_num_accepted_tokens == 0
+    scheduler.check_all_free()
