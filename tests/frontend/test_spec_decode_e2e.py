@@ -127,3 +127,24 @@ def test_two_tensor_parallel_ranks_give_the_same_greedy_outputs(runs) -> None:
     assert stats.spec_num_accepted_tokens > 0
     for i, (a, b) in enumerate(zip(plain, spec)):
         assert [c[:4] for c in b] == [c[:4] for c in a], f"prompt {i}"
+
+
+@pytest.mark.slow
+def test_seeded_sampling_with_drafts_repeats_through_the_processes() -> None:
+    """Seeded rows draw every acceptance test and resample from their own generator: two
+    engines given the same requests give the same sampled tokens (unseeded rows run beside)."""
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=11, ignore_eos=True),
+        SamplingParams(temperature=1.0, max_tokens=30, seed=12, n=2, ignore_eos=True),
+        SamplingParams(temperature=0.7, max_tokens=30),
+    ]
+    runs = []
+    for _ in range(2):
+        with LLM(kv_cache_memory=_kv_bytes(200), speculative_config=SPEC) as llm:
+            outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+            llm.check_all_free()
+            runs.append(([c.token_ids for o in outputs[:2] for c in o.outputs], llm.stats))
+    (first, stats), (second, _) = runs
+    assert first == second
+    assert len(first) == 3 and all(len(tokens) == 30 for tokens in first)
+    assert stats.spec_num_accepted_tokens > 0
