@@ -253,6 +253,9 @@ class Scheduler:
             plan.add_cached(request, num_tokens, new_block_ids)
             if drafts:
                 plan.spec_tokens[request.req_id] = drafts
+                if self.step_budget is not None:
+                    start = request.num_computed_tokens - num_tokens
+                    self.step_budget.took_drafts(start, num_tokens)
         if held_back:
             self._schedule_chunks_under_slo(held_back)
 

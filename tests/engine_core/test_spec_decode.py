@@ -327,3 +327,19 @@ def test_a_request_whose_drafts_keep_failing_backs_off() -> None:
     assert 3 <= sum(with_drafts) <= 8
     assert scheduler.make_stats().spec_num_accepted_tokens == 0
     scheduler.check_all_free()
+
+
+def test_under_a_tbt_slo_drafts_count_as_decode_tokens_and_attention_pairs() -> None:
+    scheduler, executor = spec_scheduler(max_num_batched_tokens=64, tbt_slo_ms=1000.0)
+    executor.initialize_cache(executor.num_blocks)
+    prompt = prompts(1, 40)[0]
+    scheduler.add_request(make_request(0, prompt))
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, executor.execute_model(first))
+    second = scheduler.schedule()
+    drafts = second.scheduled_spec_decode_tokens[0]
+    plan = scheduler._plan
+    assert plan.num_generated_tokens == 1 + len(drafts)
+    start, n = len(prompt), 1 + len(drafts)
+    assert scheduler.step_budget._pairs(plan) == n * start + n * (n + 1) // 2
+    scheduler.update_from_output(second, executor.execute_model(second))
