@@ -24,7 +24,9 @@ _KEYS = (
 )
 # Above this many running requests a step carries no drafts: verification's extra positions
 # cost more than the tokens they win once the step is no longer bound by reading the weights.
-# Measured with `conveyor bench offline --speculative-config` (docs/performance.md).
+# A conservative value, not yet a measured crossover: on the CPU hosts measured so far the
+# default model still gained at 64 (its steps are bound by Python, not arithmetic), and no
+# weight-bound model that copies has been measured (`conveyor bench offline --compare-spec`).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
