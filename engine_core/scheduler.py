@@ -28,7 +28,7 @@ from conveyor.engine_core.output_collector import OutputCollector
 from conveyor.engine_core.policies import make_policy
 from conveyor.engine_core.request import Request, RequestStatus
 from conveyor.engine_core.request_queue import make_request_queue, priority_key
-from conveyor.engine_core.spec_decode import SpecDecodeScheduling, may_speculate
+from conveyor.engine_core.spec_decode import SpecDecodeScheduling
 from conveyor.engine_core.step_budget import StepBudget, StepPrediction
 from conveyor.engine_core.step_plan import StepPlan
 from conveyor.protocol import (
@@ -238,7 +238,7 @@ class Scheduler:
                 # unless that token is certainly its last, or its drafts wait for that token.
                 if not self._run_ahead or num_tokens < 0 or not _may_run_ahead(request):
                     continue
-                if self._spec_active and may_speculate(request):
+                if self._spec_active:
                     continue
                 num_tokens = 1
             drafts = None

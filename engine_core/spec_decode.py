@@ -26,8 +26,9 @@ k positions that yield nothing. After two draft steps in a row with nothing acce
 gets no drafts for its next 2, then 4, 8, ... up to ``MAX_BACKOFF_STEPS`` steps; an accepted
 draft ends the back-off. The cost of useless drafts is then a few percent of the steps.
 
-Requests with a grammar (structured outputs) never speculate: their matcher would have to check
-every draft and roll back over the rejected ones.
+Structured requests speculate too: the worker's grammar matcher cuts each draft at the first
+token the grammar refuses, masks every verified position, and advances over the emitted tokens
+only (worker/spec_decode/spec_step.py).
 """
 
 from __future__ import annotations
@@ -39,11 +40,6 @@ from conveyor.protocol.speculative import SpeculativeConfig
 _RUNNING = RequestStatus.RUNNING
 # The longest a request whose drafts keep failing goes without them (its steps).
 MAX_BACKOFF_STEPS = 32
-
-
-def may_speculate(request: Request) -> bool:
-    """Whether a request may ever carry drafts (structured outputs never do)."""
-    return not request.sampling_params.grammar
 
 
 class SpecDecodeScheduling:

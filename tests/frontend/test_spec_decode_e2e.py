@@ -4,7 +4,7 @@ The embedded default model copies text it has seen, so n-gram drafts are often r
 wrong: both the accepted and the rejected paths run. The engines run with async scheduling,
 prompt chunks of 32 tokens, a KV pool small enough to preempt, and repeated prompts (prefix-cache
 hits); the requests cover stop strings, stop tokens, logprobs, min_tokens, penalties, n > 1 and
-a structured output (which never speculates, but is sampled in steps that verify others' drafts).
+a structured output (its drafts checked by its grammar).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=40, min_tokens=20, stop_token_ids=[198, 220]),
     SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.2),
     SamplingParams(temperature=0.0, max_tokens=5),
-    # Structured: no drafts (the grammar would have to check them), sampled beside rows with.
+    # Structured: drafts cut at the first token the grammar refuses, every position masked.
     SamplingParams(
         temperature=0.0,
         max_tokens=24,

@@ -13,7 +13,7 @@ accepted ones are counted when appended, and the rejected ones are overwritten l
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -54,15 +54,11 @@ class SpecDecoder:
             batch.token_ids[row, start : start + len(drafts)] = drafts
 
     def propose(self, batch: InputBatch, rows: list[int]) -> list[list[int]]:
-        """Drafts for the rows that sampled (after their tokens were appended); [] each while
-        the batch is past the off-switch, or for a structured request."""
-        if batch.num_reqs > self.config.disable_by_batch_size:
+        """Drafts for the rows that sampled (after their tokens were appended); none while the
+        batch is past the off-switch."""
+        if batch.num_reqs > self.config.disable_by_batch_size or not rows:
             return []
-        wanted = [row for row in rows if not batch.row_states[row].sampling_params.grammar]
-        if not wanted:
-            return []
-        drafts = dict(zip(wanted, self.proposer.propose(batch, wanted)))
-        return [drafts.get(row, []) for row in rows]
+        return self.proposer.propose(batch, rows)
 
     def execute(
         self,
@@ -95,7 +91,9 @@ class SpecDecoder:
         failed: dict[int, str] = {}
         if plain:
             failed = self._sample_plain(runner, plain, hidden[: len(plain)], tokens, logprob_rows)
-        self._verify(runner, spec, drafts, hidden[len(plain) :], tokens, logprob_rows)
+        failed.update(
+            self._verify(runner, spec, drafts, hidden[len(plain) :], tokens, logprob_rows)
+        )
         for row in row_list:
             _append(batch, row, tokens[row])
         output = ModelRunnerOutput(
@@ -151,10 +149,17 @@ class SpecDecoder:
         hidden: torch.Tensor,
         tokens: dict[int, list[int]],
         logprob_rows: dict[int, list[LogprobRow]],
-    ) -> None:
+    ) -> dict[int, str]:
+        """Verify the rows' drafts; the rows whose grammar failed, with the reason."""
         if not rows:
-            return
+            return {}
         batch = runner.batch
+        logits = runner.model.compute_logits(hidden)
+        grammar = _GrammarChecks(runner, rows, drafts)
+        if grammar.truncated:
+            # Drafts the grammar refuses can never be accepted: their positions are dropped.
+            logits = logits[grammar.kept_positions(logits.device)]
+            drafts = grammar.drafts
         params, prompts, outputs, num_outputs = [], [], [], []
         penalties = any(_has_penalty(batch.row_states[row].sampling_params) for row in rows)
         for row, row_drafts in zip(rows, drafts):
@@ -177,11 +182,12 @@ class SpecDecoder:
             runner.device,
             num_outputs,
             runner.config.model.eos_token_ids,
+            grammar_bitmask=grammar.bitmask,
+            grammar_rows=grammar.positions,
         )
         row_params = [batch.row_states[row].sampling_params for row in rows]
         is_random = [_is_random(p) for p in row_params]
         generators = [batch.row_states[row].generator for row in rows]
-        logits = runner.model.compute_logits(hidden)
         verified = verify(
             logits, drafts, metadata, is_random, generators, [p.logprobs for p in row_params]
         )
@@ -189,6 +195,79 @@ class SpecDecoder:
             tokens[row] = verified.token_ids[i]
             if verified.logprob_rows is not None:
                 logprob_rows[row] = verified.logprob_rows[i]
+        grammar.accept(tokens)
+        return grammar.failed
+
+
+class _GrammarChecks:
+    """Structured requests' drafts against their grammars: the longest prefix of each row's
+    drafts the grammar allows, and the mask at every position of that prefix (the matcher is
+    advanced over the drafts to compute them, then rolled back); after verification the
+    matcher advances over the emitted tokens only."""
+
+    def __init__(self, runner: ModelRunner, rows: list[int], drafts: list[list[int]]) -> None:
+        self.rows = rows
+        self.drafts = list(drafts)
+        self.truncated = False
+        self.failed: dict[int, str] = {}
+        self.positions: list[int] | None = None
+        self.bitmask: torch.Tensor | None = None
+        self._matchers: dict[int, Any] = {}
+        self._old_lengths = [len(d) for d in drafts]
+        batch = runner.batch
+        structured = [
+            i for i, row in enumerate(rows) if batch.row_states[row].sampling_params.grammar
+        ]
+        if not structured:
+            return
+        grammars = runner._grammars
+        if grammars is None:
+            grammars = runner._grammars = runner._make_grammar_runtime()
+        masks, positions, offset = [], [], 0
+        offsets = []
+        for row_drafts in self.drafts:
+            offsets.append(offset)
+            offset += len(row_drafts) + 1
+        for i in structured:
+            state = batch.row_states[self.rows[i]]
+            if state.matcher is None:
+                state.matcher = grammars.new_matcher(state.sampling_params.grammar)
+            matcher = self._matchers[i] = state.matcher
+            row_drafts = self.drafts[i]
+            num_valid = 0 if matcher.is_stopped() else matcher.validate_tokens(row_drafts)
+            if num_valid < len(row_drafts):
+                self.drafts[i] = row_drafts = row_drafts[:num_valid]
+                self.truncated = True
+            for j in range(num_valid + 1):
+                mask, failed = grammars.bitmask([(0, matcher)])
+                if failed:
+                    self.failed[self.rows[i]] = failed[0]
+                masks.append(mask[0])
+                positions.append((i, j))
+                if j < num_valid:
+                    matcher.consume_token(row_drafts[j])
+            if num_valid:
+                matcher.rollback(num_valid)
+        # Positions in the (possibly truncated) layout: row i's positions after earlier rows'.
+        new_offsets, offset = [], 0
+        for row_drafts in self.drafts:
+            new_offsets.append(offset)
+            offset += len(row_drafts) + 1
+        self._offsets = offsets
+        self.positions = [new_offsets[i] + j for i, j in positions]
+        self.bitmask = torch.stack(masks)
+
+    def kept_positions(self, device: torch.device) -> torch.Tensor:
+        """Indices of the positions that stay, in the layout the forward pass scored."""
+        index = []
+        for offset, row_drafts in zip(self._offsets, self.drafts):
+            index += range(offset, offset + len(row_drafts) + 1)
+        return torch.tensor(index, dtype=torch.int64, device=device)
+
+    def accept(self, tokens: dict[int, list[int]]) -> None:
+        for i, matcher in self._matchers.items():
+            for token_id in tokens[self.rows[i]]:
+                GrammarRuntime.accept(matcher, token_id)
 
 
 def _append(batch: InputBatch, row: int, token_ids: list[int]) -> None:
