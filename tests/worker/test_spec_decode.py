@@ -124,3 +124,47 @@ def test_logprobs_of_accepted_tokens_are_the_raw_distributions() -> None:
         assert token_ids[0] == best[position] and rank == 1
         assert values[0] == pytest.approx(float(raw[position, best[position]]), abs=1e-6)
         assert len(token_ids) == 3
+
+
+def test_a_grammar_cuts_drafts_at_the_first_refused_token_and_masks_each_position(
+    tiny_model_dir,
+) -> None:
+    """_GrammarChecks: the longest allowed prefix of the drafts, one mask per verified position
+    (the matcher advanced over the drafts to make them, then rolled back), and after
+    verification the matcher advances over the emitted tokens only."""
+    import json
+    from types import SimpleNamespace
+
+    from llguidance import grammar_from
+
+    from conveyor.frontend.tokenizer import load_tokenizer
+    from conveyor.worker.input_batch import InputBatch
+    from conveyor.worker.spec_decode.spec_step import _GrammarChecks
+    from conveyor.worker.structured_output import GrammarRuntime
+
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    vocab = config["vocab_size"]
+    # The tokenizer first: the runtime imports transformers on a thread of its own.
+    tokenizer = load_tokenizer(tiny_model_dir)
+    grammars = GrammarRuntime(str(tiny_model_dir), vocab, [config["eos_token_id"]])
+    grammar = grammar_from("regex", "[a-z ]{1,40}")
+    params = SamplingParams(temperature=0.0, grammar=grammar)
+    batch = InputBatch(max_num_seqs=2, max_model_len=64, max_blocks_per_req=4)
+    state = batch._new_state(0, params, 3)
+    batch._add_row(state, [1, 2, 3], [1])
+    state.matcher = grammars.new_matcher(grammar)
+    runner = SimpleNamespace(batch=batch, _grammars=grammars)
+    good = tokenizer.encode("ab cd", add_special_tokens=False)
+    bad = tokenizer.encode("A", add_special_tokens=False)
+    drafts = good + bad + good
+    checks = _GrammarChecks(runner, [0], [drafts])
+    assert checks.truncated and checks.drafts == [good]
+    assert checks.positions == list(range(len(good) + 1))
+    assert checks.bitmask.shape[0] == len(good) + 1
+    # Rolled back: the matcher still accepts the first draft token, and refuses "A".
+    assert state.matcher.validate_tokens(good) == len(good)
+    assert state.matcher.validate_tokens(bad) == 0
+    index = checks.kept_positions(torch.device("cpu")).tolist()
+    assert index == list(range(len(good) + 1))
+    checks.accept({0: good[:1]})
+    assert state.matcher.validate_tokens(good[1:]) == len(good) - 1

@@ -3,7 +3,7 @@ the drafts, append what was accepted, and propose the next drafts.
 
 Runs in worker processes. The model runner hands a step here when its diff carries drafts
 (``SchedulerOutput.scheduled_spec_decode_tokens``); every other step takes the runner's own
-path, untouched. Rows without drafts (a prompt's first token, a structured request) are sampled
+path, untouched. Rows without drafts (a prompt's first token, no lookup match) are sampled
 by the runner's sampler exactly as in a plain step; rows with drafts are verified by
 ``rejection_sampler.verify``. The drafts are written into the persistent batch after the row's
 known tokens, where the step's inputs are gathered from, but not counted in ``num_tokens``: the
