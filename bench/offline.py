@@ -5,6 +5,9 @@
 
     conveyor bench offline --model /tmp/bench --workload mix --compare
 
+--compare-spec times speculative decoding against none on a copying workload
+(bench/offline_spec.py).
+
 --compare times the in-process engine, the multi-process engine and the multi-process engine
 with async scheduling on the same prompts, interleaved, and prints their ratios (one run, one
 machine state). --engine inprocess runs everything in this process.
@@ -93,6 +96,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="time in-process, multi-process sync and multi-process async scheduling in one run "
         "(interleaved --repeats times) and report ratios to in-process",
     )
+    parser.add_argument(
+        "--compare-spec",
+        action="store_true",
+        help="speculative decoding on a copying workload (a source file, then its first lines "
+        "again): output tok/s without and with --speculative-config (default ngram, k=4) and "
+        "the acceptance rate at each --batch-sizes, interleaved --repeats times",
+    )
+    parser.add_argument("--batch-sizes", default="1,4,16,64", help="for --compare-spec")
+    parser.add_argument(
+        "--spec-workload",
+        choices=("copy", "random"),
+        default="copy",
+        help="--compare-spec's prompts: copy (a source file, then its first lines again) or "
+        "random (random tokens: drafts rarely right, what speculation costs)",
+    )
+    parser.add_argument(
+        "--spec-max-tokens", type=int, default=128, help="output tokens (--compare-spec)"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per setup (--compare)")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--profile", action="store_true", help="cProfile the timed run")
@@ -158,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     engine_args = EngineArgs.from_cli(args)
     if args.compare:
         return compare(args, engine_args)
+    if args.compare_spec:
+        from conveyor.bench.offline_spec import compare_spec
+
+        return compare_spec(args, engine_kwargs(engine_args))
     llm = start_llm(engine_args, args.workload, args.num_warmup_requests, engine=args.engine)
     calibration = measure_matmul_gflops()
     profiler = cProfile.Profile() if args.profile else None

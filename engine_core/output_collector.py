@@ -53,6 +53,8 @@ class OutputCollector:
         request preempted after the step was scheduled keeps its token. Runs for every running
         request every step, hence the local names.
         """
+        if runner_output.num_sampled_tokens:
+            return self._add_token_runs(requests, runner_output)
         finished: list[Request] = []
         by_client = self._by_client
         logprobs = runner_output.logprobs
@@ -97,6 +99,57 @@ class OutputCollector:
                 by_client[request.client_index] = [output]
             else:
                 client_outputs.append(output)
+        return finished
+
+    def _add_token_runs(
+        self, requests: dict[int, Request], runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """``add_sampled`` for a step where requests got several tokens (speculative decoding):
+        each token is folded in and checked in turn, so a stop token or ``max_tokens`` inside
+        an accepted run ends the request there and the tokens after it are never output."""
+        finished: list[Request] = []
+        logprobs = runner_output.logprobs
+        sampled = runner_output.sampled_token_ids
+        prompt_logprobs = dict(
+            zip(runner_output.prompt_logprobs_req_ids, runner_output.prompt_logprobs)
+        )
+        now = time.monotonic()
+        end = 0
+        for req_id, count in zip(runner_output.req_ids, runner_output.num_sampled_tokens):
+            start, end = end, end + count
+            request = requests.get(req_id)
+            if request is None or (
+                request.status is not _RUNNING and request.status is not _PREEMPTED
+            ):
+                continue
+            output = EngineCoreOutput(request.request_id, [])
+            output.num_cached_tokens = request.num_cached_tokens
+            if request.max_tokens == 0:
+                output.finish_reason = "length"
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            else:
+                for token in sampled[start:end]:
+                    request.all_token_ids.append(token)
+                    output.new_token_ids.append(token)
+                    if request.check_stop():
+                        output.finish_reason = request.status.finish_reason
+                        output.stop_reason = request.stop_reason
+                        break
+                if request.first_token_time < 0:
+                    request.first_token_time = now
+            if request.is_finished:
+                finished.append(request)
+                output.timings = request.timings(now)
+            if logprobs is not None and request.sampling_params.logprobs is not None:
+                rows = range(start, start + len(output.new_token_ids))
+                output.logprobs = Logprobs(
+                    token_ids=[logprobs.token_ids[row] for row in rows],
+                    logprobs=[logprobs.logprobs[row] for row in rows],
+                    ranks=[logprobs.ranks[row] for row in rows],
+                )
+            if prompt_logprobs:
+                output.prompt_logprobs = prompt_logprobs.get(req_id)
+            self._by_client.setdefault(request.client_index, []).append(output)
         return finished
 
     def take(self, stats: SchedulerStats, timestamp: float) -> dict[int, EngineCoreOutputs]:

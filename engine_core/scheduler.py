@@ -28,6 +28,7 @@ from conveyor.engine_core.output_collector import OutputCollector
 from conveyor.engine_core.policies import make_policy
 from conveyor.engine_core.request import Request, RequestStatus
 from conveyor.engine_core.request_queue import make_request_queue, priority_key
+from conveyor.engine_core.spec_decode import SpecDecodeScheduling
 from conveyor.engine_core.step_budget import StepBudget, StepPrediction
 from conveyor.engine_core.step_plan import StepPlan
 from conveyor.protocol import (
@@ -75,6 +76,10 @@ class Scheduler:
         # are in, so schedule_running holds back every request wanting more than one token.
         self.step_budget = StepBudget(scheduler_config) if scheduler_config.tbt_slo_ms else None
         self._run_ahead = scheduler_config.async_scheduling
+        # Speculative decoding: drafts are scheduled as tokens (engine_core/spec_decode.py).
+        spec = scheduler_config.speculative
+        self.spec = SpecDecodeScheduling(spec) if spec is not None else None
+        self._spec_active = False
         # Requests the workers mirror: sent as new, not yet sent as finished.
         self._worker_req_ids: set[int] = set()
         # Waiting for the next step that reaches the workers.
@@ -163,6 +168,7 @@ class Scheduler:
             self._preempted_now.clear()
         if self.step_budget is not None:
             self.step_budget.start_step(self._plan)
+        self._spec_active = self.spec is not None and self.spec.active(len(self.running))
         self.policy.schedule(self)
         self._count_step(self._plan)
         output = self._plan.to_output(self._step_id)
@@ -229,16 +235,27 @@ class Scheduler:
                 num_tokens = budget
             elif num_tokens <= 0:
                 # Its next token is in flight (async scheduling): run one step ahead on it,
-                # unless that token is certainly its last.
+                # unless that token is certainly its last, or its drafts wait for that token.
                 if not self._run_ahead or num_tokens < 0 or not _may_run_ahead(request):
                     continue
+                if self._spec_active:
+                    continue
                 num_tokens = 1
+            drafts = None
+            if self._spec_active and num_tokens == 1:
+                drafts = self.spec.take_drafts(request, budget)  # type: ignore[union-attr]
+                num_tokens += len(drafts)
             new_block_ids = kv.allocate_slots(request, num_tokens)
             if new_block_ids is None:
                 new_block_ids = self._allocate_or_preempt(request, num_tokens)
                 if new_block_ids is None:
                     continue
             plan.add_cached(request, num_tokens, new_block_ids)
+            if drafts:
+                plan.spec_tokens[request.req_id] = drafts
+                if self.step_budget is not None:
+                    start = request.num_computed_tokens - num_tokens
+                    self.step_budget.took_drafts(start, num_tokens)
         if held_back:
             self._schedule_chunks_under_slo(held_back)
 
@@ -371,6 +388,8 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.spec is not None:
+            self.spec.forget(request.req_id)
         del self.requests[request.req_id]
         if request.req_id in self._worker_req_ids:
             self._worker_req_ids.discard(request.req_id)
@@ -395,7 +414,15 @@ class Scheduler:
             self.fail_requests(
                 model_runner_output.failed_req_ids, model_runner_output.failure_reasons
             )
+        spec = self.spec
+        if spec is not None:
+            rejected = spec.num_rejected_tokens
+            spec.roll_back(self.requests, scheduler_output, model_runner_output)
+            # Drafts counted as generated tokens when scheduled; only accepted ones are.
+            self._num_generation_tokens -= spec.num_rejected_tokens - rejected
         finished = self._outputs.add_sampled(self.requests, model_runner_output)
+        if spec is not None:
+            spec.record_proposals(self.requests, model_runner_output)
         if finished:
             num_running = len(self.running)
             self.running = [r for r in self.running if r.status is _RUNNING]
@@ -433,6 +460,12 @@ class Scheduler:
             stats.step_time_abs_error_s = step_budget.abs_error_s
             stats.step_time_s = step_budget.timed_s
             stats.num_steps_over_tbt_slo = step_budget.num_steps_over_slo
+        spec = self.spec
+        if spec is not None:
+            stats.spec_num_drafts = spec.num_drafts
+            stats.spec_num_draft_tokens = spec.num_draft_tokens
+            stats.spec_num_accepted_tokens = spec.num_accepted_tokens
+            stats.spec_accepted_per_pos = list(spec.accepted_per_pos)
         return stats
 
     def check_all_free(self) -> None:

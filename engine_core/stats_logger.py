@@ -9,6 +9,10 @@ the prefix-cache hit rate of the interval:
     engine 0: prompt 1834.2 tok/s, generation 512.0 tok/s, running 12, waiting 3 (1 preempted),
     preemptions 2, KV cache 37.5 %, prefix cache hits 61.2 %
 
+With speculative decoding it goes on with the interval's draft acceptance rate and the mean
+accepted length (tokens per request step that carried drafts, the bonus token included):
+``, draft acceptance 71.3 %, mean accepted length 3.85``.
+
 Under a TBT SLO the line goes on with the step-cost model's mean relative error over the
 interval and the steps with decodes that took longer than the SLO:
 ``, step time error 4.1 %, steps over TBT SLO 0``.
@@ -88,6 +92,14 @@ def format_stats_line(
         slo = (
             f", step time error {100.0 * error / measured if measured > 0 else 0.0:.1f} %, "
             f"steps over TBT SLO {over}"
+        )
+    drafts = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    if drafts:
+        accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+        num_drafts = after.spec_num_drafts - before.spec_num_drafts
+        slo += (
+            f", draft acceptance {100.0 * accepted / drafts:.1f} %, "
+            f"mean accepted length {1.0 + accepted / num_drafts:.2f}"
         )
     waiting = f"waiting {after.num_waiting}"
     if num_preempted_waiting:

@@ -166,6 +166,13 @@ class StepBudget:
         if self._allowance is not None:
             self._allowance -= num_tokens
 
+    def took_drafts(self, start: int, num_tokens: int) -> None:
+        """A running request's last token and its drafts (``num_tokens`` from ``start``, a
+        cached entry): the attention pairs the plan-wide formula, which counts a decode as one
+        query, leaves out."""
+        pairs = num_tokens * start + num_tokens * (num_tokens + 1) // 2
+        self._extra_pairs += pairs - start - num_tokens
+
     def finish_step(self) -> StepPrediction:
         """The scheduled step (with tokens) goes to the workers: predict it, keep it to learn."""
         plan, model = self._plan, self.model

@@ -23,6 +23,7 @@ class StepPlan:
         "num_generated_tokens",
         "new_reqs",
         "cached",
+        "spec_tokens",
     )
 
     def __init__(self, token_budget: int) -> None:
@@ -34,6 +35,8 @@ class StepPlan:
         self.num_generated_tokens = 0
         self.new_reqs: list[NewRequestData] = []
         self.cached = CachedRequestData()
+        # req_id -> the drafts scheduled after its last known token (speculative decoding).
+        self.spec_tokens: dict[int, list[int]] = {}
 
     def add_new(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
         """A request the workers have no mirror of: all of it, sent once."""
@@ -92,6 +95,7 @@ class StepPlan:
         del cached.req_ids[i], cached.new_block_ids[i]
         del cached.num_computed_tokens[i], cached.num_scheduled_tokens[i]
         cached.resumed_token_ids.pop(request.req_id, None)
+        self.spec_tokens.pop(request.req_id, None)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -103,4 +107,5 @@ class StepPlan:
             scheduled_new_reqs=self.new_reqs,
             scheduled_cached_reqs=self.cached,
             total_num_scheduled_tokens=self.total_num_scheduled_tokens,
+            scheduled_spec_decode_tokens=self.spec_tokens,
         )

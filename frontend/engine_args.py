@@ -43,6 +43,7 @@ from conveyor.protocol.config import (
     read_sampling_defaults,
 )
 from conveyor.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
+from conveyor.protocol.speculative import SpeculativeConfig, parse_speculative_config
 from conveyor.runtime import cpu_isa
 from conveyor.runtime.flags import (
     finite_float,
@@ -124,6 +125,9 @@ class EngineArgs:
     # The inter-token latency promised to clients (ms): each step sized from a step-cost model
     # learned online to stay under it while requests decode (stall-free only); None = off.
     tbt_slo_ms: float | None = None
+    # vLLM's --speculative-config: a JSON object (or a dict, offline) such as {"method": "ngram",
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}; None: off.
+    speculative_config: str | dict[str, Any] | None = None
     trace_steps: str | None = None
     enable_debug_queries: bool = False
     step_timeout_s: float = 600.0
@@ -151,6 +155,12 @@ class EngineArgs:
     # Accepted for vLLM's sake: conveyor runs its own implementation of every architecture and
     # loads tokenizers without custom code, so no repository code ever runs either way.
     trust_remote_code: bool = False
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        try:
+            return parse_speculative_config(self.speculative_config)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model directory and build the checked, frozen config tree."""
@@ -195,6 +205,7 @@ class EngineArgs:
                 async_scheduling=self.async_scheduling,
                 max_waiting_requests=self.max_waiting_requests,
                 tbt_slo_ms=self.tbt_slo_ms,
+                speculative=self._speculative_config(),
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -491,6 +502,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="the inter-token latency promised to clients: while requests decode, each step's "
         "prompt work is sized from a step-cost model learned online so the step stays under MS "
         "(--max-num-batched-tokens stays the hard cap; stall-free only); default: off",
+    )
+    group.add_argument(
+        "--speculative-config",
+        "-sc",
+        default=d.speculative_config,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s syntax: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+        "(n-gram prompt lookup; greedy outputs unchanged, sampling keeps its distribution); "
+        '"disable_by_batch_size": N turns drafts off while more than N requests run '
+        "(default 8); default: off",
     )
     group.add_argument(
         "--trace-steps",

@@ -117,9 +117,10 @@ class ChoiceState:
         After a stop string (``stopped_by_frontend``) the engine does not know the choice is
         over: the caller must abort it there.
         """
-        num_rows = len(self.logprobs)
+        num_rows, num_tokens = len(self.logprobs), len(self.token_ids)
         text = self.fold(output)
-        delta = ChoiceDelta(self.index, text, output.new_token_ids, self.logprobs[num_rows:])
+        new_token_ids = self.token_ids[num_tokens:]
+        delta = ChoiceDelta(self.index, text, new_token_ids, self.logprobs[num_rows:])
         delta.finish_reason, delta.stop_reason = self.finish_reason, self.stop_reason
         return delta
 
@@ -150,13 +151,27 @@ class ChoiceState:
         self.num_text_tokens += len(text_ids)
         stop_string = None
         if self._detokenizer is not None and output.finish_reason not in FAILED_FINISH_REASONS:
+            taken = self._detokenizer.num_tokens_taken
             stop_string = self._detokenizer.add_tokens(text_ids)
+            if stop_string is not None:
+                self._drop_past_stop(len(text_ids) - self._detokenizer.num_tokens_taken + taken)
         if stop_string is not None:
             self.finish_reason, self.stop_reason = "stop", stop_string
             self.stopped_by_frontend = output.finish_reason is None
         elif output.finish_reason is not None:
             self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
         return self._next_text(stop_string)
+
+    def _drop_past_stop(self, num_unused: int) -> None:
+        """Forget the output's tokens after the one that completed a stop string: several
+        tokens arrive at once under speculative decoding, and the choice ends where one token
+        at a time would have ended it."""
+        if num_unused <= 0:
+            return
+        del self.token_ids[-num_unused:]
+        self.num_text_tokens -= num_unused
+        if self.logprobs and self.sampling_params.logprobs is not None:
+            del self.logprobs[-num_unused:]
 
     def _next_text(self, stop_string: str | None) -> str:
         if self.finish_reason is None:

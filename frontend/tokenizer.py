@@ -75,6 +75,9 @@ class IncrementalDetokenizer:
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self.text = ""
         self.stop_reason: str | None = None
+        # Output tokens taken in: after a stop string, tokens past it are not (an output may
+        # carry several tokens, speculative decoding's accepted run).
+        self.num_tokens_taken = 0
 
     def add_tokens(self, token_ids: list[int]) -> str | None:
         """Append tokens; return the stop string if one now appears (text is then truncated).
@@ -85,6 +88,7 @@ class IncrementalDetokenizer:
             return self.stop_reason
         for token_id in token_ids:
             self._token_ids.append(token_id)
+            self.num_tokens_taken += 1
             delta = self._next_delta()
             if delta and self._check_stop(delta):
                 return self.stop_reason

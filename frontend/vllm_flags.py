@@ -57,8 +57,9 @@ _NO_COMPILE = (
     "graphs: --enforce-eager turns those off)"
 )
 _NO_LORA = "conveyor serves no LoRA adapters; merge the adapter into the weights and serve that"
-_NO_SPEC = (
-    "conveyor has no speculative decoding (the outputs are the same without it): drop the flag"
+_OLD_SPEC = (
+    "vLLM V1 replaced these with --speculative-config; conveyor takes that one "
+    '(\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\')'
 )
 _TEXT_ONLY = "conveyor serves text-only language models (no images, audio or video)"
 _OWN_CONFIG = (
@@ -195,10 +196,9 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
     ),
     _refused("--fully-sharded-loras", SWITCH, _NO_LORA),
     _refused(
-        "--speculative-config -sc --speculative-model --num-speculative-tokens --spec-method "
-        "--spec-model --spec-tokens",
+        "--speculative-model --num-speculative-tokens --spec-method --spec-model --spec-tokens",
         VALUE,
-        _NO_SPEC,
+        _OLD_SPEC,
     ),
     _refused(
         "--cpu-offload-gb",

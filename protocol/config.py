@@ -16,6 +16,7 @@ from typing import Literal
 import msgspec
 
 from conveyor.protocol.sampling_params import MAX_LOGPROBS
+from conveyor.protocol.speculative import SpeculativeConfig
 
 Policy = Literal["stall-free", "prefill-first", "orca", "static"]
 QueueOrder = Literal["fcfs", "priority"]
@@ -117,6 +118,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     # Under tbt_slo_ms a prompt chunk is never smaller than this (unless the prompt's rest is),
     # so prompts progress even when the decodes alone fill the SLO.
     slo_min_chunk_tokens: int = 32
+    # Speculative decoding (``--speculative-config``; None = off): the scheduler gives a request
+    # its drafts as tokens, the workers propose and verify them (engine_core/spec_decode.py).
+    speculative: SpeculativeConfig | None = None
 
 
 class NodeConfig(msgspec.Struct, frozen=True):

@@ -131,6 +131,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     step_time_abs_error_s: float = 0.0
     step_time_s: float = 0.0
     num_steps_over_tbt_slo: int = 0
+    # Speculative decoding (vLLM's spec_decode counters): requests' steps that carried drafts,
+    # their draft tokens, the accepted ones, and accepted ones per draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -184,6 +190,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # With no tokens to run: how long a worker may wait for a grammar build to end before it
     # answers (how the engine polls while only grammars are pending; 0: no poll).
     grammar_wait_s: float = 0.0
+    # Speculative decoding (vLLM V1's shape): req_id -> the draft tokens scheduled after the
+    # request's last known token, counted in its num_scheduled_tokens (1 + len(drafts)).
+    scheduled_spec_decode_tokens: dict[int, list[int]] = {}
 
 
 def reaches_workers(scheduler_output: SchedulerOutput) -> bool:
@@ -199,12 +208,22 @@ def reaches_workers(scheduler_output: SchedulerOutput) -> bool:
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """One sampled token per request whose prompt was complete this step, in ``req_ids`` order."""
+    """The tokens of each request whose prompt was complete this step, in ``req_ids`` order.
+
+    One token each, unless ``num_sampled_tokens`` says otherwise (speculative decoding: the
+    accepted drafts and the token after them); ``sampled_token_ids`` and the logprobs rows are
+    then the requests' tokens one after the other.
+    """
 
     step_id: int
     req_ids: list[int] = []
     sampled_token_ids: list[int] = []
     logprobs: Logprobs | None = None
+    # Per request, how many of ``sampled_token_ids`` are its (empty: one each).
+    num_sampled_tokens: list[int] = []
+    # Per request (aligned with ``req_ids``; empty: none), the drafts the worker proposes for
+    # its next step, made from its tokens as they are after this step.
+    spec_token_ids: list[list[int]] = []
     # Requests the worker could not go on with (a grammar matcher in error), and why: they end
     # with an "error" finish; the token sampled for them this step is dropped.
     failed_req_ids: list[int] = []

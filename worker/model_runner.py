@@ -61,6 +61,7 @@ from conveyor.worker.sampling_metadata import (
     make_sampling_metadata,
     with_grammar_bitmask,
 )
+from conveyor.worker.spec_decode.spec_step import SpecDecoder
 from conveyor.worker.step_inputs import StepInputBuffers, StepInputs
 from conveyor.worker.structured_output import GrammarRuntime
 
@@ -124,6 +125,9 @@ class ModelRunner:
         # then loads on a thread while that request's prompt is computed (and never, for a
         # server that gets none).
         self._grammars: GrammarRuntime | None = None
+        # Speculative decoding (worker/spec_decode/): proposes drafts, verifies scheduled ones.
+        spec = config.scheduler.speculative
+        self.spec_decoder = SpecDecoder(spec, max_model_len) if spec is not None else None
 
     def _make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
@@ -335,10 +339,15 @@ class ModelRunner:
                 step_id=scheduler_output.step_id,
                 grammars_ready=self._grammars_ready(scheduler_output.grammar_wait_s),
             )
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        if drafts:
+            SpecDecoder.write_drafts(batch, drafts)
         graphs = self.decode_graphs
         inputs = self.inputs.prepare(
             batch, rows, self.block_size, graphs.padded_size if graphs and graphs.whole else None
         )
+        if drafts:
+            return self.spec_decoder.execute(self, scheduler_output, inputs, rows)  # type: ignore[union-attr]
         row_list = inputs.sampling_rows.tolist()
         params = [batch.row_states[row].sampling_params for row in row_list]
         # The sampling inputs are built before the forward is launched: their uploads queue
@@ -367,6 +376,9 @@ class ModelRunner:
             prompt_logprobs = self._finished_prompt_logprobs(row_list)
         return ModelRunnerOutput(
             step_id=scheduler_output.step_id,
+            spec_token_ids=(
+                self.spec_decoder.propose(batch, row_list) if self.spec_decoder is not None else []
+            ),
             req_ids=[batch.req_ids[row] for row in row_list],
             sampled_token_ids=sampled.tolist(),
             logprobs=logprobs_to_wire(output, [p.logprobs for p in params]),

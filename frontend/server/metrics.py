@@ -71,6 +71,13 @@ _STEP_TIME_COUNTERS = {
         "Steps with decodes that took longer than the TBT SLO.",
     ),
 }
+# Speculative decoding, vLLM's spec_decode counters: metric name -> (field, doc).
+_SPEC_DECODE_COUNTERS = {
+    "spec_decode_num_drafts": ("spec_num_drafts", "Requests' steps that carried draft tokens."),
+    "spec_decode_num_draft_tokens": ("spec_num_draft_tokens", "Draft tokens scheduled."),
+    "spec_decode_num_accepted_tokens": ("spec_num_accepted_tokens", "Draft tokens accepted."),
+}
+_SPEC_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 _ITERATION_TOKENS = PREFIX + "iteration_tokens_total"
 
 
@@ -96,7 +103,11 @@ class FrontendMetrics:
         self._engines = {label: _EngineGauges(config, model_name, label) for label in labels}
         self._define_frontend_metrics()
         self._registry = CollectorRegistry(auto_describe=False)
-        counters = [PREFIX + name for name in (*_ENGINE_COUNTERS, *_STEP_TIME_COUNTERS)]
+        counters = [
+            PREFIX + name
+            for name in (*_ENGINE_COUNTERS, *_STEP_TIME_COUNTERS, *_SPEC_DECODE_COUNTERS)
+        ]
+        counters.append(PREFIX + _SPEC_PER_POS)
         hit_rate = Ratio(
             PREFIX + "prefix_cache_hit_rate",
             "Prefix cache hits / queries since the engine started.",
@@ -228,8 +239,13 @@ class _EngineGauges:
         self._counts = {
             field: own(field, doc, "livemax") for field, doc in _ENGINE_COUNTERS.items()
         }
-        for name, (field, doc) in _STEP_TIME_COUNTERS.items():
+        for name, (field, doc) in (*_STEP_TIME_COUNTERS.items(), *_SPEC_DECODE_COUNTERS.items()):
             self._counts[field] = own(name, doc, "livemax")
+        spec = config.scheduler.speculative
+        doc = "Draft tokens accepted at each draft position (0 = the first after the last token)."
+        per_pos = gauge(_SPEC_PER_POS, doc, "livemax", ("position",))
+        num_positions = spec.num_speculative_tokens if spec is not None else 0
+        self._accepted_per_pos = [per_pos.labels(*labels, str(i)) for i in range(num_positions)]
         doc = "Tokens per engine step."
         bucket = gauge("iteration_tokens_total_bucket", doc, "livemax", ("le",))
         bounds = [*(str(float(b)) for b in ITERATION_TOKENS_BUCKETS), "+Inf"]
@@ -262,5 +278,7 @@ class _EngineGauges:
         for i, gauge in enumerate(self._iteration_buckets):
             cumulative += counts[i] if i < len(counts) else 0
             gauge.set(cumulative)
+        for gauge, count in zip(self._accepted_per_pos, stats.spec_accepted_per_pos):
+            gauge.set(count)
         self._iteration_sum.set(stats.num_prompt_tokens + stats.num_generation_tokens)
         self._iteration_count.set(stats.num_steps)

@@ -26,11 +26,12 @@ from conveyor.protocol import (
     SchedulerConfig,
     SchedulerStats,
 )
+from conveyor.protocol.speculative import SpeculativeConfig
 
 CONFIG = EngineConfig(
     model=ModelConfig("m", "Qwen3ForCausalLM", vocab_size=100, max_model_len=512),
     cache=CacheConfig(block_size=16, num_blocks=64),
-    scheduler=SchedulerConfig(max_model_len=512),
+    scheduler=SchedulerConfig(max_model_len=512, speculative=SpeculativeConfig()),
 )
 
 

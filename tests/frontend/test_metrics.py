@@ -27,7 +27,8 @@ NEWER = {"num_running": 1, "num_waiting": 0, "kv_cache_usage": 0.125, "num_preem
          "prefix_cache_queries": 160, "prefix_cache_hits": 64, "num_steps": 15,
          "num_prompt_tokens": 310, "num_generation_tokens": 90, "iteration_tokens": [9, 6],
          "num_steps_timed": 12, "step_time_abs_error_s": 0.05, "step_time_s": 1.0,
-         "num_steps_over_tbt_slo": 2}  # fmt: skip
+         "num_steps_over_tbt_slo": 2, "spec_num_drafts": 20, "spec_num_draft_tokens": 70,
+         "spec_num_accepted_tokens": 45, "spec_accepted_per_pos": [18, 12, 9, 6]}  # fmt: skip
 
 
 def run_frontend(folder: Path, spec: dict) -> tuple[int, str]:
@@ -97,6 +98,12 @@ def test_the_engines_counts_are_the_newest_copy_any_frontend_holds(folder):
     assert metric(samples, "conveyor:step_time_predictions_total") == 12
     assert metric(samples, "conveyor:steps_over_tbt_slo_total") == 2
     assert metric(samples, "conveyor:step_time_prediction_error_ratio") == pytest.approx(0.05)
+    # Speculative decoding: vLLM's spec_decode counters, per position labelled.
+    assert metric(samples, "conveyor:spec_decode_num_drafts_total") == 20
+    assert metric(samples, "conveyor:spec_decode_num_draft_tokens_total") == 70
+    assert metric(samples, "conveyor:spec_decode_num_accepted_tokens_total") == 45
+    per_pos = "conveyor:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [metric(samples, per_pos, position=str(i)) for i in range(4)] == [18, 12, 9, 6]
     # Tokens per step: one histogram (cumulative buckets, sum, count) of the newer copy.
     name = "conveyor:iteration_tokens_total"
     assert f"# TYPE {name} histogram" in text

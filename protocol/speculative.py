@@ -1,0 +1,82 @@
+"""Speculative decoding's configuration: vLLM's ``--speculative-config`` JSON, checked.
+
+Shared by every process (the engine core schedules the drafts, the workers propose and verify
+them). Standard library and msgspec only.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+# The proposers a request's drafts can come from (worker/spec_decode/proposers.py registers the
+# implementations; the names are vLLM's).
+SPEC_METHODS: tuple[str, ...] = ("ngram",)
+# vLLM's keys that conveyor reads; any other key is refused by name, never ignored.
+_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "disable_by_batch_size",
+)
+# Above this many running requests a step carries no drafts: verification's extra positions
+# cost more than the tokens they win once the step is no longer bound by reading the weights.
+# A conservative value, not yet a measured crossover: on the CPU hosts measured so far the
+# default model still gained at 64 (its steps are bound by Python, not arithmetic), and no
+# weight-bound model that copies has been measured (`conveyor bench offline --compare-spec`).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True):
+    method: str = "ngram"
+    # Draft tokens proposed per request per step (k): a step verifies 1 + k positions.
+    num_speculative_tokens: int = 4
+    # ngram: the longest and shortest suffix of the request's tokens looked up in its history.
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # No drafts in a step when more requests than this run (vLLM's key, conveyor's rule:
+    # counted at each step, not only for new requests).
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+
+def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+    """vLLM's JSON (a string or a dict) -> a checked config; ValueError naming what is wrong."""
+    if value is None or value == "" or value == {}:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--speculative-config is not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    unknown = sorted(set(value) - set(_KEYS))
+    if unknown:
+        raise ValueError(
+            f"--speculative-config: conveyor does not implement {', '.join(unknown)} "
+            f"(it reads {', '.join(_KEYS)})"
+        )
+    method = value.get("method")
+    if method not in SPEC_METHODS:
+        raise ValueError(
+            f"--speculative-config: method {method!r} is not implemented; conveyor has "
+            f"{', '.join(SPEC_METHODS)}"
+        )
+    try:
+        config = msgspec.convert(value, SpeculativeConfig)
+    except msgspec.ValidationError as error:
+        raise ValueError(f"--speculative-config: {error}") from None
+    check_speculative_config(config)
+    return config
+
+
+def check_speculative_config(config: SpeculativeConfig) -> None:
+    if not 1 <= config.num_speculative_tokens <= 32:
+        raise ValueError("--speculative-config: num_speculative_tokens must be in [1, 32]")
+    if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
+        raise ValueError("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+    if config.disable_by_batch_size < 1:
+        raise ValueError("--speculative-config: disable_by_batch_size must be at least 1")

@@ -1,0 +1,170 @@
+"""The worker's half of speculative decoding: n-gram lookup and draft verification.
+
+The statistical test is the one that matters for sampling: with drafts, each emitted token must
+follow the distribution the sampler would draw it from without them (chi-square over thousands
+of seeded draws on a 6-token vocabulary, for drafts the target likes and drafts it dislikes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2_contingency, chisquare
+
+from conveyor.protocol import SamplingParams
+from conveyor.worker.sampler import Sampler
+from conveyor.worker.sampling_metadata import make_sampling_metadata
+from conveyor.worker.spec_decode.ngram import propose_ngram
+from conveyor.worker.spec_decode.rejection_sampler import verify
+
+VOCAB = 6
+
+
+def test_ngram_takes_the_longest_recurring_suffix_and_its_first_occurrence() -> None:
+    tokens = np.array([1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 1, 2, 3, 4])
+    # Suffix [2, 3, 4] occurs at 1 and 6; the first is followed by 5, 9, 2.
+    assert propose_ngram(tokens, 3, 2, 3) == [5, 9, 2]
+    # Suffix [1, 2, 3, 4] (max_n 4) occurs only at 0: followed by 5, 9.
+    assert propose_ngram(tokens, 2, 2, 4) == [5, 9]
+    # Nothing recurs with min_n 2: no draft.
+    assert propose_ngram(np.array([1, 2, 3, 4, 5]), 3, 2, 3) == []
+    # A draft may be shorter than k where the history ends.
+    assert propose_ngram(np.array([7, 8, 9, 7, 8]), 4, 2, 2) == [9, 7, 8]
+    assert propose_ngram(np.array([5]), 3, 1, 3) == []
+
+
+def _metadata(params: list[SamplingParams]):
+    return make_sampling_metadata(
+        params, {}, [[] for _ in params], [[] for _ in params], VOCAB, torch.device("cpu")
+    )
+
+
+def test_greedy_accepts_while_drafts_are_the_argmax() -> None:
+    logits = torch.full((4, VOCAB), -5.0)
+    for position, best in enumerate([2, 4, 1, 3]):
+        logits[position, best] = 5.0
+    greedy = SamplingParams(temperature=0.0)
+    cases = {(2, 4, 1): [2, 4, 1, 3], (2, 4, 5): [2, 4, 1], (0, 4, 1): [2], (2, 0, 1): [2, 4]}
+    for drafts, want in cases.items():
+        verified = verify(logits, [list(drafts)], _metadata([greedy] * 4), [False], [None], [None])
+        assert verified.token_ids == [want]
+
+
+def _target(logits: torch.Tensor, temperature: float, top_k: int) -> np.ndarray:
+    """What the sampler draws from, computed independently: top-k of logits / T, softmax."""
+    scaled = logits.double().numpy() / temperature
+    kept = np.argsort(scaled)[::-1][:top_k]
+    probs = np.zeros(VOCAB)
+    probs[kept] = np.exp(scaled[kept] - scaled[kept].max())
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("first_draft", [0, 3], ids=["likely-draft", "unlikely-draft"])
+def test_sampled_tokens_follow_the_target_distribution(first_draft) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, VOCAB) * 1.5
+    logits[0, 0] += 2.0  # token 0 likely at the first position, token 3 outside the top 5
+    logits[0, 3] = -9.0
+    params = SamplingParams(temperature=0.8, top_k=5)
+    drafts = [first_draft, 2]
+    metadata = _metadata([params] * 3)
+    num_draws = 6000
+    first, second = [], []
+    for seed in range(num_draws):
+        generator = torch.Generator().manual_seed(seed)
+        tokens = verify(logits, [drafts], metadata, [True], [generator], [None]).token_ids[0]
+        first.append(tokens[0])
+        if tokens[0] == drafts[0]:
+            # The second position was scored after the first draft: its token follows p_1.
+            second.append(tokens[1])
+    checks = [(first, 0), (second, 1)] if first_draft == 0 else [(first, 0)]
+    for observed, position in checks:
+        expected = _target(logits[position], 0.8, 5)
+        counts = np.bincount(observed, minlength=VOCAB)
+        assert counts[expected == 0].sum() == 0, "a token the filters remove was emitted"
+        support = expected > 0
+        result = chisquare(counts[support], expected[support] * len(observed))
+        assert result.pvalue > 1e-3, (position, counts, expected * len(observed))
+    if first_draft == 0:
+        assert len(second) > num_draws // 10  # enough draws for the second position
+    else:
+        assert not second  # a token top-k removed is never accepted
+    # Against the sampler itself, drawing without drafts: one distribution (two-sample test).
+    sampler_metadata = _metadata([params])
+    plain = [int(Sampler()(logits[:1], sampler_metadata).sampled_token_ids) for _ in range(3000)]
+    table = np.array([np.bincount(first, minlength=VOCAB), np.bincount(plain, minlength=VOCAB)])
+    table = table[:, table.sum(axis=0) > 0]
+    assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_seeded_rows_repeat_their_tokens() -> None:
+    logits = torch.randn(5, VOCAB)
+    params = SamplingParams(temperature=1.0, seed=7)
+    metadata = _metadata([params] * 5)
+    runs = [
+        verify(
+            logits, [[1, 2, 3, 4]], metadata, [True], [torch.Generator().manual_seed(7)], [None]
+        ).token_ids
+        for _ in range(3)
+    ]
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_logprobs_of_accepted_tokens_are_the_raw_distributions() -> None:
+    logits = torch.randn(3, VOCAB)
+    greedy = SamplingParams(temperature=0.0, logprobs=2)
+    best = logits.argmax(dim=-1).tolist()
+    verified = verify(logits, [[best[0], best[1]]], _metadata([greedy] * 3), [False], [None], [2])
+    assert verified.token_ids == [best]
+    raw = torch.log_softmax(logits, dim=-1)
+    rows = verified.logprob_rows[0]
+    assert len(rows) == 3
+    for position, (token_ids, values, rank) in enumerate(rows):
+        assert token_ids[0] == best[position] and rank == 1
+        assert values[0] == pytest.approx(float(raw[position, best[position]]), abs=1e-6)
+        assert len(token_ids) == 3
+
+
+def test_a_grammar_cuts_drafts_at_the_first_refused_token_and_masks_each_position(
+    tiny_model_dir,
+) -> None:
+    """_GrammarChecks: the longest allowed prefix of the drafts, one mask per verified position
+    (the matcher advanced over the drafts to make them, then rolled back), and after
+    verification the matcher advances over the emitted tokens only."""
+    import json
+    from types import SimpleNamespace
+
+    from llguidance import grammar_from
+
+    from conveyor.frontend.tokenizer import load_tokenizer
+    from conveyor.worker.input_batch import InputBatch
+    from conveyor.worker.spec_decode.spec_step import _GrammarChecks
+    from conveyor.worker.structured_output import GrammarRuntime
+
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    vocab = config["vocab_size"]
+    # The tokenizer first: the runtime imports transformers on a thread of its own.
+    tokenizer = load_tokenizer(tiny_model_dir)
+    grammars = GrammarRuntime(str(tiny_model_dir), vocab, [config["eos_token_id"]])
+    grammar = grammar_from("regex", "[a-z ]{1,40}")
+    params = SamplingParams(temperature=0.0, grammar=grammar)
+    batch = InputBatch(max_num_seqs=2, max_model_len=64, max_blocks_per_req=4)
+    state = batch._new_state(0, params, 3)
+    batch._add_row(state, [1, 2, 3], [1])
+    state.matcher = grammars.new_matcher(grammar)
+    runner = SimpleNamespace(batch=batch, _grammars=grammars)
+    good = tokenizer.encode("ab cd", add_special_tokens=False)
+    bad = tokenizer.encode("A", add_special_tokens=False)
+    drafts = good + bad + good
+    checks = _GrammarChecks(runner, [0], [drafts])
+    assert checks.truncated and checks.drafts == [good]
+    assert checks.positions == list(range(len(good) + 1))
+    assert checks.bitmask.shape[0] == len(good) + 1
+    # Rolled back: the matcher still accepts the first draft token, and refuses "A".
+    assert state.matcher.validate_tokens(good) == len(good)
+    assert state.matcher.validate_tokens(bad) == 0
+    index = checks.kept_positions(torch.device("cpu")).tolist()
+    assert index == list(range(len(good) + 1))
+    checks.accept({0: good[:1]})
+    assert state.matcher.validate_tokens(good[1:]) == len(good) - 1

@@ -1,0 +1,1 @@
+"""Speculative decoding in the worker: proposers, verification, and the step that uses them."""
