@@ -63,6 +63,12 @@ class GrammarRuntime:
         # Loading a tokenizer takes a while: on a thread, beside the first structured request's
         # prompt computation rather than in front of its first sampling step.
         self._loaded = threading.Event()
+        # transformers resolves its names lazily, and one thread's lookup while another imports
+        # it can fail ("has no attribute 'PreTrainedTokenizerFast'"): resolved here, first.
+        from llguidance.hf import from_tokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+
+        self._auto_tokenizer, self._from_tokenizer = AutoTokenizer, from_tokenizer
         threading.Thread(target=self._load, name="grammar-tokenizer", daemon=True).start()
         # One thread: builds are rare and large; they must not take the cores from the steps.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-build")
@@ -76,12 +82,9 @@ class GrammarRuntime:
     def _load(self) -> None:
         try:
             from llguidance import LLExecutor
-            from llguidance.hf import from_tokenizer
-            from transformers import AutoTokenizer
-
-            hf = AutoTokenizer.from_pretrained(self._model_dir, local_files_only=True)
+            hf = self._auto_tokenizer.from_pretrained(self._model_dir, local_files_only=True)
             eos = self._eos_token_ids or None
-            self._tokenizer = from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=eos)
+            self._tokenizer = self._from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=eos)
             self._executor = LLExecutor()
         except BaseException as exc:  # reported when a structured request needs it
             self._error = exc
