@@ -16,6 +16,7 @@ from typing import Literal, Union
 
 import msgspec
 
+from conveyor.protocol.lora import LoRALoad, LoRARequest
 from conveyor.protocol.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error", "rejected"]
@@ -41,6 +42,8 @@ class EngineCoreRequest(msgspec.Struct, tag=1, array_like=True, omit_defaults=Tr
     # vLLM's cache_salt: this request's prompt shares prefix-cache blocks only with requests of
     # the same salt (a tenant's own prefix is then no timing signal for anyone else).
     cache_salt: str | None = None
+    # The LoRA adapter to run the request under (None: the base model); its KV is its own.
+    lora_request: LoRARequest | None = None
 
 
 class Abort(msgspec.Struct, tag=2, array_like=True, gc=False):
@@ -151,6 +154,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     block_ids: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
+    # The engine's id of the request's LoRA adapter (0: the base model); its slot comes in a
+    # ``LoRALoad`` of this step or an earlier one.
+    lora_id: int = 0
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -184,6 +190,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # With no tokens to run: how long a worker may wait for a grammar build to end before it
     # answers (how the engine polls while only grammars are pending; 0: no poll).
     grammar_wait_s: float = 0.0
+    # LoRA slots to fill before this step runs: the adapters its requests need that no slot
+    # holds yet (scheduled once, when the scheduler first admits a request of the adapter).
+    lora_loads: list[LoRALoad] = []
 
 
 def reaches_workers(scheduler_output: SchedulerOutput) -> bool:
