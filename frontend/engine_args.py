@@ -229,10 +229,6 @@ class EngineArgs:
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
-        if self.tensor_parallel_size > 1 or self.nnodes > 1:
-            # The slots shard like their layers (worker/lora/slots.py), but no test has run
-            # them across ranks yet: refused rather than trusted.
-            raise ConfigError("LoRA adapters (--enable-lora) run with --tensor-parallel-size 1")
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
 
     def _max_logprobs(self, vocab_size: int) -> int:

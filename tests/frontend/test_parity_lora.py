@@ -5,7 +5,8 @@ non-zero B, ``save_pretrained``), of ranks 8, 64 and 16 (rsLoRA) on different ta
 the reference is PEFT applying them to the same base (never merged by us). One engine per
 family runs a batch that mixes the three adapters and the base model with chunked prefill; the
 same prompt under two adapters must not share KV blocks. With fewer slots than adapters and a
-tiny KV pool, adapters swap and requests are preempted, and not a token changes.
+tiny KV pool, adapters swap and requests are preempted, and not a token changes; on two
+tensor-parallel ranks too.
 """
 
 from __future__ import annotations
@@ -162,3 +163,22 @@ def test_more_adapters_than_slots_and_a_tiny_kv_pool_match_peft(qwen3_reference)
         _run(llm, reference, list(range(len(PLAN))), PLAN)
         assert llm.stats is not None and llm.stats.num_preemptions > 0
         llm.check_all_free()
+
+
+def test_two_tensor_parallel_ranks_match_peft(qwen3_reference):
+    """Slots sharded like their layers (B by output rows on q/k/v and gate/up, A by input
+    columns on o and down, the layer's all-reduce summing the partial corrections): the mixed
+    batch on two ranks gives PEFT's tokens, as one rank does."""
+    reference = qwen3_reference
+    with LLM(
+        str(reference.model_dir),
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=64,
+        max_num_batched_tokens=32,
+        tensor_parallel_size=2,
+        kv_cache_memory=32 << 20,
+    ) as llm:
+        _run(llm, reference, list(range(len(PLAN))), PLAN)
