@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
+from benchmarks.fixtures.lora_maker import make_adapter, peft_greedy
 from tests.frontend.http_helpers import (
     MODEL_NAME,
     ServedHttp,
@@ -26,7 +27,6 @@ from tests.frontend.http_helpers import (
     post_raw,
     start_served_http,
 )
-from tests.lora_adapters import make_adapter, peft_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http-lora")]
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.fixtures.lora_maker import make_adapter, peft_greedy
 from conveyor import LLM, LoRARequest, SamplingParams
-from tests.lora_adapters import make_adapter, peft_greedy
 
 pytestmark = [pytest.mark.slow]
 
