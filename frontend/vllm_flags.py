@@ -57,7 +57,9 @@ _NO_COMPILE = (
     "graphs: --enforce-eager turns those off)"
 )
 _NO_LORA_VOCAB = "conveyor's LoRA adapters never extend the vocabulary (no embedding LoRA)"
-_NO_FULLY_SHARDED = "conveyor's LoRA runs with --tensor-parallel-size 1: there is nothing to shard"
+_NO_FULLY_SHARDED = (
+    "conveyor shards LoRA slots like the layers they adapt; it has no other sharding of them"
+)
 _NO_SPEC = (
     "conveyor has no speculative decoding (the outputs are the same without it): drop the flag"
 )
