@@ -142,6 +142,13 @@ def read_adapter(path: str | Path, model_dir: str | Path, max_lora_rank: int) ->
 def _check_config(config: dict, max_lora_rank: int) -> tuple[int, float]:
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"peft_type {config.get('peft_type')!r} is not LoRA")
+    if config.get("target_parameters"):
+        # PEFT's way to adapt fused expert weights (Qwen3-MoE's gate_up_proj), with a
+        # rank_pattern of its own: named first, as the reason that matters.
+        raise AdapterError(
+            f"target_parameters {config['target_parameters']}: LoRA on mixture-of-experts "
+            "experts (or any raw parameter) is not supported"
+        )
     rank = config.get("r")
     if not isinstance(rank, int) or rank <= 0:
         raise AdapterError(f"adapter rank r={rank!r} is not a positive integer")

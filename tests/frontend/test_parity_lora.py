@@ -182,3 +182,25 @@ def test_two_tensor_parallel_ranks_match_peft(qwen3_reference):
         kv_cache_memory=32 << 20,
     ) as llm:
         _run(llm, reference, list(range(len(PLAN))), PLAN)
+
+
+def test_attention_lora_on_a_mixture_of_experts_model_matches_peft(
+    tiny_moe_model_dirs, tmp_path_factory
+):
+    """Qwen3-MoE's attention takes adapters like a dense model's; its MLP (the experts) does
+    not, and an adapter that targets it is refused by name."""
+    model_dir = tiny_moe_model_dirs["qwen3_moe"]
+    folder = tmp_path_factory.mktemp("lora-moe")
+    attention = make_adapter(
+        model_dir, folder / "attn", 8, ["q_proj", "k_proj", "v_proj", "o_proj"], 4
+    )
+    experts = make_adapter(model_dir, folder / "experts", 8, ["gate_proj", "up_proj"], 5)
+    prompts = [np.random.default_rng(9).integers(3, 2000, n).tolist() for n in (9, 30)]
+    expected = peft_greedy(model_dir, attention, prompts, NUM_NEW_TOKENS)
+    assert expected != peft_greedy(model_dir, None, prompts, NUM_NEW_TOKENS)
+    with LLM(str(model_dir), dtype="float32", enable_lora=True, max_lora_rank=8) as llm:
+        lora = LoRARequest("attn", 1, str(attention))
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        with pytest.raises(ValueError, match="mixture-of-experts"):
+            llm.generate(prompts, GREEDY, lora_request=LoRARequest("experts", 2, str(experts)))
