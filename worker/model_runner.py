@@ -343,11 +343,13 @@ class ModelRunner:
                 step_id=scheduler_output.step_id,
                 grammars_ready=self._grammars_ready(scheduler_output.grammar_wait_s),
             )
+        lora_step = False
+        if self.lora is not None:
+            rows, lora_step = self._begin_lora_step(rows)
         graphs = self.decode_graphs
         inputs = self.inputs.prepare(
             batch, rows, self.block_size, graphs.padded_size if graphs and graphs.whole else None
         )
-        lora_step = self.lora is not None and self._begin_lora_step(rows)
         row_list = inputs.sampling_rows.tolist()
         params = [batch.row_states[row].sampling_params for row in row_list]
         # The sampling inputs are built before the forward is launched: their uploads queue
@@ -386,12 +388,13 @@ class ModelRunner:
             prompt_logprobs=list(prompt_logprobs.values()),
         )
 
-    def _begin_lora_step(self, rows: Any) -> bool:
-        """Group the step's tokens by LoRA slot; whether any runs an adapter."""
+    def _begin_lora_step(self, rows: Any) -> tuple[Any, bool]:
+        """The step's rows ordered by LoRA slot (each adapter's tokens one run of the flat
+        stream), and whether any runs an adapter."""
         lora, batch = self.lora, self.batch
         assert lora is not None
         lora_ids = [batch.row_states[row].lora_id for row in rows.tolist()]
-        return lora.begin_step(lora_ids, batch.num_scheduled_tokens[rows])
+        return lora.begin_step(rows, lora_ids, batch.num_scheduled_tokens)
 
     def _forward_all_rows(self, inputs: StepInputs, index: torch.Tensor) -> torch.Tensor:
         """The model over every row, then ``index``'s rows: a LoRA step's layers read the whole

@@ -112,18 +112,28 @@ class LoRAManager:
             self._host.popitem(last=False)
         return weights
 
-    def begin_step(self, row_lora_ids: list[int], num_scheduled: np.ndarray) -> bool:
-        """Group the step's tokens by slot (rows in stream order); whether any runs an adapter."""
+    def begin_step(
+        self, rows: np.ndarray, row_lora_ids: list[int], num_scheduled: np.ndarray
+    ) -> tuple[np.ndarray, bool]:
+        """The step's rows in slot order (the base model's first) and whether any runs an
+        adapter; the tokens are grouped for every adapted layer.
+
+        Ordering the rows (not the tokens inside each layer) makes every adapter's tokens one
+        contiguous run of the flat stream: the layers then add each correction in place, with
+        no gather or scatter. Attention and sampling take the rows in any order.
+        """
         if not any(row_lora_ids):
             self.groups.clear()
-            return False
+            return rows, False
         slot_of = self._lora_slot
         try:
             row_slots = np.array([slot_of[i] if i else -1 for i in row_lora_ids], dtype=np.int64)
         except KeyError as error:
             raise RuntimeError(f"LoRA adapter {error} is in no slot") from None
-        self.groups.set_tokens(np.repeat(row_slots, num_scheduled), self.device)
-        return bool(self.groups.segments)
+        order = np.argsort(row_slots, kind="stable")
+        rows, row_slots = rows[order], row_slots[order]
+        self.groups.set_tokens(np.repeat(row_slots, num_scheduled[rows]), self.device)
+        return rows, True
 
 
 def read_adapter_weights(

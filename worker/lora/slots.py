@@ -11,7 +11,10 @@ against a transposed view of ``[out, rank]`` runs 20-70x slower on CPU than agai
 
 The base linear runs once over the whole step; ``add_to`` then adds ``x A^T B^T`` to the rows of
 each slot in the step (a loop over the step's adapters, never over requests). ``StepGroups``
-sorts the step's tokens by slot once per step; every layer reuses it.
+sorts the step's tokens by slot once per step; every layer reuses it. The model runner orders
+the step's requests by slot first (``LoRAManager.begin_step``), so the runs are slices of the
+flat stream and no layer gathers or scatters; tokens in any other order still work, gathered
+into slot order and added back.
 
 Tensor parallelism shards the slots like the layer: a column-parallel layer keeps the whole A
 and this rank's output rows of B (sliced by the layer's own weight loader); a row-parallel layer
