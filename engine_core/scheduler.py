@@ -447,6 +447,9 @@ class Scheduler:
             num_generation_tokens=self._num_generation_tokens,
             iteration_tokens=list(self._iteration_tokens),
         )
+        if self.lora_slots is not None:
+            stats.running_lora_adapters = _lora_names(self.running)
+            stats.waiting_lora_adapters = _lora_names(self.waiting)
         step_budget = self.step_budget
         if step_budget is not None:
             stats.num_steps_timed = step_budget.num_steps_timed
@@ -463,6 +466,10 @@ class Scheduler:
                 f"{len(self.waiting)} waiting"
             )
         self.kv_cache_manager.check_all_free()
+
+
+def _lora_names(requests: Iterable[Request]) -> list[str]:
+    return sorted({r.lora.lora_name for r in requests if r.lora is not None})
 
 
 def _may_run_ahead(request: Request) -> bool:

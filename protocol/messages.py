@@ -134,6 +134,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     step_time_abs_error_s: float = 0.0
     step_time_s: float = 0.0
     num_steps_over_tbt_slo: int = 0
+    # With LoRA adapters: the names of those with running and with waiting requests (vLLM's
+    # lora_requests_info).
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

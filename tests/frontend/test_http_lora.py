@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -172,3 +173,32 @@ def test_a_bad_adapter_is_a_400_with_its_reason(served, adapters, case, message)
     # Nothing else harmed: the adapter is not listed, the others still serve.
     assert name == "a8" or name not in get(served.base_url, "/v1/models")[1]
     assert _tokens(served, "a8", 0) == adapters.tokens("a8", 0)
+
+
+def test_metrics_say_which_adapters_run(served):
+    # While a long a8 request runs, a lora_requests_info series names it running; once it is
+    # done, the newest series names nothing.
+    body = {"model": "a8", "prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True}
+    thread = threading.Thread(target=post_json, args=(served.base_url, "/v1/completions", body))
+    thread.start()
+    seen_running = False
+    while thread.is_alive() and not seen_running:
+        seen_running = any('running_lora_adapters="a8"' in line for line in _lora_series(served))
+        time.sleep(0.1)
+    thread.join(60)
+    assert seen_running
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        series = _lora_series(served)
+        newest = max(series, key=lambda line: float(line.rsplit(" ", 1)[1]))
+        if 'running_lora_adapters=""' in newest:
+            break
+        time.sleep(0.2)
+    assert 'running_lora_adapters=""' in newest and 'waiting_lora_adapters=""' in newest
+    assert all('max_lora="1"' in line for line in series)
+
+
+def _lora_series(served: ServedHttp) -> list[str]:
+    status, text = get(served.base_url, "/metrics")
+    assert status == 200
+    return [line for line in text.splitlines() if line.startswith("conveyor:lora_requests_info{")]
