@@ -89,7 +89,8 @@ def lora_config_problem(config: LoRAConfig) -> str | None:
 class LoRARequest(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """A request's adapter, as vLLM's ``LoRARequest(lora_name, lora_int_id, lora_path)``.
 
-    The engine tells adapters apart by (name, path); ``lora_int_id`` is the caller's.
+    The engine tells adapters apart by all three: a folder loaded again under a new id (the HTTP
+    route's ``load_inplace``) is a new adapter, its weights read again and its KV its own.
     """
 
     lora_name: str
@@ -98,7 +99,7 @@ class LoRARequest(msgspec.Struct, array_like=True, gc=False, frozen=True):
 
     @property
     def key(self) -> str:
-        return f"{self.lora_name}\0{self.lora_path}"
+        return f"{self.lora_name}\0{self.lora_int_id}\0{self.lora_path}"
 
 
 class LoRALoad(msgspec.Struct, array_like=True, gc=False):

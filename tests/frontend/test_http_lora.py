@@ -202,3 +202,18 @@ def _lora_series(served: ServedHttp) -> list[str]:
     status, text = get(served.base_url, "/metrics")
     assert status == 200
     return [line for line in text.splitlines() if line.startswith("conveyor:lora_requests_info{")]
+
+
+def test_load_inplace_serves_the_folders_new_weights(served, adapters, tmp_path):
+    folder = tmp_path / "swap"
+    shutil.copytree(adapters.a8, folder)
+    body = {"lora_name": "swap", "lora_path": str(folder)}
+    assert _post_text(served, "/v1/load_lora_adapter", body)[0] == 200
+    assert _tokens(served, "swap", 0) == adapters.tokens("a8", 0)
+    shutil.rmtree(folder)
+    shutil.copytree(adapters.c8, folder)
+    status, text = _post_text(served, "/v1/load_lora_adapter", {**body, "load_inplace": True})
+    assert status == 200, text
+    # A new adapter to the engine: c8's weights and KV, nothing of a8's reused.
+    assert _tokens(served, "swap", 0) == adapters.tokens("c8", 0)
+    assert _post_text(served, "/v1/unload_lora_adapter", {"lora_name": "swap"})[0] == 200
