@@ -19,7 +19,7 @@ import pytest
 from benchmarks.fixtures.lora_maker import make_adapter, peft_greedy
 from conveyor import LLM, LoRARequest, SamplingParams
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("parity-lora")]
 
 NUM_NEW_TOKENS = 12
 BLOCK_SIZE = 16
