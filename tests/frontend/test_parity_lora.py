@@ -204,3 +204,27 @@ def test_attention_lora_on_a_mixture_of_experts_model_matches_peft(
         assert [o.outputs[0].token_ids for o in outputs] == expected
         with pytest.raises(ValueError, match="mixture-of-experts"):
             llm.generate(prompts, GREEDY, lora_request=LoRARequest("experts", 2, str(experts)))
+
+
+def test_prompt_logprobs_under_an_adapter_match_peft(llm, reference):
+    """A chunked prompt's logprobs (the step runs every row through the last layer, then picks
+    the prompt rows and the sampling rows) under r64 and the base model in one batch."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    index = 6  # 60 tokens: two chunks of the 32-token budget
+    prompt = reference.prompts[index]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate(
+        [prompt, prompt], params, use_tqdm=False, lora_request=[reference.lora("r64"), None]
+    )
+    for output, adapter in zip(outputs, ["r64", None]):
+        model = AutoModelForCausalLM.from_pretrained(reference.model_dir, dtype=torch.float32)
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, reference.paths[adapter])
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt])).logits[0].float()
+        expected = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), prompt[1:]]
+        got = [position[token] for position, token in zip(output.prompt_logprobs[1:], prompt[1:])]
+        torch.testing.assert_close(torch.tensor(got), expected, rtol=0, atol=1e-4)
