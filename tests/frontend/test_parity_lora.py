@@ -143,10 +143,11 @@ def test_the_same_prompt_under_two_adapters_shares_no_kv(llm, reference):
     llm.check_all_free()
 
 
-def test_more_adapters_than_slots_and_a_tiny_kv_pool_match_peft(qwen3_reference):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_more_adapters_than_slots_and_a_tiny_kv_pool_match_peft(qwen3_reference, async_scheduling):
     """Two slots for three adapters (swaps, waits under the cap) and 12 KV blocks for eight
-    requests (preemption), one family (the scheduling paths are the same for all): every token
-    still PEFT's."""
+    requests (preemption), one family (the scheduling paths are the same for all), with and
+    without async scheduling: every token still PEFT's."""
     reference = qwen3_reference
     kv_bytes_per_block = 2 * 2 * 2 * 16 * BLOCK_SIZE * 4  # layers, K/V, kv heads, head_dim
     with LLM(
@@ -159,6 +160,7 @@ def test_more_adapters_than_slots_and_a_tiny_kv_pool_match_peft(qwen3_reference)
         max_lora_rank=64,
         max_num_seqs=8,
         kv_cache_memory=12 * kv_bytes_per_block,
+        async_scheduling=async_scheduling,
     ) as llm:
         _run(llm, reference, list(range(len(PLAN))), PLAN)
         assert llm.stats is not None and llm.stats.num_preemptions > 0
