@@ -312,8 +312,10 @@ async def models(request: Request) -> Response:
     limit = context_limit(state.config)
     cards = [ModelCard(name, state.created, limit) for name in state.model_names]
     if state.loras is not None:
-        parent = state.model_name
-        cards += [ModelCard(n, state.created, limit, parent=parent) for n in state.loras.adapters]
+        loras = state.loras
+        cards += [
+            ModelCard(n, state.created, limit, parent=loras.parent_of(n)) for n in loras.adapters
+        ]
     return Response(encode_json(ModelList(cards)), media_type="application/json")
 
 
@@ -328,7 +330,7 @@ def _lora_registry(
     registry = LoRARegistry(config, model_name, settings.allow_runtime_lora_updating)
     for module in settings.lora_modules:
         try:
-            registry.add(module.name, module.path)
+            registry.add(module.name, module.path, module.base_model_name)
         except AdapterError as error:
             raise AdapterError(f"--lora-modules {module.name}: {error}") from None
     return registry

@@ -96,9 +96,14 @@ class LoRARegistry:
     parent: str
     runtime_updates: bool = False
     adapters: dict[str, LoRARequest] = field(default_factory=dict)
+    # An adapter's own parent name (vLLM's base_model_name of --lora-modules' JSON form).
+    parents: dict[str, str] = field(default_factory=dict)
     _next_id: int = 1
 
-    def add(self, name: str, path: str) -> LoRARequest:
+    def parent_of(self, name: str) -> str:
+        return self.parents.get(name, self.parent)
+
+    def add(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
         """Check the adapter and serve it; AdapterError says why it cannot be."""
         lora = self.config.lora
         if lora is None:
@@ -109,6 +114,9 @@ class LoRARegistry:
         request = LoRARequest(name, self._next_id, os.path.abspath(path))
         self._next_id += 1
         self.adapters[name] = request
+        self.parents.pop(name, None)
+        if base_model_name:
+            self.parents[name] = base_model_name
         return request
 
     def get(self, model: str | None) -> LoRARequest | None:
@@ -148,6 +156,7 @@ def unload_adapter(registry: LoRARegistry, body: UnloadLoRAAdapterRequest) -> st
         raise ApiError(404, f"the LoRA adapter {body.lora_name!r} is not loaded", "lora_name")
     # Requests already running under it finish under it: they hold their own LoRARequest.
     del registry.adapters[body.lora_name]
+    registry.parents.pop(body.lora_name, None)
     return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
 

@@ -69,7 +69,7 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="module")
 def served(adapters: Adapters, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedHttp]:
     log = tmp_path_factory.mktemp("http-lora-log") / "serve.log"
-    b16 = json.dumps({"name": "b16", "path": str(adapters.b16), "base_model_name": MODEL_NAME})
+    b16 = json.dumps({"name": "b16", "path": str(adapters.b16), "base_model_name": "tiny-base"})
     extra = ["--enable-lora", "--max-loras", "1", "--max-lora-rank", "16", "--dtype", "float32"]
     extra += ["--lora-modules", f"a8={adapters.a8}", b16]
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
@@ -108,7 +108,8 @@ def test_models_lists_the_adapters_with_their_parent(served):
     status, text = get(served.base_url, "/v1/models")
     assert status == 200
     parents = {card["id"]: card.get("parent") for card in json.loads(text)["data"]}
-    assert parents == {MODEL_NAME: None, "a8": MODEL_NAME, "b16": MODEL_NAME}
+    # b16's parent is the base_model_name its JSON form gave.
+    assert parents == {MODEL_NAME: None, "a8": MODEL_NAME, "b16": "tiny-base"}
     status, text = get(served.base_url, "/v1/models/a8")
     assert status == 200 and json.loads(text)["parent"] == MODEL_NAME
 
