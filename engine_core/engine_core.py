@@ -85,7 +85,7 @@ class EngineCore:
         self.config = config
         self.scheduler = Scheduler(config.scheduler, cache, config.lora)
         self._next_req_id = 0
-        # The engine's id of each LoRA adapter it has seen, by name and path (0: base model).
+        # The engine's id of each LoRA adapter it has seen, by LoRARequest.key (0: base model).
         self._lora_ids: dict[str, int] = {}
         # In-flight requests by (client_index, request_id): a frontend names its requests with
         # strings that are unique only among its own.
