@@ -29,6 +29,9 @@ COMMANDS: CommandTable = {
     "structured": Command(
         "benchmarks.structured", "output tok/s with and without a JSON-schema constraint"
     ),
+    "lora": Command(
+        "benchmarks.lora", "output tok/s of a batch over 1, 4, 16 LoRA adapters vs the base"
+    ),
     "metrics": Command(
         "benchmarks.metrics_cost", "output tok/s through the server with metrics on and off"
     ),

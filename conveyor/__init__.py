@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from conveyor.frontend.engine_args import EngineArgs
     from conveyor.frontend.llm import LLM
     from conveyor.frontend.outputs import CompletionOutput, RequestOutput
+    from conveyor.protocol.lora import LoRARequest
     from conveyor.protocol.sampling_params import SamplingParams
 
 _EXPORTS = {
@@ -32,9 +33,17 @@ _EXPORTS = {
     "EngineArgs": "conveyor.frontend.engine_args",
     "RequestOutput": "conveyor.frontend.outputs",
     "CompletionOutput": "conveyor.frontend.outputs",
+    "LoRARequest": "conveyor.protocol.lora",
 }
 
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "LoRARequest",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -35,6 +35,7 @@ from conveyor.protocol import (
     SamplingParams,
     SchedulerOutput,
 )
+from conveyor.protocol.lora import AdapterError, LoRARequest, read_adapter
 from conveyor.protocol.messages import reaches_workers
 from conveyor.protocol.sampling_params import find_vocab_problem
 
@@ -82,8 +83,10 @@ class EngineCore:
         cache = replace(config.cache, num_blocks=num_blocks, sliding_window=sliding_window)
         config = replace(config, cache=cache)
         self.config = config
-        self.scheduler = Scheduler(config.scheduler, cache)
+        self.scheduler = Scheduler(config.scheduler, cache, config.lora)
         self._next_req_id = 0
+        # The engine's id of each LoRA adapter it has seen, by LoRARequest.key (0: base model).
+        self._lora_ids: dict[str, int] = {}
         # In-flight requests by (client_index, request_id): a frontend names its requests with
         # strings that are unique only among its own.
         self._requests: dict[tuple[int, str], Request] = {}
@@ -124,13 +127,33 @@ class EngineCore:
             arrival_time=request.arrival_time,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            lora=request.lora_request,
+            lora_id=self._lora_ids.get(request.lora_request.key, 0) if request.lora_request else 0,
         )
         self._next_req_id += 1
         self._requests[(client_index, request.request_id)] = scheduled
         self.scheduler.add_request(scheduled)
         return None
 
+    def _register_lora(self, lora: LoRARequest) -> str | None:
+        """Give an adapter the engine has not seen an id, once its folder checks out (the
+        workers then load it without surprises); what is wrong with it, or None."""
+        if self.config.lora is None:
+            return "this engine serves no LoRA adapters (start it with --enable-lora)"
+        if lora.key in self._lora_ids:
+            return None
+        try:
+            read_adapter(lora.lora_path, self.config.model.model, self.config.lora.max_lora_rank)
+        except AdapterError as error:
+            return f"LoRA adapter {lora.lora_name!r}: {error}"
+        self._lora_ids[lora.key] = len(self._lora_ids) + 1
+        return None
+
     def _find_problem(self, request: EngineCoreRequest, client_index: int) -> str | None:
+        if request.lora_request is not None:
+            problem = self._register_lora(request.lora_request)
+            if problem is not None:
+                return problem
         prompt = request.prompt_token_ids
         max_model_len = self.config.scheduler.max_model_len
         vocab_size = self.config.model.vocab_size

@@ -258,11 +258,14 @@ class KVCacheManager:
         token_ids = request.all_token_ids
         if hashes:
             parent = hashes[-1]
-        elif request.cache_salt:
+        elif request.cache_salt or request.lora is not None:
             # A salted chain starts from its own root: no block of it equals an unsalted one.
             # (Unkeyed is enough: the blocks are hashed with the key from this root on, and two
-            # salts share a root only by a BLAKE2b collision.)
-            salt = b"cache-salt:" + request.cache_salt.encode()
+            # salts share a root only by a BLAKE2b collision.) A LoRA adapter salts the chain
+            # too: the same prompt under two adapters has different keys and values.
+            salt = b"cache-salt:" + (request.cache_salt or "").encode()
+            if request.lora is not None:
+                salt += b"\0lora:" + request.lora.key.encode()
             parent = hashlib.blake2b(salt, digest_size=16).digest()
         else:
             parent = ROOT_BLOCK_HASH

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 
 from conveyor.protocol import FinishReason, RequestTimings, SamplingParams
+from conveyor.protocol.lora import LoRARequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -54,6 +55,8 @@ class Request:
         "all_token_ids",
         "sampling_params",
         "cache_salt",
+        "lora",
+        "lora_id",
         "eos_token_ids",
         "arrival_time",
         "priority",
@@ -81,9 +84,14 @@ class Request:
         arrival_time: float = 0.0,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora: LoRARequest | None = None,
+        lora_id: int = 0,
     ) -> None:
         self.req_id = req_id
         self.cache_salt = cache_salt
+        # The LoRA adapter it runs under, and the engine's id of it (0: the base model).
+        self.lora = lora
+        self.lora_id = lora_id
         self.request_id = request_id or str(req_id)
         self.client_index = client_index
         self.prompt_token_ids = prompt_token_ids

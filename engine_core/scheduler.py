@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterable
 
 from conveyor.engine_core.kv_cache_manager import KVCacheManager
+from conveyor.engine_core.lora_slots import LoRASlotTable
 from conveyor.engine_core.output_collector import OutputCollector
 from conveyor.engine_core.policies import make_policy
 from conveyor.engine_core.request import Request, RequestStatus
@@ -40,6 +41,7 @@ from conveyor.protocol import (
     SchedulerOutput,
     SchedulerStats,
 )
+from conveyor.protocol.lora import LoRAConfig
 from conveyor.protocol.messages import reaches_workers
 
 _RUNNING = RequestStatus.RUNNING
@@ -53,7 +55,12 @@ GRAMMAR_POLL_S = 0.05
 class Scheduler:
     """Decides each step's batch under a token budget and a width cap; implements SchedulingStep."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        lora_config: LoRAConfig | None = None,
+    ) -> None:
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set (learned from the workers)")
         self.config = scheduler_config
@@ -93,6 +100,9 @@ class Scheduler:
         self._waiting_for_grammar: dict[int, Request] = {}
         self._grammars_to_send: list[Request] = []
         self._outputs = OutputCollector()
+        # LoRA adapters in the workers' slots (None: base model only): admission caps the
+        # adapters running at once, and a request's first admission may schedule a slot load.
+        self.lora_slots = LoRASlotTable(lora_config.max_loras) if lora_config else None
         self._plan = StepPlan(0)
         self._step_id = 0
         self._num_preemptions = 0
@@ -182,6 +192,8 @@ class Scheduler:
             self._grammars_to_send = []
         elif self._waiting_for_grammar and output.total_num_scheduled_tokens == 0:
             output.grammar_wait_s = GRAMMAR_POLL_S
+        if self.lora_slots is not None:
+            output.lora_loads = self.lora_slots.take_loads()
         # A step with nothing for the workers is not executed: its ids wait for one that is.
         if reaches_workers(output):
             output.finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
@@ -300,6 +312,8 @@ class Scheduler:
 
     def _try_admit(self, request: Request, whole_prompt: bool, reserve_outputs: bool) -> bool:
         kv = self.kv_cache_manager
+        if self.lora_slots is not None and not self.lora_slots.can_admit(request):
+            return False  # one adapter too many for the slots: waits (head-of-line)
         hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
         num_needed = request.num_tokens - num_hit_tokens
         if whole_prompt and num_needed > self.config.max_num_batched_tokens:
@@ -334,6 +348,8 @@ class Scheduler:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
         self.running.append(request)
+        if self.lora_slots is not None:
+            self.lora_slots.acquire(request)
         # A request that held no blocks gets its whole table here, as the workers need it.
         resumed = request.req_id in self._worker_req_ids
         if resumed:
@@ -362,6 +378,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        if self.lora_slots is not None:
+            self.lora_slots.release(request)
         self._plan.discard(request)
         # Free before the reset: the KV manager reads num_computed_tokens to keep what is valid.
         self.kv_cache_manager.free(request)
@@ -390,6 +408,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         if self.spec is not None:
             self.spec.forget(request.req_id)
+        if self.lora_slots is not None:
+            self.lora_slots.release(request)
         del self.requests[request.req_id]
         if request.req_id in self._worker_req_ids:
             self._worker_req_ids.discard(request.req_id)
@@ -454,6 +474,9 @@ class Scheduler:
             num_generation_tokens=self._num_generation_tokens,
             iteration_tokens=list(self._iteration_tokens),
         )
+        if self.lora_slots is not None:
+            stats.running_lora_adapters = _lora_names(self.running)
+            stats.waiting_lora_adapters = _lora_names(self.waiting)
         step_budget = self.step_budget
         if step_budget is not None:
             stats.num_steps_timed = step_budget.num_steps_timed
@@ -476,6 +499,10 @@ class Scheduler:
                 f"{len(self.waiting)} waiting"
             )
         self.kv_cache_manager.check_all_free()
+
+
+def _lora_names(requests: Iterable[Request]) -> list[str]:
+    return sorted({r.lora.lora_name for r in requests if r.lora is not None})
 
 
 def _may_run_ahead(request: Request) -> bool:

@@ -48,6 +48,7 @@ class StepPlan:
                 block_ids=block_ids,
                 num_computed_tokens=request.num_computed_tokens,
                 num_scheduled_tokens=num_tokens,
+                lora_id=request.lora_id,
             )
         )
         self._advance(request, num_tokens)

@@ -49,6 +49,7 @@ from conveyor.frontend.engine_args import (
 )
 from conveyor.frontend.engine_client.session import DEFAULT_READY_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 from conveyor.frontend.server.http_options import add_http_args, http_options
+from conveyor.frontend.server.lora_modules import add_lora_module_args, runtime_updates_allowed
 from conveyor.frontend.server.main import (
     add_api_key_args,
     add_connection_args,
@@ -166,6 +167,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     check_observability_args(parser, args)
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules: adapters are served only with --enable-lora")
+    if runtime_updates_allowed(args.allow_runtime_lora_updating) and args.frontends > 1:
+        # Each frontend keeps its own list of adapters: a load on one is unknown to the rest.
+        parser.error("run-time LoRA updating works with one frontend (--api-server-count 1)")
     set_frontend_flags = [f for f in observability_options(args) if f != "--disable-metrics"]
     if not args.frontends and set_frontend_flags:
         parser.error(f"{' '.join(set_frontend_flags)}: there are no frontends (--frontends 0)")
@@ -248,6 +254,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         help="per frontend: 429 while this many generation requests are in flight",
     )
     add_served_model_name_arg(group, f"MODEL, or {DEFAULT_SERVED_MODEL_NAME}")
+    add_lora_module_args(group)
     group.add_argument("--max-request-body-bytes", type=int, default=None)
     add_router_args(group)
     add_connection_args(group)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from conveyor.entrypoints.dp_hosts import DataParallelLayout
 from conveyor.frontend.engine_args import DEFAULT_SERVED_MODEL_NAME, EngineArgs
 from conveyor.frontend.server.http_options import HttpOptions, http_flags
+from conveyor.frontend.server.lora_modules import lora_module_options
 from conveyor.frontend.server.main import (
     engine_session_options,
     observability_options,
@@ -173,4 +174,5 @@ def _frontend_options(args: argparse.Namespace, served_model_names: tuple[str, .
     options += observability_options(args)
     options += responses_store_options(args)
     options += http_flags(args.http)
+    options += lora_module_options(args)
     return options

@@ -42,6 +42,7 @@ from conveyor.protocol.config import (
     NodeConfig,
     read_sampling_defaults,
 )
+from conveyor.protocol.lora import LORA_DTYPES, LoRAConfig
 from conveyor.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 from conveyor.protocol.speculative import SpeculativeConfig, parse_speculative_config
 from conveyor.runtime import cpu_isa
@@ -155,6 +156,12 @@ class EngineArgs:
     # Accepted for vLLM's sake: conveyor runs its own implementation of every architecture and
     # loads tokenizers without custom code, so no repository code ever runs either way.
     trust_remote_code: bool = False
+    # LoRA adapters (vLLM's flags): served only with enable_lora; see protocol.lora.LoRAConfig.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
 
     def _speculative_config(self) -> SpeculativeConfig | None:
         try:
@@ -221,6 +228,7 @@ class EngineArgs:
             device=self._device(),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            lora=self._lora_config(),
         )
         check_engine_config(config)
         try:  # read by the workers' kernel builds: a typo fails here, before any process starts
@@ -228,6 +236,11 @@ class EngineArgs:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         return config
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
 
     def _max_logprobs(self, vocab_size: int) -> int:
         if self.max_logprobs == -1:
@@ -622,6 +635,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--tool-call-parser; without it auto is refused, required and named choices still work",
     )
     add_node_args(parser, d)
+    add_lora_args(parser, d)
     add_vllm_flags(parser, ENGINE_FLAGS)
     return parser
 
@@ -697,6 +711,43 @@ def add_node_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
         type=positive_float,
         default=d.node_join_timeout_s,
         help="how long the head waits for each host to join, and a host for the head",
+    )
+
+
+def add_lora_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
+    group = parser.add_argument_group("LoRA adapters (vLLM's flags)")
+    group.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=d.enable_lora,
+        help="serve LoRA adapters (PEFT folders) beside the base model, mixed in every batch",
+    )
+    group.add_argument(
+        "--max-loras",
+        type=int,
+        default=d.max_loras,
+        metavar="N",
+        help=f"adapters one step may mix: the workers' slots (default {d.max_loras})",
+    )
+    group.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=d.max_lora_rank,
+        metavar="R",
+        help=f"the largest adapter rank served; every slot is this wide (default {d.max_lora_rank})",
+    )
+    group.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=d.max_cpu_loras,
+        metavar="N",
+        help="adapters kept loaded in host memory beside the slots, an LRU (default --max-loras)",
+    )
+    group.add_argument(
+        "--lora-dtype",
+        default=d.lora_dtype,
+        choices=LORA_DTYPES,
+        help="the adapters' dtype in the slots (default auto: the model's)",
     )
 
 

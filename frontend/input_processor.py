@@ -30,6 +30,7 @@ import msgspec
 from conveyor.frontend.output_processor import ChoiceState
 from conveyor.frontend.structured_outputs import GrammarChecker
 from conveyor.protocol import CacheConfig, EngineConfig, EngineCoreRequest, SamplingParams
+from conveyor.protocol.lora import LoRARequest
 from conveyor.protocol.sampling_params import find_vocab_problem
 
 # Arguments of ``apply_chat_template`` itself: a request's template variables may not replace them.
@@ -288,6 +289,7 @@ class InputProcessor:
         stream: bool = False,
         structured_param: str = "structured_outputs",
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[Choice]:
         """One engine request per choice, for checked prompts; ``params`` is one for all
         prompts or one per prompt. Every choice has the same n, so indices are dense.
@@ -320,6 +322,7 @@ class InputProcessor:
                     priority,
                     self._eos_token_ids,
                     cache_salt,
+                    lora_request,
                 )
                 state = ChoiceState(
                     index, choice_id, self.tokenizer, token_ids, sample_params, arrival_time, stream

@@ -24,6 +24,7 @@ from conveyor.frontend.output_processor import OutputProcessor, ProcessedOutputs
 from conveyor.frontend.outputs import RequestOutput, prompt_position_logprobs
 from conveyor.frontend.tokenizer import load_tokenizer
 from conveyor.protocol import FAILED_FINISH_REASONS, SamplingParams, SchedulerStats
+from conveyor.protocol.lora import LoRARequest, read_adapter
 from conveyor.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 
 PromptType = Union[str, list[int]]
@@ -95,9 +96,14 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One ``RequestOutput`` per prompt, in prompt order, each with n ``CompletionOutput``s."""
-        results, choices, owners = self._prepare(prompts, sampling_params)
+        """One ``RequestOutput`` per prompt, in prompt order, each with n ``CompletionOutput``s.
+
+        ``lora_request``: the LoRA adapter to run under (an ``LLM(..., enable_lora=True)``),
+        one for every prompt or one per prompt (None: the base model).
+        """
+        results, choices, owners = self._prepare(prompts, sampling_params, lora_request)
         processor = OutputProcessor(choice.state for choice in choices)
         try:
             self._submit(choices)
@@ -134,6 +140,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> tuple[list[RequestOutput], list[Choice], dict[str, int]]:
         """Every prompt checked before any is sent: one RequestOutput per prompt, every choice,
         and which prompt (result index) each choice's request id belongs to."""
@@ -153,6 +160,7 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling params for {len(prompts)} prompts"
                 )
+        loras = self._lora_requests(lora_request, len(prompts))
         processor = self.input_processor
         token_ids = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
@@ -164,10 +172,29 @@ class LLM:
             request_id = str(next(self._next_id))
             text = prompt if isinstance(prompt, str) else None
             results.append(RequestOutput(request_id, text, ids))
-            for choice in processor.make_choices([ids], params, request_id, arrival_time):
+            for choice in processor.make_choices(
+                [ids], params, request_id, arrival_time, lora_request=loras[i]
+            ):
                 choices.append(choice)
                 owners[choice.request.request_id] = i
         return results, choices, owners
+
+    def _lora_requests(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+    ) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, each checked: a ValueError before anything runs."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * num_prompts
+        else:
+            loras = list(lora_request)
+            if len(loras) != num_prompts:
+                raise ValueError(f"got {len(loras)} LoRA requests for {num_prompts} prompts")
+        lora_config = self.config.lora
+        for lora in {lora for lora in loras if lora is not None}:
+            if lora_config is None:
+                raise ValueError("a LoRA request needs an engine made with enable_lora=True")
+            read_adapter(lora.lora_path, self.config.model.model, lora_config.max_lora_rank)
+        return loras
 
     def _submit(self, choices: list[Choice]) -> None:
         # One message: the whole batch is in the engine before its first step.

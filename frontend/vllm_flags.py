@@ -56,10 +56,13 @@ _NO_COMPILE = (
     "conveyor does not use torch.compile (its CUDA kernels are Triton's, its decode steps CUDA "
     "graphs: --enforce-eager turns those off)"
 )
-_NO_LORA = "conveyor serves no LoRA adapters; merge the adapter into the weights and serve that"
 _OLD_SPEC = (
     "vLLM V1 replaced these with --speculative-config; conveyor takes that one "
     '(\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\')'
+)
+_NO_LORA_VOCAB = "conveyor's LoRA adapters never extend the vocabulary (no embedding LoRA)"
+_NO_FULLY_SHARDED = (
+    "conveyor shards LoRA slots like the layers they adapt; it has no other sharding of them"
 )
 _TEXT_ONLY = "conveyor serves text-only language models (no images, audio or video)"
 _OWN_CONFIG = (
@@ -188,13 +191,8 @@ ENGINE_FLAGS: tuple[VllmFlag, ...] = (
     ),
     _refused("--enable-expert-parallel -ep --enable-eplb", SWITCH, _NO_EXPERT_PARALLEL),
     _refused("--eplb-config --expert-placement-strategy", VALUE, _NO_EXPERT_PARALLEL),
-    _refused("--enable-lora", SWITCH, _NO_LORA),
-    _refused(
-        "--max-loras --max-lora-rank --max-cpu-loras --lora-dtype --lora-extra-vocab-size",
-        VALUE,
-        _NO_LORA,
-    ),
-    _refused("--fully-sharded-loras", SWITCH, _NO_LORA),
+    _refused("--lora-extra-vocab-size", VALUE, _NO_LORA_VOCAB),
+    _refused("--fully-sharded-loras", SWITCH, _NO_FULLY_SHARDED),
     _refused(
         "--speculative-model --num-speculative-tokens --spec-method --spec-model --spec-tokens",
         VALUE,
@@ -381,11 +379,6 @@ SERVER_FLAGS: tuple[VllmFlag, ...] = (
         VALUE,
         "conveyor logs in its own format; the level is --log-level (or $CONVEYOR_LOG_LEVEL) and "
         "--uvicorn-log-level",
-    ),
-    _refused(
-        "--lora-modules",
-        VALUES,
-        _NO_LORA,
     ),
     _refused("--enable-ssl-refresh", SWITCH, "restart conveyor serve to load new certificates"),
     _refused("--grpc", SWITCH, "conveyor serves HTTP only"),

@@ -15,6 +15,7 @@ from typing import Literal
 
 import msgspec
 
+from conveyor.protocol.lora import LoRAConfig, lora_config_problem
 from conveyor.protocol.sampling_params import MAX_LOGPROBS
 from conveyor.protocol.speculative import SpeculativeConfig
 
@@ -178,6 +179,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     attention_backend: str = "auto"
     # No CUDA graphs: every step runs eagerly (on CPU they are never used).
     enforce_eager: bool = False
+    # LoRA adapters (--enable-lora); None: the base model only.
+    lora: LoRAConfig | None = None
 
 
 def _as_id_tuple(value: object) -> tuple[int, ...]:
@@ -352,6 +355,10 @@ def check_engine_config(config: EngineConfig) -> None:
         )
     if sched.max_num_batched_tokens < 1:
         raise ConfigError("max_num_batched_tokens must be at least 1")
+    if config.lora is not None:
+        problem = lora_config_problem(config.lora)
+        if problem is not None:
+            raise ConfigError(problem)
     if sched.tbt_slo_ms is not None:
         if sched.tbt_slo_ms <= 0:
             raise ConfigError(f"tbt_slo_ms must be > 0, got {sched.tbt_slo_ms}")

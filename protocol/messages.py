@@ -16,6 +16,7 @@ from typing import Literal, Union
 
 import msgspec
 
+from conveyor.protocol.lora import LoRALoad, LoRARequest
 from conveyor.protocol.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error", "rejected"]
@@ -41,6 +42,8 @@ class EngineCoreRequest(msgspec.Struct, tag=1, array_like=True, omit_defaults=Tr
     # vLLM's cache_salt: this request's prompt shares prefix-cache blocks only with requests of
     # the same salt (a tenant's own prefix is then no timing signal for anyone else).
     cache_salt: str | None = None
+    # The LoRA adapter to run the request under (None: the base model); its KV is its own.
+    lora_request: LoRARequest | None = None
 
 
 class Abort(msgspec.Struct, tag=2, array_like=True, gc=False):
@@ -137,6 +140,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # With LoRA adapters: the names of those with running and with waiting requests (vLLM's
+    # lora_requests_info).
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -157,6 +164,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     block_ids: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
+    # The engine's id of the request's LoRA adapter (0: the base model); its slot comes in a
+    # ``LoRALoad`` of this step or an earlier one.
+    lora_id: int = 0
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -193,6 +203,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # Speculative decoding (vLLM V1's shape): req_id -> the draft tokens scheduled after the
     # request's last known token, counted in its num_scheduled_tokens (1 + len(drafts)).
     scheduled_spec_decode_tokens: dict[int, list[int]] = {}
+    # LoRA slots to fill before this step runs: the adapters its requests need that no slot
+    # holds yet (scheduled once, when the scheduler first admits a request of the adapter).
+    lora_loads: list[LoRALoad] = []
 
 
 def reaches_workers(scheduler_output: SchedulerOutput) -> bool:

@@ -38,6 +38,8 @@ class RequestState:
     # first (worker/prompt_logprobs.py), until they leave with the first sampled token.
     prompt_logprob_rows: list[tuple[list[int], list[float], int]] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # The engine's id of the request's LoRA adapter (0: the base model).
+    lora_id: int = 0
 
 
 class InputBatch:
@@ -88,6 +90,7 @@ class InputBatch:
             state = self.states.get(new.req_id)
             if state is None:
                 state = self._new_state(new.req_id, new.sampling_params, len(new.prompt_token_ids))
+                state.lora_id = new.lora_id
             elif new.req_id in self.row_of:
                 self._remove_rows([self.row_of[new.req_id]])
             row = self._add_row(state, new.prompt_token_ids, new.block_ids)

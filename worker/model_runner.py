@@ -47,6 +47,7 @@ from conveyor.worker.kv_cache import (
 )
 from conveyor.worker.layers.cpu_ops import small_linear_enabled
 from conveyor.worker.loader import load_model, resolve_dtype
+from conveyor.worker.lora import LoRAManager
 from conveyor.worker.memory_profile import profile_num_blocks
 from conveyor.worker.native import warn_if_torch_runs_above_the_isa
 from conveyor.worker.prompt_logprobs import (
@@ -91,6 +92,10 @@ class ModelRunner:
         self.model = load_model(
             config.model.model, self.dtype, device, tp_rank, tp_size, config.model.quantization
         )
+        # LoRA slots in every adaptable layer (--enable-lora); None: the base model only.
+        self.lora: LoRAManager | None = None
+        if config.lora is not None:
+            self.lora = LoRAManager(self.model, config.lora, config.model.model, self.dtype, device)
         self.vocab_size = config.model.vocab_size
         self.attention_layers = self.model.attention_layers()
         needs_sinks = any(layer.sinks is not None for layer in self.attention_layers)
@@ -208,7 +213,8 @@ class ModelRunner:
         return kept
 
     def _graphs_wanted(self) -> bool:
-        return self.device.type == "cuda" and not self.config.enforce_eager
+        # LoRA steps group tokens by adapter on the host each step: no graph replays that.
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.lora is None
 
     def _measure_whole_decode_graphs(self, sizes: list[int]) -> int | None:
         """Capture the whole-forward graphs on a one-block stand-in cache (a padded step reads
@@ -331,6 +337,8 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         batch = self.batch
         batch.apply(scheduler_output)
+        if scheduler_output.lora_loads and self.lora is not None:
+            self.lora.apply_loads(scheduler_output.lora_loads)
         self._prepare_grammars(scheduler_output)
         rows = batch.scheduled_rows()
         if len(rows) == 0:
@@ -342,12 +350,17 @@ class ModelRunner:
         drafts = scheduler_output.scheduled_spec_decode_tokens
         if drafts:
             SpecDecoder.write_drafts(batch, drafts)
+        lora_step = False
+        if self.lora is not None:
+            rows, lora_step = self._begin_lora_step(rows)
         graphs = self.decode_graphs
         inputs = self.inputs.prepare(
             batch, rows, self.block_size, graphs.padded_size if graphs and graphs.whole else None
         )
         if drafts:
-            return self.spec_decoder.execute(self, scheduler_output, inputs, rows)  # type: ignore[union-attr]
+            return self.spec_decoder.execute(  # type: ignore[union-attr]
+                self, scheduler_output, inputs, rows, lora_step
+            )
         row_list = inputs.sampling_rows.tolist()
         params = [batch.row_states[row].sampling_params for row in row_list]
         # The sampling inputs are built before the forward is launched: their uploads queue
@@ -356,9 +369,9 @@ class ModelRunner:
         sampling = self._sampling_metadata(row_list, params, ended) if row_list else None
         prompt_plan = plan_prompt_logprobs(batch, rows, inputs.metadata.query_start_loc_cpu)
         if prompt_plan is None:
-            hidden = self._forward(inputs)
+            hidden = self._forward(inputs, lora_step)
         else:
-            hidden = self._forward_with_prompt_rows(inputs, prompt_plan)
+            hidden = self._forward_with_prompt_rows(inputs, prompt_plan, lora_step)
         if sampling is None:
             return ModelRunnerOutput(
                 step_id=scheduler_output.step_id, grammars_ready=self._grammars_ready()
@@ -389,15 +402,32 @@ class ModelRunner:
             prompt_logprobs=list(prompt_logprobs.values()),
         )
 
+    def _begin_lora_step(self, rows: Any) -> tuple[Any, bool]:
+        """The step's rows ordered by LoRA slot (each adapter's tokens one run of the flat
+        stream), and whether any runs an adapter."""
+        lora, batch = self.lora, self.batch
+        assert lora is not None
+        lora_ids = [batch.row_states[row].lora_id for row in rows.tolist()]
+        return lora.begin_step(rows, lora_ids, batch.num_scheduled_tokens)
+
+    def _forward_all_rows(self, inputs: StepInputs, index: torch.Tensor) -> torch.Tensor:
+        """The model over every row, then ``index``'s rows: a LoRA step's layers read the whole
+        stream's grouping, so the last layer may not drop rows part-way."""
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.metadata, None)
+        return hidden.index_select(0, index)
+
     def _forward_with_prompt_rows(
-        self, inputs: StepInputs, plan: PromptLogprobsPlan
+        self, inputs: StepInputs, plan: PromptLogprobsPlan, lora_step: bool = False
     ) -> torch.Tensor:
         """The sampling rows' hidden states, as ``_forward``; on the way, the prompt positions'
         rows go through the LM head into their requests' prompt logprobs (eagerly: a step with a
         prompt chunk is no decode graph's)."""
         prompt_index = torch.tensor(plan.indices, dtype=torch.int64, device=self.device)
         index = torch.cat([prompt_index, inputs.logits_indices.to(self.device)])
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.metadata, index)
+        if lora_step:
+            hidden = self._forward_all_rows(inputs, index)
+        else:
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.metadata, index)
         num_prompt = len(plan.indices)
         record_prompt_logprobs(
             plan, hidden[:num_prompt], self.model.compute_logits, self.vocab_size
@@ -434,8 +464,10 @@ class ModelRunner:
         for grammar in arriving:
             self._grammars.prepare(grammar)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs, lora_step: bool = False) -> torch.Tensor:
         """Hidden states of the tokens that sample: a graph replay when one fits, else eager."""
+        if lora_step:
+            return self._forward_all_rows(inputs, inputs.logits_indices)
         graphs = self.decode_graphs
         num_tokens = inputs.num_tokens
         if graphs is not None and inputs.decode_only and graphs.padded_size(num_tokens):

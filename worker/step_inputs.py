@@ -83,7 +83,9 @@ class DeviceBlockTable:
     def rows_of(self, rows: np.ndarray) -> torch.Tensor:
         """[len(rows), max_blocks] int32: the table rows of a step's requests, in step order."""
         count = len(rows)
-        if count and rows[0] == 0 and rows[-1] == count - 1:  # rows are 0 .. count-1
+        # Rows are 0 .. count-1 in order (a LoRA step orders its rows by adapter: the ends
+        # alone do not say it).
+        if count and rows[0] == 0 and rows[-1] == count - 1 and (np.diff(rows) > 0).all():
             return self.table[:count]
         return self.table.index_select(0, self._scheduled_rows.stage(rows))
 

@@ -82,6 +82,7 @@ class GrammarRuntime:
     def _load(self) -> None:
         try:
             from llguidance import LLExecutor
+
             hf = self._auto_tokenizer.from_pretrained(self._model_dir, local_files_only=True)
             eos = self._eos_token_ids or None
             self._tokenizer = self._from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=eos)

@@ -31,7 +31,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from conveyor.frontend.engine_client.engine_group import LOST_LIMIT_S, EngineGroupClient
@@ -50,6 +50,15 @@ from conveyor.frontend.server.errors import (
 )
 from conveyor.frontend.server.gate import GateMiddleware, route_path
 from conveyor.frontend.server.http_options import HttpOptions, outer_middleware
+from conveyor.frontend.server.lora_modules import (
+    RUNTIME_UPDATES_ENV,
+    LoadLoRAAdapterRequest,
+    LoRAModule,
+    LoRARegistry,
+    UnloadLoRAAdapterRequest,
+    load_adapter,
+    unload_adapter,
+)
 from conveyor.frontend.server.messages import count_tokens, create_message
 from conveyor.frontend.server.messages_models import (
     CountTokensRequest,
@@ -101,6 +110,8 @@ from conveyor.frontend.server.tokenize import (
     tokenize,
 )
 from conveyor.frontend.tokenizer import load_tokenizer
+from conveyor.protocol import EngineConfig
+from conveyor.protocol.lora import AdapterError
 from conveyor.runtime.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -141,6 +152,9 @@ class ServerSettings:
     http: HttpOptions = HttpOptions()
     # The stored responses of /v1/responses (shared by the server's frontends).
     responses_store: StoreLimits = StoreLimits()
+    # LoRA adapters served from the start, and whether the run-time routes load more.
+    lora_modules: tuple[LoRAModule, ...] = ()
+    allow_runtime_lora_updating: bool = False
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -297,7 +311,51 @@ async def models(request: Request) -> Response:
     state = _serving(request)
     limit = context_limit(state.config)
     cards = [ModelCard(name, state.created, limit) for name in state.model_names]
+    if state.loras is not None:
+        loras = state.loras
+        cards += [
+            ModelCard(n, state.created, limit, parent=loras.parent_of(n)) for n in loras.adapters
+        ]
     return Response(encode_json(ModelList(cards)), media_type="application/json")
+
+
+def _lora_registry(
+    settings: ServerSettings, config: EngineConfig, model_name: str
+) -> LoRARegistry | None:
+    """The adapters of --lora-modules, each checked: a bad one stops the start-up."""
+    if config.lora is None:
+        if settings.lora_modules or settings.allow_runtime_lora_updating:
+            raise AdapterError("LoRA adapters need an engine started with --enable-lora")
+        return None
+    registry = LoRARegistry(config, model_name, settings.allow_runtime_lora_updating)
+    for module in settings.lora_modules:
+        try:
+            registry.add(module.name, module.path, module.base_model_name)
+        except AdapterError as error:
+            raise AdapterError(f"--lora-modules {module.name}: {error}") from None
+    return registry
+
+
+async def load_lora_route(request: Request) -> Response:
+    state = _serving(request)
+    body = await read_request(request, LoadLoRAAdapterRequest)
+    return PlainTextResponse(load_adapter(_registry(state), body))
+
+
+async def unload_lora_route(request: Request) -> Response:
+    state = _serving(request)
+    body = await read_request(request, UnloadLoRAAdapterRequest)
+    return PlainTextResponse(unload_adapter(_registry(state), body))
+
+
+def _registry(state: ServingState) -> LoRARegistry:
+    if state.loras is None or not state.loras.runtime_updates:
+        raise ApiError(
+            404,
+            f"run-time LoRA updates are off: start with --enable-lora and set "
+            f"{RUNTIME_UPDATES_ENV}=true or --allow-runtime-lora-updating",
+        )
+    return state.loras
 
 
 async def model_route(request: Request) -> Response:
@@ -415,6 +473,7 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
             settings.max_request_body_bytes,
             request_log,
             model_names=model_names,
+            loras=_lora_registry(settings, client.config, model_name),
         )
         limits = settings.responses_store
         folder = store_folder() if limits.enabled else Path()
@@ -496,6 +555,20 @@ API_ROUTES = (
     ),
     ApiRoute("/v1/models", _GET, models, "The served model's names", response=ModelList),
     ApiRoute("/v1/models/{model:path}", _GET, model_route, "One model", response=ModelCard),
+    ApiRoute(
+        "/v1/load_lora_adapter",
+        _POST,
+        load_lora_route,
+        "Serve one more LoRA adapter (vLLM's; with run-time LoRA updating on)",
+        LoadLoRAAdapterRequest,
+    ),
+    ApiRoute(
+        "/v1/unload_lora_adapter",
+        _POST,
+        unload_lora_route,
+        "Stop serving a LoRA adapter (vLLM's; with run-time LoRA updating on)",
+        UnloadLoRAAdapterRequest,
+    ),
     ApiRoute("/health", _GET, health, "200 while an engine serves this frontend, else 503"),
     ApiRoute("/ping", ("GET", "POST"), health, "SageMaker's health check: as /health"),
     ApiRoute(

@@ -177,7 +177,7 @@ def _prepare(
     check_prompts(state, [prompt], max_tokens)
     engine_id, choices = make_choices(
         state, [prompt], params, body.priority, arrival_time, bool(body.stream), param,
-        body.cache_salt,
+        body.cache_salt, body.model,
     )  # fmt: skip
     return prompt, text, response_id_of("chatcmpl", body, engine_id), choices, reasoning
 

@@ -90,7 +90,7 @@ def _prepare(
     check_prompts(state, token_ids, max_tokens)
     engine_id, choices = make_choices(
         state, token_ids, params, body.priority, arrival_time, bool(body.stream),
-        structured_param(body), body.cache_salt,
+        structured_param(body), body.cache_salt, body.model,
     )  # fmt: skip
     echoed = []
     if body.echo:

@@ -30,6 +30,7 @@ from pathlib import Path
 from conveyor.frontend.engine_client.router import DEFAULT_AFFINITY_MARGIN, ROUTER_POLICIES
 from conveyor.frontend.server.connection import DEFAULT_MAX_REQUEST_BODY_BYTES, ConnectionLimits
 from conveyor.frontend.server.http_options import add_http_args, http_options
+from conveyor.frontend.server.lora_modules import add_lora_module_args, runtime_updates_allowed
 from conveyor.frontend.server.metrics_dir import ensure_multiprocess_dir
 from conveyor.frontend.server.responses_store import StoreLimits
 from conveyor.frontend.vllm_flags import (
@@ -248,6 +249,7 @@ def add_frontend_process_args(parser: argparse.ArgumentParser) -> argparse.Argum
         help="answer 429 while this many generation requests are in flight in this frontend",
     )
     add_served_model_name_arg(parser, "its path")
+    add_lora_module_args(parser)
     parser.add_argument(
         "--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES
     )
@@ -404,6 +406,8 @@ def run(args: argparse.Namespace) -> int:
         router_affinity_margin=args.router_affinity_margin,
         http=args.http,
         responses_store=responses_store_limits(args),
+        lora_modules=tuple(args.lora_modules or ()),
+        allow_runtime_lora_updating=runtime_updates_allowed(args.allow_runtime_lora_updating),
     )
     for flag, why in flags_without_effect(args):
         logging.getLogger("conveyor.frontend").info("%s has no effect here: %s", flag, why)

@@ -29,6 +29,7 @@ gauge) carries the first engine's label.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -266,8 +267,22 @@ class _EngineGauges:
         gauge("cache_config_info", doc, "livemax", tuple(info)).labels(*labels, *info.values()).set(
             1
         )
+        # vLLM's: one series per (running, waiting) set of adapter names, its value the time it
+        # was last true; the newest series is the current state.
+        self._labels = labels
+        self._lora_info = None
+        self._max_lora = str(config.lora.max_loras) if config.lora is not None else ""
+        if config.lora is not None:
+            names = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
+            doc = "Running and waiting LoRA adapters (the newest series is the current state)."
+            self._lora_info = gauge("lora_requests_info", doc, "livemostrecent", names)
 
     def publish(self, stats: SchedulerStats) -> None:
+        if self._lora_info is not None:
+            running = ",".join(stats.running_lora_adapters)
+            waiting = ",".join(stats.waiting_lora_adapters)
+            series = self._lora_info.labels(*self._labels, self._max_lora, running, waiting)
+            series.set(time.time())
         self._running.set(stats.num_running)
         self._waiting.set(stats.num_waiting)
         self._kv_usage.set(stats.kv_cache_usage)

@@ -64,9 +64,12 @@ def server_load(state: ServingState) -> ServerLoad:
 
 
 def model_card(state: ServingState, model: str) -> ModelCard:
+    limit = context_limit(state.config)
+    if state.loras is not None and model in state.loras.adapters:
+        return ModelCard(model, state.created, limit, parent=state.loras.parent_of(model))
     if model not in state.model_names:
         raise ApiError(404, f"the model {model!r} does not exist", "model")
-    return ModelCard(model, state.created, context_limit(state.config))
+    return ModelCard(model, state.created, limit)
 
 
 def tokenizer_info(state: ServingState) -> dict[str, Any]:

@@ -181,6 +181,8 @@ class ModelCard(msgspec.Struct):
     max_model_len: int
     owned_by: str = "conveyor"
     object: str = "model"
+    # A LoRA adapter's base model (vLLM's field); None for the base model itself.
+    parent: str | None = None
 
 
 class ModelList(msgspec.Struct):

@@ -39,11 +39,13 @@ from conveyor.frontend.server.errors import (
     bad_request,
     error_body,
 )
+from conveyor.frontend.server.lora_modules import LoRARegistry
 from conveyor.frontend.server.metrics import FrontendMetrics
 from conveyor.frontend.server.request_log import RequestLogger
 from conveyor.frontend.server.response_models import SSE_DONE, UsageInfo, encode_json, sse_event
 from conveyor.frontend.server.stream_shape import StreamShape
 from conveyor.protocol import FAILED_FINISH_REASONS, EngineConfig, SamplingParams
+from conveyor.protocol.lora import LoRARequest
 from conveyor.protocol.messages import STRUCTURED_OUTPUT_FAILURE
 
 T = TypeVar("T")
@@ -81,6 +83,8 @@ class ServingState:
     request_log: RequestLogger | None = None
     # Every name requests may give the model (--served-model-name a b); empty: model_name.
     model_names: tuple[str, ...] = ()
+    # The LoRA adapters a request's model may name (--enable-lora); None: none.
+    loras: LoRARegistry | None = None
     # Generation requests whose body has arrived and whose response has not ended yet: the
     # per-frontend queue cap and the drain count them.
     num_in_flight: int = 0
@@ -123,8 +127,13 @@ class ServingState:
 
 def check_model(state: ServingState, model: str | None) -> None:
     # An omitted model means the one this server serves (as vLLM allows).
-    if model is not None and model not in state.model_names:
+    if model is not None and model not in state.model_names and lora_of(state, model) is None:
         raise ApiError(404, f"the model {model!r} does not exist", "model")
+
+
+def lora_of(state: ServingState, model: str | None) -> LoRARequest | None:
+    """The LoRA adapter a request's ``model`` names, or None (the base model)."""
+    return state.loras.get(model) if state.loras is not None else None
 
 
 @contextlib.contextmanager
@@ -164,6 +173,7 @@ def make_choices(
     stream: bool,
     structured_param: str = "structured_outputs",
     cache_salt: str | None = None,
+    model: str | None = None,
 ) -> tuple[str, list[Choice]]:
     """A fresh id for the response and one engine request per choice (index = prompt index * n
     + sample); a structured-output constraint is checked here, its errors reported against
@@ -179,6 +189,7 @@ def make_choices(
             stream=stream,
             structured_param=structured_param,
             cache_salt=cache_salt,
+            lora_request=lora_of(state, model),
         )
     return base_id, choices
 

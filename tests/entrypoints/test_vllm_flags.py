@@ -294,9 +294,20 @@ def test_a_tokenizer_of_its_own_and_an_inline_chat_template(tiny_model_dir, tmp_
 
 def test_a_refused_flag_exits_2_before_anything_starts():
     result = subprocess.run(
-        [*CONVEYOR, "serve", "/nonexistent", "--enable-lora", "--lora-modules", "a=/b"],
+        [*CONVEYOR, "serve", "/nonexistent", "--enable-lora", "--fully-sharded-loras"],
         capture_output=True,
         text=True,
         timeout=30,
     )
-    assert result.returncode == 2 and "--enable-lora: refused" in result.stderr
+    assert result.returncode == 2 and "--fully-sharded-loras: refused" in result.stderr
+
+
+def test_lora_modules_without_enable_lora_exit_2():
+    result = subprocess.run(
+        [*CONVEYOR, "serve", "/nonexistent", "--lora-modules", "a=/b"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2 and "--lora-modules" in result.stderr
+    assert "--enable-lora" in result.stderr

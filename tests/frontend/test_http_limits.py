@@ -157,14 +157,18 @@ ROUTES = [("GET", "/v1/models", 200), ("POST", "/v1/completions", 200),
           ("GET", "/tokenizer_info", 200), ("POST", "/v1/responses", 200),
           ("GET", "/v1/responses/{response_id}", 404),
           ("POST", "/v1/responses/{response_id}/cancel", 404), ("POST", "/v1/messages", 200),
-          ("POST", "/v1/messages/count_tokens", 200)]  # fmt: skip
+          ("POST", "/v1/messages/count_tokens", 200),
+          # Without --enable-lora the run-time LoRA routes answer 404 (behind the key).
+          ("POST", "/v1/load_lora_adapter", 404), ("POST", "/v1/unload_lora_adapter", 404)]  # fmt: skip
 BODIES = {"/v1/completions": GREEDY, "/v1/chat/completions": {"messages": CHAT_MESSAGES,
                                                               "max_tokens": 2},
           "/tokenize": {"prompt": "x"}, "/detokenize": {"tokens": [1, 2]},
           "/invocations": GREEDY, "/v1/responses": {"input": "hi", "max_output_tokens": 2},
           "/v1/responses/resp_unknown/cancel": {},
           "/v1/messages": {"max_tokens": 2, "messages": CHAT_MESSAGES},
-          "/v1/messages/count_tokens": {"messages": CHAT_MESSAGES}}  # fmt: skip
+          "/v1/messages/count_tokens": {"messages": CHAT_MESSAGES},
+          "/v1/load_lora_adapter": {"lora_name": "x", "lora_path": "/x"},
+          "/v1/unload_lora_adapter": {"lora_name": "x"}}  # fmt: skip
 # A route's path as the app lists it -> the path a request takes.
 REQUEST_PATHS = {"/v1/models/{model:path}": f"/v1/models/{MODEL_NAME}",
                  "/v1/responses/{response_id}": "/v1/responses/resp_unknown",

@@ -15,6 +15,8 @@ kernel (see gemm.py); the plain weight stays what the loader and the tests see. 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -76,6 +78,9 @@ class LinearBase(nn.Module):
         self.packed_weight: torch.Tensor | None = None
         # The weight in int8 once ``quantize_int8`` ran; the float weight is then a meta tensor.
         self.int8: Int8Weight | None = None
+        # LoRA slots (worker/lora/) when adapters are served: their correction is added to the
+        # output. A plain attribute, not a submodule: its tensors are no checkpoint's.
+        self.lora: Any = None
 
     def process_weights_after_loading(self) -> None:
         if self.int8 is None:
@@ -106,7 +111,8 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        out = self.matmul(x, self.bias)
+        return out if self.lora is None else self.lora.add_to(x, out)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T, plus ``bias`` when it is given (this layer's own bias or None)."""
@@ -256,7 +262,10 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Adding the bias on one rank only keeps it from being summed tp_size times.
         bias = self.bias if self.tp_rank == 0 else None
-        return self.all_reduce(self.matmul(x, bias))
+        partial = self.matmul(x, bias)
+        if self.lora is not None:  # a partial correction too: A holds this rank's columns
+            partial = self.lora.add_to(x, partial)
+        return self.all_reduce(partial)
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return all_reduce(partial, self.tp_size)

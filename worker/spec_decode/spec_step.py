@@ -66,6 +66,7 @@ class SpecDecoder:
         scheduler_output: SchedulerOutput,
         inputs: StepInputs,
         rows: np.ndarray,
+        lora_step: bool = False,
     ) -> ModelRunnerOutput:
         batch = runner.batch
         drafts_by_req = scheduler_output.scheduled_spec_decode_tokens
@@ -83,9 +84,9 @@ class SpecDecoder:
         inputs = dataclasses.replace(inputs, logits_indices=index_tensor)
         prompt_plan = plan_prompt_logprobs(batch, rows, inputs.metadata.query_start_loc_cpu)
         if prompt_plan is None:
-            hidden = runner._forward(inputs)
+            hidden = runner._forward(inputs, lora_step)
         else:
-            hidden = runner._forward_with_prompt_rows(inputs, prompt_plan)
+            hidden = runner._forward_with_prompt_rows(inputs, prompt_plan, lora_step)
         tokens: dict[int, list[int]] = {}
         logprob_rows: dict[int, list[LogprobRow]] = {}
         failed: dict[int, str] = {}

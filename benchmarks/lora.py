@@ -1,0 +1,154 @@
+"""What serving LoRA adapters costs: output tokens per second of one batch spread over 1, 4 and
+16 adapters, against the same batch on the base model.
+
+Runs ``LLM`` (engine-core process + worker) with ``enable_lora`` on one model and makes
+``max(--adapters)`` PEFT adapters of ``--rank`` on every q/k/v/o and gate/up/down projection
+(random A and B, saved by PEFT). Each batch is ``--num-requests`` random-token prompts, greedy with
+``ignore_eos``, interleaved round after round so their ratios come from one machine state:
+
+- ``base``: no adapter (the engine's LoRA path is skipped for a step without one);
+- ``loras-N``: request i runs under adapter i mod N (every step mixes N adapters).
+
+Prefix caching is off, so every batch computes its prompts. The engine's step trace gives each
+decode step's duration: ``loras-16``'s against ``loras-1``'s is what mixing adapters in one
+step costs over one adapter. Usage::
+
+    python -m benchmarks lora [--model DIR] [--num-requests 64] [--output-len 64] [--rank 16]
+        [--adapters 1 4 16] [--rounds 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from conveyor.bench.machine import machine_info, print_report_start
+
+PROMPT_LEN = 32
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def make_adapters(model: str, folder: Path, count: int, rank: int) -> list[Path]:
+    from benchmarks.fixtures.lora_maker import make_adapter
+
+    return [
+        make_adapter(Path(model), folder / f"adapter-{i}", rank, TARGETS, seed=i)
+        for i in range(count)
+    ]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.fixtures.model_maker import ensure_model
+    from conveyor.frontend import LLM
+    from conveyor.protocol import SamplingParams
+    from conveyor.protocol.lora import LoRARequest
+
+    model = str(args.model or ensure_model("bench", "qwen3"))
+    work = Path(tempfile.mkdtemp(prefix="conveyor-bench-lora-"))
+    trace = work / "steps.jsonl"
+    most = max(args.adapters)
+    paths = make_adapters(model, work, most, args.rank)
+    adapters = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+    rng = random.Random(0)
+    llm = LLM(
+        model,
+        max_num_seqs=max(64, args.num_requests),
+        enable_lora=True,
+        max_loras=most,
+        max_lora_rank=args.rank,
+        enable_prefix_caching=False,
+        trace_steps=str(trace),
+    )
+    vocab_size = llm.config.model.vocab_size
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+
+    def prompts() -> list[list[int]]:
+        return [
+            [rng.randrange(10, vocab_size) for _ in range(PROMPT_LEN)]
+            for _ in range(args.num_requests)
+        ]
+
+    batches: dict[str, list[LoRARequest | None]] = {"base": [None] * args.num_requests}
+    for count in args.adapters:
+        batches[f"loras-{count}"] = [adapters[i % count] for i in range(args.num_requests)]
+    rates: dict[str, list[float]] = {name: [] for name in batches}
+    steps: dict[str, list[float]] = {name: [] for name in batches}
+    try:
+        llm.generate(prompts(), greedy, use_tqdm=False, lora_request=batches[f"loras-{most}"])
+        for _ in range(args.rounds):
+            for name, loras in batches.items():
+                num_lines = len(trace.read_text().splitlines()) if trace.exists() else 0
+                start = time.perf_counter()
+                outputs = llm.generate(prompts(), greedy, use_tqdm=False, lora_request=loras)
+                elapsed = time.perf_counter() - start
+                num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+                assert num_tokens == args.num_requests * args.output_len, num_tokens
+                rates[name].append(num_tokens / elapsed)
+                records = [json.loads(line) for line in trace.read_text().splitlines()[num_lines:]]
+                steps[name] += [r["duration_ms"] for r in records if r["num_prefill_tokens"] == 0]
+    finally:
+        llm.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+    base = statistics.median(rates["base"])
+    one = _percentile(steps[f"loras-{min(args.adapters)}"], 0.5)
+    results = {
+        name: {
+            "output_tok_per_s": statistics.median(rates[name]),
+            "vs_base": statistics.median(rates[name]) / base,
+            "step_p50_ms": _percentile(steps[name], 0.5),
+            "step_p50_vs_fewest": _percentile(steps[name], 0.5) / one,
+        }
+        for name in batches
+    }
+    return {
+        "machine": machine_info(),
+        "config": {
+            "model": model,
+            "num_requests": args.num_requests,
+            "prompt_len": PROMPT_LEN,
+            "output_len": args.output_len,
+            "rank": args.rank,
+            "targets": TARGETS,
+            "rounds": args.rounds,
+        },
+        "results": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks lora", description=__doc__)
+    parser.add_argument("--model", type=Path, help="model directory (default: the bench model)")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args(argv)
+    report = run(args)
+    if print_report_start(report, args.json):
+        return 0
+    print(f"{'batch':<9} {'out tok/s':>10} {'vs base':>8} {'step p50':>10} {'vs fewest':>10}")
+    for name, row in report["results"].items():
+        print(
+            f"{name:<9} {row['output_tok_per_s']:>10.0f} {row['vs_base']:>7.2f}x"
+            f" {row['step_p50_ms']:>8.1f}ms {row['step_p50_vs_fewest']:>9.2f}x"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
