@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from conveyor.protocol.config import QUANTIZATION_METHODS
+from conveyor.protocol.config import LOAD_TIME_QUANTIZATIONS
 from conveyor.worker import native
 
 logger = logging.getLogger(__name__)
@@ -191,9 +191,9 @@ def quantize_model(model: nn.Module, method: str) -> None:
     from conveyor.worker.layers.fused_moe import MoEExperts
     from conveyor.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-    if method not in QUANTIZATION_METHODS:
+    if method not in LOAD_TIME_QUANTIZATIONS:
         raise ValueError(
-            f"unknown quantization {method!r}; use one of {', '.join(QUANTIZATION_METHODS)}"
+            f"unknown quantization {method!r}; use one of {', '.join(LOAD_TIME_QUANTIZATIONS)}"
         )
     kinds = (ColumnParallelLinear, RowParallelLinear, MoEExperts)
     layers = [m for m in model.modules() if isinstance(m, kinds)]
