@@ -447,7 +447,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=d.quantization,
         help="int8: the decoder's linears and experts in int8, one scale per output row, "
         "activations in --dtype (CPU only; faster decoding at small batches, a quarter of "
-        "float32's weight memory; embeddings and the LM head stay in --dtype). fp8, "
+        "float32's weight memory; embeddings and the LM head stay in --dtype). int4: the same "
+        "with 4-bit weights, one scale per 64 inputs (dense models; half of int8's bytes). fp8, "
         "compressed-tensors, gptq, awq: the checkpoint's own format, read from config.json's "
         "quantization_config without this flag; naming one checks the checkpoint is that",
     )
@@ -630,7 +631,7 @@ def _attention_backend(text: str) -> str:
 def _quantization(text: str) -> str:
     if text not in QUANTIZATION_METHODS:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: conveyor quantizes a float checkpoint to int8 at load (-q int8, CPU) and "
+            f"{text!r}: conveyor quantizes a float checkpoint at load (-q int8 or int4, CPU) and "
             f"reads checkpoints quantized as {', '.join(CHECKPOINT_QUANTIZATIONS)} (and gpt-oss's "
             "mxfp4)"
         )

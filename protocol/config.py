@@ -25,8 +25,9 @@ POLICIES: tuple[str, ...] = ("stall-free", "prefill-first", "orca", "static")
 # CPU); "torch": torch ops only; "cpu-kernel": the torch backend with the compiled kernel required.
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash-attn", "triton", "torch", "cpu-kernel")
 # Weights turned into another format at load time (None: as the checkpoint has them). "int8":
-# weight-only, one scale per output row, CPU only (worker/layers/int8_linear.py).
-LOAD_TIME_QUANTIZATIONS: tuple[str, ...] = ("int8",)
+# weight-only, one scale per output row, CPU only (worker/layers/int8_linear.py); "int4": 4-bit,
+# one scale per 64 input features, CPU only (worker/layers/quantization/int4_at_load.py).
+LOAD_TIME_QUANTIZATIONS: tuple[str, ...] = ("int8", "int4")
 # Quantized checkpoint formats, by vLLM's names: config.json's quantization_config says which a
 # checkpoint is, and ``--quantization`` naming one checks it (worker/layers/quantization/).
 CHECKPOINT_QUANTIZATIONS: tuple[str, ...] = ("fp8", "compressed-tensors", "gptq", "awq")

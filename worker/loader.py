@@ -21,6 +21,7 @@ from safetensors import safe_open
 from conveyor.worker.layers import quantization as formats
 from conveyor.worker.layers.int8_linear import quantize_model
 from conveyor.worker.layers.quantization import loading as quantized_loading
+from conveyor.worker.layers.quantization.int4_at_load import quantize_model_int4
 from conveyor.worker.models.decoder import DecoderForCausalLM
 from conveyor.worker.models.registry import UnsupportedArchitectureError, model_class_for
 
@@ -73,8 +74,8 @@ def load_model(
 ) -> DecoderForCausalLM:
     """Build the model named by config.json on ``device`` in ``dtype`` and load its weights;
     a quantized checkpoint (config.json's quantization_config) loads in its own format, which
-    ``quantization`` may name to check it; "int8" turns a float checkpoint's linears' weights
-    into int8 (CPU only)."""
+    ``quantization`` may name to check it; "int8" / "int4" turn a float checkpoint's linears'
+    weights into that (CPU only)."""
     path = Path(model_dir)
     config = read_config_json(path)
     try:
@@ -100,7 +101,13 @@ def load_model(
         raise ModelLoadError(f"{path}: {error}") from error
     _check_complete(model, loaded, files)
     if made_at_load is not None:  # before the packed copies are made: a quantized layer has none
-        quantize_model(model, made_at_load)
+        try:
+            if made_at_load == "int4":
+                quantize_model_int4(model)
+            else:
+                quantize_model(model, made_at_load)
+        except ValueError as error:
+            raise ModelLoadError(f"{path}: {error}") from error
     model.process_weights_after_loading()
     return model.eval().requires_grad_(False)
 

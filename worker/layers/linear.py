@@ -84,7 +84,9 @@ class LinearBase(nn.Module):
         self.quant: QuantizedWeights | None = None
 
     def process_weights_after_loading(self) -> None:
-        if self.int8 is None and self.quant is None:
+        if self.quant is not None:
+            self.quant.process_weights_after_loading()
+        elif self.int8 is None:
             self.packed_weight = pack_weight(self.weight)
 
     def use_quantized_weights(self, scheme: LinearScheme) -> None:

@@ -5,7 +5,8 @@ float weight of; its parameters (``codes``, ``scales``, ``zeros``, ``g_idx``, ``
 scheme.py says what each holds) load through the linear's own tensor-parallel loaders, so a
 fused q/k/v or gate/up layer fills each part's rows and a row-parallel one takes its columns.
 The weights stay at the checkpoint's 4 or 8 bits; each matmul dequantizes them with torch ops
-(the correct path for every format; kernels.py holds the faster ones where the host has them).
+(the correct path for every format), except that group-wise 4-bit weights on a CPU move into
+the compiled kernel's layout once loaded (int4_kernel.py) and decode reads them there.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from conveyor.worker.layers.quantization.int4_kernel import (
+    Int4Panels,
+    kernel_takes_zeros,
+    load_int4_gemm,
+)
 from conveyor.worker.layers.quantization.packing import unpack_nibbles
 from conveyor.worker.layers.quantization.scheme import FLOAT8, INT, LinearScheme
 
@@ -42,6 +48,8 @@ class QuantizedWeights(nn.Module):
         self.scheme = scheme
         self.out_features, self.in_features = out_features, in_features
         self._full_rows, self._load_part = full_rows, load_part
+        # The compiled kernel's copy, once ``process_weights_after_loading`` made it.
+        self.panels: Int4Panels | None = None
         if w.kind == INT and w.bits == 4:
             if in_features % 2:
                 raise ValueError(f"4-bit weights need an even input size, got {in_features}")
@@ -89,6 +97,33 @@ class QuantizedWeights(nn.Module):
         param.data.copy_(loaded)
         param.loaded_once = True  # type: ignore[attr-defined]
 
+    def process_weights_after_loading(self) -> None:
+        """Move group-wise 4-bit weights on a CPU into the kernel's layout, releasing the
+        checkpoint layout (the kernel's copy is the only one; ``dequantized`` reads it)."""
+        w = self.scheme.weights
+        group_size = w.group_size or self.in_features
+        if (
+            self.panels is not None
+            or w.kind != INT
+            or w.bits != 4
+            or w.act_order
+            or self.scheme.activations is not None
+            or self.codes.device.type != "cpu"
+            or self.in_features % group_size
+        ):
+            return
+        gemm = load_int4_gemm()
+        if gemm is None:
+            return
+        zeros = self.zeros.data if not w.symmetric else torch.full_like(self.scales, w.middle_code)
+        if not kernel_takes_zeros(zeros):
+            return
+        codes = unpack_nibbles(self.codes)
+        self.panels = Int4Panels(gemm, codes, self.scales.data, zeros, group_size)
+        for name in ("codes", "scales", "zeros"):
+            if name in self._parameters:
+                delattr(self, name)
+
     def group_of_each_input(self) -> torch.Tensor:
         w = self.scheme.weights
         if w.act_order:
@@ -101,6 +136,9 @@ class QuantizedWeights(nn.Module):
         """The weight [out, in] the checkpoint means, ``(codes - zero) * scale``."""
         w = self.scheme.weights
         groups = self.group_of_each_input()
+        if self.panels is not None:
+            codes, scales, zeros = self.panels.unpacked()
+            return ((codes.float() - zeros[:, groups]) * scales[:, groups]).to(dtype)
         if w.kind == FLOAT8:
             return (self.codes.to(torch.float32) * self.scales[:, groups]).to(dtype)
         codes = unpack_nibbles(self.codes) if w.bits == 4 else self.codes
@@ -108,6 +146,8 @@ class QuantizedWeights(nn.Module):
         return ((codes.to(torch.float32) - zeros) * self.scales[:, groups]).to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.panels is not None:
+            return self.panels.linear(x, bias)
         weight = self.dequantized(torch.float32)
         rows = x.reshape(-1, self.in_features).to(torch.float32)
         a = self.scheme.activations
@@ -146,10 +186,10 @@ def fake_quantize(x: torch.Tensor, kind: str, strategy: str, group_size: int = 0
     elif strategy == "group":
         rows, features = x.shape
         padded = nn.functional.pad(x, (0, -features % group_size))
-        grouped = padded.view(rows, -1, group_size)
+        grouped = padded.view(rows, padded.shape[1] // group_size, group_size)
         scale = grouped.abs().amax(dim=-1, keepdim=True) / limit
         out = _quantize_dequantize(grouped, _nonzero(scale), kind)
-        return out.view(rows, -1)[:, :features]
+        return out.reshape(rows, padded.shape[1])[:, :features]
     else:
         raise ValueError(f"unknown activation strategy {strategy!r}")
     return _quantize_dequantize(x, _nonzero(scale), kind)
