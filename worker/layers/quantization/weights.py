@@ -130,7 +130,7 @@ class QuantizedWeights(nn.Module):
             return self.g_idx.long()
         if w.group_size == 0:
             return torch.zeros(self.in_features, dtype=torch.long)
-        return torch.arange(self.in_features) // w.group_size
+        return torch.arange(self.in_features) // w.group_size  # a CPU index serves any device
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [out, in] the checkpoint means, ``(codes - zero) * scale``."""
@@ -164,7 +164,7 @@ class QuantizedWeights(nn.Module):
     def _static_tensor_activations(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The checkpoint's input scale per part (q, k and v each have their own): the input is
         quantized once per distinct scale and multiplies that part's rows."""
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=rows.device)
         scales = self.input_scale[:, 0]
         for scale in scales.unique().tolist():
             mask = scales == scale
