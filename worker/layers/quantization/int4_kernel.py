@@ -21,12 +21,12 @@ from conveyor.worker import native
 logger = logging.getLogger(__name__)
 
 SOURCE_PATH = Path(__file__).parent.parent / "csrc" / "int4_gemm.c"
-ABI_VERSION = 2  # CONVEYOR_INT4_GEMM_ABI_VERSION in the source
+ABI_VERSION = 3  # CONVEYOR_INT4_GEMM_ABI_VERSION in the source
 
 _i32, _i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 _LINEAR_ARGTYPES = [
     _ptr, _i64, _i64, _i64,  # x and its row stride, rows, in features
-    _ptr, _ptr, _ptr, _ptr, _i64, _i64,  # codes, scales, zeros, bias, out features, group
+    _ptr, _ptr, _ptr, _ptr, _i64, _i64,  # code words, scales, 2^23 + zeros, bias, N, group
     _ptr, _i64, _i32,  # out and its row stride, threads
 ]  # fmt: skip
 
@@ -56,10 +56,15 @@ def load_int4_gemm() -> Int4Gemm | None:
     )  # fmt: skip
 
 
+CODES_PER_WORD = 8
+# 2^23: a code in a float's low mantissa bits reads 2^23 + code; the kernel subtracts this + z.
+MAGIC = float(1 << 23)
+
+
 class Int4Panels:
-    """One linear's 4-bit weights in the kernel's layout: codes [panels][K][PANEL / 2] (byte i
-    of a k: column i low, column i + PANEL / 2 high), scales [panels][groups][PANEL] float32
-    and the integer zero codes in the same layout as bytes."""
+    """One linear's 4-bit weights in the kernel's layout: code words [panels][K / 8][PANEL]
+    int32 (a column's codes of 8 consecutive input features, feature 8o + s in bits 4s..4s+3),
+    scales [panels][groups][PANEL] float32 and 2^23 + the zero code in the same layout."""
 
     def __init__(
         self,
@@ -73,6 +78,8 @@ class Int4Panels:
         whole numbers 0-16, as every format's are: GPTQ's v1 format can say 16)."""
         if not kernel_takes_zeros(zeros):
             raise ValueError("the 4-bit kernel takes whole zero points 0-16")
+        if not kernel_takes_groups(codes.shape[1], group_size):
+            raise ValueError(f"the 4-bit kernel takes groups of a multiple of 8, not {group_size}")
         self.gemm = gemm
         self.out_features, self.in_features = codes.shape
         self.group_size = group_size
@@ -80,23 +87,26 @@ class Int4Panels:
         n_padded = -(-self.out_features // width) * width
         padded = torch.zeros(n_padded, self.in_features, dtype=torch.uint8)
         padded[: self.out_features] = codes
-        panels = padded.view(-1, width, self.in_features).transpose(1, 2)  # [P][K][width]
-        half = width // 2
-        self.codes = (panels[..., :half] | (panels[..., half:] << 4)).contiguous()
+        octets = padded.view(-1, width, self.in_features // CODES_PER_WORD, CODES_PER_WORD)
+        shifts = torch.arange(CODES_PER_WORD, dtype=torch.int64) * 4
+        words = (octets.to(torch.int64) << shifts).sum(-1)  # [P][width][K / 8]
+        words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+        self.codes = words.transpose(1, 2).contiguous()  # [P][K / 8][width]
         self.scales = _panel_groups(scales, n_padded, width)
-        self.zero_codes = _panel_groups(zeros, n_padded, width).to(torch.uint8)
+        self.zero_offsets = _panel_groups(zeros + MAGIC, n_padded, width)
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes + self.zero_codes.nbytes
+        return self.codes.nbytes + self.scales.nbytes + self.zero_offsets.nbytes
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes [N, K], scales, zeros [N, groups]) back from the panels (for checks)."""
-        panels = torch.cat([self.codes & 0x0F, self.codes >> 4], dim=-1)  # [P][K][width]
-        codes = panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+        shifts = torch.arange(CODES_PER_WORD, dtype=torch.int32) * 4
+        codes = (self.codes.unsqueeze(-1) >> shifts) & 0x0F  # [P][K / 8][width][8]
+        codes = codes.permute(0, 2, 1, 3).reshape(-1, self.in_features)[: self.out_features]
         scales = self.scales.transpose(1, 2).reshape(-1, self.scales.shape[1])[: self.out_features]
-        zeros = self.zero_codes.transpose(1, 2).reshape(-1, self.scales.shape[1])
-        return codes, scales, zeros[: self.out_features].float()
+        zeros = self.zero_offsets.transpose(1, 2).reshape(-1, self.scales.shape[1]) - MAGIC
+        return codes.to(torch.uint8), scales, zeros[: self.out_features]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] (+ bias) in x's dtype (float32 inside)."""
@@ -109,13 +119,17 @@ class Int4Panels:
             bias = bias.detach().to(torch.float32).contiguous()
         status = self.gemm._linear(
             rows.data_ptr(), rows.stride(0), rows.shape[0], self.in_features,
-            self.codes.data_ptr(), self.scales.data_ptr(), self.zero_codes.data_ptr(),
+            self.codes.data_ptr(), self.scales.data_ptr(), self.zero_offsets.data_ptr(),
             None if bias is None else bias.data_ptr(), self.out_features, self.group_size,
             out.data_ptr(), self.out_features, torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"int4 linear failed with status {status}")
         return out.to(x.dtype).view(*leading, self.out_features)
+
+
+def kernel_takes_groups(in_features: int, group_size: int) -> bool:
+    return group_size % CODES_PER_WORD == 0 and in_features % group_size == 0
 
 
 def kernel_takes_zeros(zeros: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@ from torch import nn
 
 from conveyor.worker.layers.quantization.int4_kernel import (
     Int4Panels,
+    kernel_takes_groups,
     kernel_takes_zeros,
     load_int4_gemm,
 )
@@ -109,7 +110,7 @@ class QuantizedWeights(nn.Module):
             or w.act_order
             or self.scheme.activations is not None
             or self.codes.device.type != "cpu"
-            or self.in_features % group_size
+            or not kernel_takes_groups(self.in_features, group_size)
         ):
             return
         gemm = load_int4_gemm()
