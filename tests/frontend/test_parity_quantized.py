@@ -156,7 +156,8 @@ def _engine(model_dir: Path, **engine_args) -> LLM:
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def int4_reference(request, tiny_model_dirs) -> Reference:
     """transformers on the weights ``--quantization int4`` computes with: each decoder linear's
-    codes, scales and zeros from quantize_int4, dequantized in torch."""
+    and the LM head's codes, scales and zeros from quantize_int4, dequantized in torch (the
+    head untied from the embeddings, which stay float)."""
     from conveyor.worker.layers.quantization.int4_kernel import quantize_int4
 
     source = tiny_model_dirs[request.param]
@@ -167,7 +168,14 @@ def int4_reference(request, tiny_model_dirs) -> Reference:
             codes, scales, zeros = quantize_int4(f.get_tensor(name).float(), 64)
             groups = torch.arange(codes.shape[1]) // 64
             weights[name] = (codes.float() - zeros[:, groups]) * scales[:, groups]
-    return Reference(source, _hf_with_weights(source, weights))
+    model = _hf_with_weights(source, weights)
+    head = model.get_output_embeddings().weight.detach().clone()
+    codes, scales, zeros = quantize_int4(head, 64)
+    groups = torch.arange(codes.shape[1]) // 64
+    dequantized = (codes.float() - zeros[:, groups]) * scales[:, groups]
+    model.get_output_embeddings().weight = torch.nn.Parameter(dequantized, requires_grad=False)
+    assert not torch.equal(model.get_input_embeddings().weight, dequantized)
+    return Reference(source, model)
 
 
 def test_int4_at_load_matches_hf_on_its_weights(int4_reference):

@@ -3,9 +3,12 @@
 Runs in worker processes. Each column- and row-parallel linear's weight becomes 4-bit codes with
 one symmetric scale per group of 64 input features (32 where 64 does not divide the rank's
 inputs, else one per row), the layout a W4A16 checkpoint loads into, so the same compiled
-kernel (int4_kernel.py) runs it: 4.5 bits per weight with the float32 scales. Embeddings, the LM
-head and norms stay in the model's dtype; mixture-of-experts experts are refused (int8 covers
-them).
+kernel (int4_kernel.py) runs it: 4.5 bits per weight with the float32 scales. The LM head gets a
+4-bit copy the same way (its logits read it; a tied embedding keeps the float table for its
+lookups), as llama.cpp's 4-bit files quantize theirs: at one request the head is the largest
+matrix a step reads (Qwen3-0.6B's tied 151,936 x 1,024 is 622 MB in float32, more than all its
+decoder linears in 4 bits). Embeddings and norms stay in the model's dtype; mixture-of-experts
+experts are refused (int8 covers them).
 """
 
 from __future__ import annotations
@@ -14,7 +17,12 @@ import logging
 
 from torch import nn
 
-from conveyor.worker.layers.quantization.int4_kernel import load_int4_gemm, quantize_int4
+from conveyor.worker.layers.quantization.int4_kernel import (
+    Int4Panels,
+    kernel_takes_groups,
+    load_int4_gemm,
+    quantize_int4,
+)
 from conveyor.worker.layers.quantization.packing import pack_nibbles
 from conveyor.worker.layers.quantization.scheme import INT, LinearScheme, WeightScheme
 
@@ -46,6 +54,14 @@ def quantize_model_int4(model: nn.Module) -> None:
         layer.quant.scales.data = scales
         after += layer.quant.codes.nbytes + scales.nbytes
     gemm = load_int4_gemm()
+    head = getattr(model, "lm_head", None)
+    hidden = head.weight.shape[1] if head is not None else 0
+    group = next((g for g in GROUP_SIZES if hidden and hidden % g == 0), hidden)
+    if gemm is not None and head is not None and kernel_takes_groups(hidden, group):
+        head.int4 = Int4Panels(gemm, *quantize_int4(head.weight.detach(), group), group)
+        head.packed_weight = None
+        before += head.weight.nbytes
+        after += head.int4.nbytes
     logger.info(
         "int4 weights for %d layers: %.1f MB -> %.1f MB (%s)",
         len(layers),
