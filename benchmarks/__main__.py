@@ -19,6 +19,9 @@ COMMANDS: CommandTable = {
     "attention": Command("benchmarks.attention", "attention against matmul time per layer"),
     "layers": Command("benchmarks.layers", "the model's token-wise ops on CPU"),
     "moe": Command("benchmarks.moe", "ways to run a mixture-of-experts layer's experts on CPU"),
+    "quantized-decode": Command(
+        "benchmarks.quantized_decode", "batch-1 decode, float32 against int8 and int4, CPU"
+    ),
     "wire": Command("benchmarks.wire", "bytes per step of the engine -> worker diff"),
     "scheduler": Command("benchmarks.scheduler", "the scheduler's cost per step, no model"),
     "step-budget": Command("benchmarks.step_budget", "what a TBT SLO adds to schedule(), no model"),

@@ -13,7 +13,8 @@ Sections:
           through torch.compile (static shapes, one compile per row count: minutes); with
           --device cuda the ops run on the GPU in bfloat16 (the other sections are CPU only).
   int8    every decoder linear shape at each row count: float32 with the packed weight (what
-          the layers use) against the weight-only int8 kernel (``--quantization int8``), each
+          the layers use) against the weight-only int8 kernel (``--quantization int8``) and the
+          4-bit one (``--quantization int4``, one scale per 64 inputs), each
           call on the next of enough copies of the weight (4x the last-level cache in int8,
           16x in float32) that it comes from memory, as in a forward pass of a model larger
           than the caches.
@@ -160,6 +161,11 @@ def bench_int8(config, rows: list[int], budget_s: float) -> None:
     from benchmarks.attention import last_level_cache_bytes
     from conveyor.worker.layers.gemm import linear
     from conveyor.worker.layers.int8_linear import Int8Weight, load_int8_gemm
+    from conveyor.worker.layers.quantization.int4_kernel import (
+        Int4Panels,
+        load_int4_gemm,
+        quantize_int4,
+    )
 
     gemm = load_int8_gemm()
     if gemm is None:
@@ -176,11 +182,18 @@ def bench_int8(config, rows: list[int], budget_s: float) -> None:
         weights = [torch.randn(n, k) / k**0.5 for _ in range(copies)]
         packed = [pack_weight(w) for w in weights]
         int8 = [Int8Weight(w, None) for w in weights]
+        int4_gemm = load_int4_gemm()
+        # 4-bit, one scale per 64 inputs (--quantization int4); the same copies, from memory too.
+        int4 = (
+            [Int4Panels(int4_gemm, *quantize_int4(w, 64), 64) for w in weights] if int4_gemm else []
+        )
         for num_rows in rows:
             x = torch.randn(num_rows, k)
             float32 = [functools.partial(linear, x, w, None, p) for w, p in zip(weights, packed)]
             quantized = [functools.partial(q.linear, x) for q in int8]
             variants = {"float32": in_turn(float32), "int8": in_turn(quantized)}
+            if int4:
+                variants["int4"] = in_turn([functools.partial(q.linear, x, None) for q in int4])
             times = best_of(variants, budget_s)
             print_row(f"M={num_rows:<5d} {name}", times, 2 * num_rows * k * n)
 

@@ -34,8 +34,10 @@ from conveyor.protocol import (
 )
 from conveyor.protocol.config import (
     ATTENTION_BACKENDS,
+    CHECKPOINT_QUANTIZATIONS,
     GENERATION_CONFIG_SAMPLING_KEYS,
     KV_CACHE_DTYPES,
+    LOAD_TIME_QUANTIZATIONS,
     POLICIES,
     QUANTIZATION_METHODS,
     ConfigError,
@@ -328,7 +330,7 @@ class EngineArgs:
     def _device(self) -> str:
         """The device asked for; "auto" is the CPU when the weights are quantized, the one
         device that runs int8 weights, so a GPU host does not fail at load instead."""
-        if self.device == "auto" and self.quantization is not None:
+        if self.device == "auto" and self.quantization in LOAD_TIME_QUANTIZATIONS:
             return "cpu"
         return self.device
 
@@ -469,7 +471,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=d.quantization,
         help="int8: the decoder's linears and experts in int8, one scale per output row, "
         "activations in --dtype (CPU only; faster decoding at small batches, a quarter of "
-        "float32's weight memory; embeddings and the LM head stay in --dtype)",
+        "float32's weight memory; embeddings and the LM head stay in --dtype). int4: the same "
+        "with 4-bit weights, one scale per 64 inputs (dense models; half of int8's bytes). fp8, "
+        "compressed-tensors, gptq, awq: the checkpoint's own format, read from config.json's "
+        "quantization_config without this flag; naming one checks the checkpoint is that",
     )
     group.add_argument("--device", default=d.device)
     group.add_argument("--seed", type=int, default=d.seed)
@@ -662,8 +667,9 @@ def _attention_backend(text: str) -> str:
 def _quantization(text: str) -> str:
     if text not in QUANTIZATION_METHODS:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: conveyor quantizes the weights itself, to int8 at load (-q int8, CPU); "
-            "checkpoints already quantized load only in gpt-oss's mxfp4, without this flag"
+            f"{text!r}: conveyor quantizes a float checkpoint at load (-q int8 or int4, CPU) and "
+            f"reads checkpoints quantized as {', '.join(CHECKPOINT_QUANTIZATIONS)} (and gpt-oss's "
+            "mxfp4)"
         )
     return text
 

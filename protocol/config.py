@@ -27,15 +27,20 @@ POLICIES: tuple[str, ...] = ("stall-free", "prefill-first", "orca", "static")
 # CPU); "torch": torch ops only; "cpu-kernel": the torch backend with the compiled kernel required.
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash-attn", "triton", "torch", "cpu-kernel")
 # Weights turned into another format at load time (None: as the checkpoint has them). "int8":
-# weight-only, one scale per output row, CPU only (worker/layers/int8_linear.py).
-QUANTIZATION_METHODS: tuple[str, ...] = ("int8",)
+# weight-only, one scale per output row, CPU only (worker/layers/int8_linear.py); "int4": 4-bit,
+# one scale per 64 input features, CPU only (worker/layers/quantization/int4_at_load.py).
+LOAD_TIME_QUANTIZATIONS: tuple[str, ...] = ("int8", "int4")
+# Quantized checkpoint formats, by vLLM's names: config.json's quantization_config says which a
+# checkpoint is, and ``--quantization`` naming one checks it (worker/layers/quantization/).
+CHECKPOINT_QUANTIZATIONS: tuple[str, ...] = ("fp8", "compressed-tensors", "gptq", "awq")
+QUANTIZATION_METHODS: tuple[str, ...] = LOAD_TIME_QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS
 # What the KV cache holds (``--kv-cache-dtype``): "auto" is the model's dtype; "bfloat16" rounds
 # each key and value to bfloat16 as it is written (half a float32 cache's bytes: twice the
 # tokens, half the reads per decode step; the arithmetic stays in the model's dtype).
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16")
 # The quantized checkpoint formats (config.json's quantization_config.quant_method) the loader
 # reads; any other is refused by name rather than failing on tensors it does not know.
-LOADABLE_QUANTIZED_CHECKPOINTS: tuple[str, ...] = ("mxfp4",)
+LOADABLE_QUANTIZED_CHECKPOINTS: tuple[str, ...] = ("mxfp4", *CHECKPOINT_QUANTIZATIONS)
 
 
 class ConfigError(ValueError):
@@ -68,6 +73,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # One of QUANTIZATION_METHODS, applied to the decoder's linears and experts at load time;
     # None: none.
     quantization: str | None = None
+    # config.json's quantization_config.quant_method (None: a float checkpoint).
+    checkpoint_quantization: str | None = None
     # The tokenizer's directory when it is not the model's (``--tokenizer``); None: ``model``.
     tokenizer: str | None = None
     # The most logprobs (and prompt logprobs) a request may ask for per token (--max-logprobs;
@@ -212,8 +219,8 @@ def load_model_config(
     if checkpoint_format not in (None, *LOADABLE_QUANTIZED_CHECKPOINTS):
         raise ConfigError(
             f"{path} is a {checkpoint_format}-quantized checkpoint, which conveyor does not load "
-            f"(it loads unquantized ones, and gpt-oss's mxfp4); point it at the unquantized model "
-            f"and add --quantization int8 for int8 weights on CPU"
+            f"(it loads {', '.join(LOADABLE_QUANTIZED_CHECKPOINTS)}); point it at the unquantized "
+            f"model and add --quantization int8 for int8 weights on CPU"
         )
     eos = _as_id_tuple(hf.get("eos_token_id"))
     gen_file = path / "generation_config.json"
@@ -234,6 +241,7 @@ def load_model_config(
         eos_token_ids=eos,
         dtype=dtype,
         seed=seed,
+        checkpoint_quantization=checkpoint_format,
     )
 
 
@@ -404,13 +412,31 @@ def check_engine_config(config: EngineConfig) -> None:
             f"only, not {config.device!r}"
         )
     quantization = config.model.quantization
+    checkpoint = config.model.checkpoint_quantization
+    if quantization in CHECKPOINT_QUANTIZATIONS and quantization != checkpoint:
+        raise ConfigError(
+            f"quantization {quantization!r}, but the checkpoint is "
+            f"{f'{checkpoint}-quantized' if checkpoint else 'not quantized'}"
+        )
+    if quantization in LOAD_TIME_QUANTIZATIONS and checkpoint in CHECKPOINT_QUANTIZATIONS:
+        raise ConfigError(
+            f"quantization {quantization!r} quantizes a float checkpoint at load; this one is "
+            f"already {checkpoint}-quantized (drop --quantization)"
+        )
+    if config.lora is not None and (quantization or checkpoint):
+        # The slots' corrections would run beside quantized base weights that no test holds
+        # against PEFT (which applies adapters to float weights): refused until one does.
+        raise ConfigError(
+            f"LoRA adapters (enable_lora) are not served over {quantization or checkpoint}-"
+            "quantized weights yet; serve the float checkpoint without --quantization"
+        )
     if quantization is not None:
         if quantization not in QUANTIZATION_METHODS:
             raise ConfigError(
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or none), "
                 f"got {quantization!r}"
             )
-        if config.device not in ("cpu", "auto"):
+        if quantization in LOAD_TIME_QUANTIZATIONS and config.device not in ("cpu", "auto"):
             raise ConfigError(
                 f"quantization {quantization!r} runs on CPU only, not {config.device!r}; "
                 "use --device cpu"

@@ -18,7 +18,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from conveyor.worker.layers import quantization as formats
 from conveyor.worker.layers.int8_linear import quantize_model
+from conveyor.worker.layers.quantization import loading as quantized_loading
+from conveyor.worker.layers.quantization.int4_at_load import quantize_model_int4
 from conveyor.worker.models.decoder import DecoderForCausalLM
 from conveyor.worker.models.registry import UnsupportedArchitectureError, model_class_for
 
@@ -70,22 +73,41 @@ def load_model(
     quantization: str | None = None,
 ) -> DecoderForCausalLM:
     """Build the model named by config.json on ``device`` in ``dtype`` and load its weights;
-    with ``quantization`` ("int8"), turn its linears' weights into that (CPU only)."""
+    a quantized checkpoint (config.json's quantization_config) loads in its own format, which
+    ``quantization`` may name to check it; "int8" / "int4" turn a float checkpoint's linears'
+    weights into that (CPU only)."""
     path = Path(model_dir)
-    if quantization is not None and torch.device(device).type != "cpu":
-        raise ModelLoadError(f"--quantization {quantization} runs on CPU only, not {device}")
-    model_class = _model_class(read_config_json(path))
+    config = read_config_json(path)
+    try:
+        fmt = formats.checkpoint_format(config, quantization)
+    except formats.UnsupportedQuantization as error:
+        raise ModelLoadError(f"{path}: {error}") from error
+    made_at_load = None if fmt is not None else quantization
+    if made_at_load is not None and torch.device(device).type != "cpu":
+        raise ModelLoadError(f"--quantization {made_at_load} runs on CPU only, not {device}")
+    model_class = _model_class(config)
     hf_config = read_hf_config(path)
     files = safetensors_files(path)
     try:
         with torch.device(device), _default_dtype(dtype):
             model = model_class(hf_config, tp_rank=tp_rank, tp_size=tp_size)
-        loaded = model.load_weights(iterate_tensors(files))
+        weights = iterate_tensors(files)
+        if fmt is not None:
+            quantized = quantized_loading.quantized_modules(fmt, tensor_names(files))
+            quantized_loading.prepare_model(model, fmt, quantized)
+            weights = quantized_loading.translate_tensors(fmt, quantized, weights)
+        loaded = model.load_weights(weights)
     except ValueError as error:  # an unsupported setting, a tensor that does not fit
         raise ModelLoadError(f"{path}: {error}") from error
     _check_complete(model, loaded, files)
-    if quantization is not None:  # before the packed copies are made: a quantized layer has none
-        quantize_model(model, quantization)
+    if made_at_load is not None:  # before the packed copies are made: a quantized layer has none
+        try:
+            if made_at_load == "int4":
+                quantize_model_int4(model)
+            else:
+                quantize_model(model, made_at_load)
+        except ValueError as error:
+            raise ModelLoadError(f"{path}: {error}") from error
     model.process_weights_after_loading()
     return model.eval().requires_grad_(False)
 
@@ -138,6 +160,14 @@ def safetensors_files(path: Path) -> list[Path]:
             f"{path} has no *.safetensors weights (PyTorch .bin checkpoints are not supported)"
         )
     return files
+
+
+def tensor_names(files: list[Path]) -> list[str]:
+    names = []
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names.extend(f.keys())
+    return names
 
 
 def iterate_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

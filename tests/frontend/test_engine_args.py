@@ -148,11 +148,16 @@ def test_quantization_is_checked_and_auto_means_the_cpu(tiny_model_dirs):
     config = EngineArgs(model=model, quantization="int8").create_engine_config()
     assert config.model.quantization == "int8" and config.device == "cpu"
     assert EngineArgs(model=model).create_engine_config().device == "auto"
-    with pytest.raises(ConfigError, match="quantization must be one of int8.*'fp8'"):
+    with pytest.raises(ConfigError, match="quantization 'fp8', but the checkpoint is not quant"):
         EngineArgs(model=model, quantization="fp8").create_engine_config()
+    with pytest.raises(ConfigError, match="quantization must be one of int8.*'int3'"):
+        EngineArgs(model=model, quantization="int3").create_engine_config()
     for device in ("cuda", "cuda:1", "mps"):
         with pytest.raises(ConfigError, match=f"runs on CPU only, not '{device}'"):
             EngineArgs(model=model, quantization="int8", device=device).create_engine_config()
+    for method in ("int8", "int4"):
+        with pytest.raises(ConfigError, match=f"LoRA adapters .* over {method}-quantized"):
+            EngineArgs(model=model, quantization=method, enable_lora=True).create_engine_config()
 
 
 @x86_only

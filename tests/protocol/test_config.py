@@ -61,13 +61,20 @@ def test_generation_config_eos_ids_win(tmp_path: Path):
     assert load_model_config(model_dir).eos_token_ids == (151645, 151643)
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors", "fp8"])
+@pytest.mark.parametrize("method", ["bitsandbytes", "gguf", "hqq", "modelopt"])
 def test_a_checkpoint_quantized_in_a_format_we_do_not_load_is_refused_by_name(tmp_path, method):
     config = {**HF_CONFIG, "quantization_config": {"quant_method": method, "bits": 4}}
     with pytest.raises(
         ConfigError, match=f"is a {method}-quantized checkpoint.*--quantization int8"
     ):
         load_model_config(write_model_dir(tmp_path / "m", config))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors", "fp8"])
+def test_checkpoints_in_the_formats_we_read_pass_and_say_which(tmp_path, method):
+    config = {**HF_CONFIG, "quantization_config": {"quant_method": method, "bits": 4}}
+    model_config = load_model_config(write_model_dir(tmp_path / "m", config))
+    assert model_config.checkpoint_quantization == method
 
 
 def test_mxfp4_checkpoints_load(tmp_path: Path):

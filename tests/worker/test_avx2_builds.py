@@ -25,6 +25,7 @@ KERNEL_TESTS = [
     "tests/worker/test_prefill_kernel.py",
     "tests/worker/test_cpu_ops.py",
     "tests/worker/test_int8_linear.py",
+    "tests/worker/test_int4_kernel.py",
 ]
 
 

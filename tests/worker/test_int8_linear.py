@@ -189,7 +189,7 @@ def test_quantize_model_takes_the_decoder_linears_and_leaves_routers():
     quantize_model(model, "int8")
     assert all(model[name].int8 is not None for name in ("gate_up", "down", "column"))
     assert model["router"].int8 is None and model["router"].weight.device.type == "cpu"
-    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
+    with pytest.raises(ValueError, match="quantizes to int8, not 'int4'"):
         quantize_model(model, "int4")
 
 

@@ -68,9 +68,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
         self.packed_weight: torch.Tensor | None = None
+        # ``--quantization int4``'s 4-bit copy of the head (an Int4Panels), which the logits
+        # read in place of the float weight; the embedding (if tied) keeps the float one.
+        self.int4 = None
 
     def process_weights_after_loading(self) -> None:
-        self.packed_weight = pack_weight(self.weight)
+        if self.int4 is None:
+            self.packed_weight = pack_weight(self.weight)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
@@ -79,7 +83,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = self.all_gather(linear(hidden, self.weight, None, self.packed_weight))
+        if self.int4 is not None:
+            logits = self.all_gather(self.int4.linear(hidden, None))
+        else:
+            logits = self.all_gather(linear(hidden, self.weight, None, self.packed_weight))
         # Drop the padding rows of the last rank's range.
         return logits[..., : self.num_embeddings]
 

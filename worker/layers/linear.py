@@ -10,7 +10,9 @@ from one already-fused tensor (Phi-3), split into its parts first.
 Once every weight is in, ``process_weights_after_loading`` packs a copy for the CPU's small-batch
 kernel (see gemm.py); the plain weight stays what the loader and the tests see. With
 ``--quantization int8`` the loader then turns the column- and row-parallel weights into int8
-(``quantize_int8``, see int8_linear.py); the float weight's memory is released.
+(``quantize_int8``, see int8_linear.py); the float weight's memory is released. A quantized
+checkpoint's layers hold a ``QuantizedWeights`` child instead of the float weight
+(``use_quantized_weights``, before loading; see worker/layers/quantization/).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from torch import nn
 from conveyor.worker.layers.gemm import linear, pack_weight
 from conveyor.worker.layers.int8_linear import Int8Weight
 from conveyor.worker.layers.parallel import all_reduce, divide
+from conveyor.worker.layers.quantization.scheme import LinearScheme
+from conveyor.worker.layers.quantization.weights import QuantizedWeights
 
 # Which part of a fused parameter a checkpoint tensor fills: "q"/"k"/"v", or 0/1 for gate/up.
 ShardId = str | int | None
@@ -81,10 +85,46 @@ class LinearBase(nn.Module):
         # LoRA slots (worker/lora/) when adapters are served: their correction is added to the
         # output. A plain attribute, not a submodule: its tensors are no checkpoint's.
         self.lora: Any = None
+        # A quantized checkpoint's weights, when ``use_quantized_weights`` ran.
+        self.quant: QuantizedWeights | None = None
 
     def process_weights_after_loading(self) -> None:
-        if self.int8 is None:
+        if self.quant is not None:
+            self.quant.process_weights_after_loading()
+        elif self.int8 is None:
             self.packed_weight = pack_weight(self.weight)
+
+    def use_quantized_weights(self, scheme: LinearScheme) -> None:
+        """Load a quantized checkpoint's tensors for this layer instead of a float weight (the
+        float weight's shape stays, on the meta device, for code that reads it)."""
+        out_features, in_features = self.weight.shape
+        w = scheme.weights
+        if isinstance(self, RowParallelLinear) and self.tp_size > 1:
+            if w.act_order:
+                raise ValueError("act-order (desc_act) weights with tensor parallelism")
+            if w.group_size and in_features % w.group_size:
+                raise ValueError(
+                    f"{in_features} input features per rank are not whole groups of "
+                    f"{w.group_size}; use a tensor-parallel size that divides the groups"
+                )
+        self.quant = QuantizedWeights(
+            scheme, out_features, in_features, self.checkpoint_rows, self._load_quantized
+        )
+        del self._parameters["weight"]
+        self.weight = torch.empty(out_features, in_features, device="meta")
+
+    def checkpoint_rows(self, shard_id: ShardId) -> int:
+        """How many output rows the checkpoint's tensor for a part has, all ranks together."""
+        return self.weight.shape[0] * (1 if isinstance(self, RowParallelLinear) else self.tp_size)
+
+    def _load_quantized(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        split_inputs = isinstance(self, RowParallelLinear) and self.tp_size > 1
+        if split_inputs and loaded_weight.shape[1] == 1 and param.shape[1] == 1:
+            default_weight_loader(param, loaded_weight)  # one scale per row: not split
+            return
+        self.weight_loader(param, loaded_weight, shard_id)
 
     def quantize_int8(self) -> None:
         """Compute with an int8 copy of the weight from now on and release the float one (its
@@ -116,6 +156,8 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T, plus ``bias`` when it is given (this layer's own bias or None)."""
+        if self.quant is not None:
+            return self.quant.linear(x, bias)
         if self.int8 is not None:
             # The int8 copy holds this layer's bias (padded, float32): only whether, not which.
             assert bias is None or bias is self.bias
@@ -169,6 +211,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
 
+    def checkpoint_rows(self, shard_id: ShardId) -> int:
+        return sum(self.output_sizes) if shard_id is None else self.output_sizes[shard_id]
+
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
     ) -> None:
@@ -211,6 +256,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = self.num_kv_heads * head_dim
         output_size = (self.q_size + 2 * self.kv_size) * tp_size
         super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
+
+    def checkpoint_rows(self, shard_id: ShardId) -> int:
+        q_rows = self.total_num_heads * self.head_dim
+        kv_rows = self.total_num_kv_heads * self.head_dim
+        return {"q": q_rows, "k": kv_rows, "v": kv_rows, None: q_rows + 2 * kv_rows}[shard_id]
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None

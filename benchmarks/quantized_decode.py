@@ -1,0 +1,174 @@
+"""Batch-1 decode on CPU: float32 against ``--quantization int8`` and ``int4``, interleaved.
+
+    python -m benchmarks quantized-decode --size qwen3-0.6b --rounds 3 --output-len 64
+    python -m benchmarks quantized-decode --size qwen3-0.6b --linears --rounds 5
+
+Runs in the process the developer starts. Builds one in-process engine per weight format on the
+same random-weight model (Qwen3-0.6B's shapes by default: big enough that reading the weights,
+not Python, bounds a step), then, round after round, has each generate one request greedily;
+prints each format's best output tok/s, its decode step time, and the step's weight-read time:
+the bytes a decode step reads (every decoder linear in its format, the float32 LM head, one
+embedding row) over the host's read bandwidth, measured here by torch.mv over a 1 GiB matrix.
+Other processes sharing the cores move all three alike; the ratios are of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second a matrix-vector product reads a float32 matrix far larger than the
+    caches at (best of ``repeats``): what a decode step's linears can at best do."""
+    rows = 8192
+    matrix = torch.randn(rows, num_bytes // 4 // rows)
+    vector = torch.randn(matrix.shape[1])
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mv(matrix, vector)
+        best = min(best, time.perf_counter() - start)
+    return matrix.nbytes / best
+
+
+def decode_bytes(config: dict, name: str) -> float:
+    """What one decode step reads of the weights in format ``name``: every decoder linear in
+    that format (int8: a byte a weight and a float32 scale a row; int4: half a byte, a float32
+    scale and a float32 zero offset per 64 inputs), the LM head (float32, but 4-bit under int4,
+    which quantizes it too), one embedding row and the norms; the KV cache of a short request
+    is left out."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
+    per_weight = {"float32": 4.0, "int8": 1.0, "int4": 0.5 + 8 / 64}[name]
+    linears = (
+        sum(n * k * per_weight + (4 * n if name == "int8" else 0) for n, k in shapes)
+        * config["num_hidden_layers"]
+    )
+    head = config["vocab_size"] * hidden * (per_weight if name == "int4" else 4)
+    return linears + head + 4 * hidden * (2 * config["num_hidden_layers"] + 2)
+
+
+def time_linears(config: dict, copies_bytes: int, repeats: int) -> None:
+    """Each decoder linear shape at one row, float32 (oneDNN's packed weight, what the layers
+    run) against the int8 and int4 kernels, on enough copies of the weight (``copies_bytes`` of
+    float32) that each call reads its weight from memory; the three interleaved, best of
+    ``repeats`` passes over the copies."""
+    from conveyor.worker.layers.gemm import linear, pack_weight
+    from conveyor.worker.layers.int8_linear import Int8Weight
+    from conveyor.worker.layers.quantization.int4_kernel import (
+        Int4Panels,
+        load_int4_gemm,
+        quantize_int4,
+    )
+
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {"qkv": (q + 2 * kv, hidden), "o": (hidden, q), "gate_up": (2 * inter, hidden),
+              "down": (hidden, inter)}  # fmt: skip
+    gemm = load_int4_gemm()
+    print(f"{'linear':>8} {'float32 us':>11} {'int8 us':>8} {'int4 us':>8} {'int4 GB/s':>9} "
+          f"{'int4/int8':>9} {'int4/f32':>8}")  # fmt: skip
+    for name, (n, k) in shapes.items():
+        count = max(2, copies_bytes // (4 * n * k))
+        weights = [torch.randn(n, k) / k**0.5 for _ in range(count)]
+        variants = {
+            "float32": [(w, pack_weight(w)) for w in weights],
+            "int8": [Int8Weight(w, None) for w in weights],
+            "int4": [Int4Panels(gemm, *quantize_int4(w, 64), 64) for w in weights],
+        }
+        del weights
+        x = torch.randn(1, k)
+        calls = {
+            "float32": [functools.partial(linear, x, w, None, p) for w, p in variants["float32"]],
+            "int8": [functools.partial(q8.linear, x) for q8 in variants["int8"]],
+            "int4": [functools.partial(q4.linear, x, None) for q4 in variants["int4"]],
+        }
+        best = {v: float("inf") for v in calls}
+        for _ in range(repeats):
+            for v, each in calls.items():
+                start = time.perf_counter()
+                for call in each:
+                    call()
+                best[v] = min(best[v], (time.perf_counter() - start) / count)
+        int4_bytes = variants["int4"][0].nbytes
+        us = {v: t * 1e6 for v, t in best.items()}
+        print(
+            f"{name:>8} {us['float32']:11.1f} {us['int8']:8.1f} {us['int4']:8.1f} "
+            f"{int4_bytes / best['int4'] / 1e9:9.1f} {best['int8'] / best['int4']:9.2f} "
+            f"{best['float32'] / best['int4']:8.2f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.fixtures.model_maker import ensure_model
+    from conveyor.bench.machine import machine_info
+    from conveyor.frontend import LLM
+    from conveyor.protocol import SamplingParams
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="qwen3-0.6b")
+    parser.add_argument("--model", help="a model directory in place of --size's random model")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--formats", default="float32,int8,int4")
+    parser.add_argument(
+        "--linears", action="store_true", help="time each decoder linear at one row instead"
+    )
+    parser.add_argument("--copies-mb", type=int, default=512, help="--linears: float32 MB")
+    args = parser.parse_args(argv)
+    model_dir = args.model or str(ensure_model(args.size, "qwen3"))
+    bandwidth = read_bandwidth()
+    if args.linears:
+        print("machine:", ", ".join(f"{k}={v}" for k, v in machine_info().items()))
+        print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (torch.mv over a 1 GiB float32 matrix)")
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        time_linears(config, args.copies_mb << 20, args.rounds)
+        return 0
+    engines = {}
+    for name in args.formats.split(","):
+        quantization = None if name == "float32" else name
+        engines[name] = LLM(
+            model_dir, engine="inprocess", device="cpu", dtype="float32", quantization=quantization,
+            max_num_seqs=1, kv_cache_memory=256 << 20, enable_prefix_caching=False,
+        )  # fmt: skip
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    weights = {name: decode_bytes(config, name) for name in engines}
+    prompt = [list(range(10, 10 + args.prompt_len))]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    best: dict[str, float] = {name: 0.0 for name in engines}
+    for llm in engines.values():  # warm-up: kernels built, caches touched
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    for _ in range(args.rounds):
+        for name, llm in engines.items():
+            start = time.perf_counter()
+            llm.generate(prompt, params, use_tqdm=False)
+            best[name] = max(best[name], args.output_len / (time.perf_counter() - start))
+    print("machine:", ", ".join(f"{k}={v}" for k, v in machine_info().items()))
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (torch.mv over a 1 GiB float32 matrix)")
+    print(f"{'format':>8} {'tok/s':>7} {'step ms':>8} {'weights MB':>11} {'read ms':>8} "
+          f"{'step/read':>9} {'vs float32':>10}")  # fmt: skip
+    for name in engines:
+        step_ms = 1e3 / best[name]
+        read_ms = weights[name] / bandwidth * 1e3
+        ratio = best[name] / best["float32"] if "float32" in best else float("nan")
+        print(
+            f"{name:>8} {best[name]:7.1f} {step_ms:8.2f} {weights[name] / 1e6:11.1f} "
+            f"{read_ms:8.2f} {step_ms / read_ms:9.2f} {ratio:10.2f}"
+        )
+    for llm in engines.values():
+        llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,242 @@
+"""Quantized checkpoints at load (worker/layers/quantization/): each format's weights against an
+independent reference, tensor-parallel slices, and the refusals.
+
+The references: compressed-tensors' own unpacking and dequantization (its checkpoints are written
+by it too), the float weights the GPTQ / AWQ fixture writer's codes mean (computed before
+packing, benchmarks/fixtures/quantized_maker.py), and, for the linears' activations,
+transformers running the compressed-tensors checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from benchmarks.fixtures.quantized_maker import (
+    compressed_tensors_dequantized,
+    ensure_quantized,
+    reference_weights,
+)
+from conveyor.worker.layers.quantization.packing import (
+    AWQ_ORDER,
+    pack_int32,
+    pack_nibbles,
+    unpack_int32,
+    unpack_nibbles,
+)
+from conveyor.worker.loader import ModelLoadError, load_model
+
+CPU = "cpu"
+QKV = ("q", "k", "v")
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_model_dirs) -> Path:
+    return tiny_model_dirs["qwen3"]
+
+
+def _qkv(weights: dict, layer: int) -> torch.Tensor:
+    return torch.cat([weights[f"model.layers.{layer}.self_attn.{p}_proj.weight"] for p in QKV])
+
+
+def _gate_up(weights: dict, layer: int) -> torch.Tensor:
+    return torch.cat([weights[f"model.layers.{layer}.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+
+
+def test_int32_packing_matches_compressed_tensors_own():
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    values = torch.randint(-8, 8, (6, 64), dtype=torch.int8)
+    theirs = pack_to_int32(values, 4)  # stores value + 8, eight to a word, lowest bits first
+    assert torch.equal(unpack_int32(theirs, 4, dim=1).to(torch.int16) - 8, values.to(torch.int16))
+    assert torch.equal(pack_int32((values + 8).to(torch.uint8), 4, dim=1), theirs)
+    zeros = pack_to_int32(values, 4, packed_dim=0)
+    assert torch.equal(unpack_int32(zeros, 4, dim=0)[:6].to(torch.int16) - 8, values.short())
+
+
+def test_awq_order_and_nibbles_round_trip():
+    codes = torch.randint(0, 16, (16, 24), dtype=torch.uint8)
+    words = pack_int32(codes, 4, dim=1, order=AWQ_ORDER)
+    # Nibble 1 of the first word holds column 2, nibble 4 column 1 (AutoAWQ's interleave).
+    assert (int(words[0, 0]) >> 4) & 0xF == codes[0, 2] and (int(words[0, 0]) >> 16) & 0xF == codes[
+        0, 1
+    ]
+    assert torch.equal(unpack_int32(words, 4, dim=1, order=AWQ_ORDER), codes)
+    assert torch.equal(unpack_nibbles(pack_nibbles(codes)), codes)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(sym=False),
+        dict(sym=False, desc_act=True),
+        dict(bits=8, group=64),
+    ],
+    ids=["sym", "zero-points", "act-order", "8-bit"],
+)
+def test_gptq_weights_equal_what_their_codes_mean(qwen3, options):
+    model_dir = ensure_quantized(qwen3, "gptq", **options)
+    reference = reference_weights(model_dir)
+    model = load_model(model_dir, torch.float32, CPU)
+    for layer in (0, 1):
+        block = model.model.layers[layer]
+        assert torch.equal(block.self_attn.qkv_proj.quant.dequantized(), _qkv(reference, layer))
+        assert torch.equal(block.mlp.gate_up_proj.quant.dequantized(), _gate_up(reference, layer))
+        down = reference[f"model.layers.{layer}.mlp.down_proj.weight"]
+        assert torch.equal(block.mlp.down_proj.quant.dequantized(), down)
+    quant = model.model.layers[0].mlp.down_proj.quant
+    # Kept at its bits: 4-bit codes two to a byte in the kernel's panels (act-order ones, or
+    # all without the kernel, in the checkpoint layout), 8-bit codes a byte each.
+    if options.get("bits", 4) == 8:
+        assert quant.codes.dtype == torch.uint8 and quant.codes.shape == (64, 128)
+    elif quant.panels is not None:
+        assert quant.panels.codes.nbytes == 64 * 64
+    else:
+        assert quant.codes.dtype == torch.uint8 and quant.codes.shape == (64, 64)
+
+
+def test_awq_weights_equal_what_their_codes_mean(qwen3):
+    model_dir = ensure_quantized(qwen3, "awq")
+    reference = reference_weights(model_dir)
+    model = load_model(model_dir, torch.float32, CPU)
+    for layer in (0, 1):
+        assert torch.equal(
+            model.model.layers[layer].self_attn.qkv_proj.quant.dequantized(), _qkv(reference, layer)
+        )
+        o_proj = reference[f"model.layers.{layer}.self_attn.o_proj.weight"]
+        assert torch.equal(model.model.layers[layer].self_attn.o_proj.quant.dequantized(), o_proj)
+
+
+@pytest.mark.parametrize(
+    ("preset", "group"),
+    [("W4A16", 32), ("W4A16_ASYM", 32), ("W8A16", 32), ("W8A8", 0), ("FP8", 0), ("FP8_DYNAMIC", 0)],
+)
+def test_compressed_tensors_weights_equal_its_own_decompression(qwen3, preset, group):
+    model_dir = ensure_quantized(qwen3, "compressed-tensors", preset=preset, group=group)
+    reference = compressed_tensors_dequantized(model_dir)
+    model = load_model(model_dir, torch.float32, CPU)
+    for layer in (0, 1):
+        block = model.model.layers[layer]
+        assert torch.equal(block.self_attn.qkv_proj.quant.dequantized(), _qkv(reference, layer))
+        assert torch.equal(block.mlp.gate_up_proj.quant.dequantized(), _gate_up(reference, layer))
+
+
+@pytest.mark.parametrize("preset", ["W8A8", "FP8", "FP8_DYNAMIC"])
+def test_quantized_activations_match_compressed_tensors_forward(qwen3, preset):
+    # transformers runs compressed-tensors' own forward: each input quantized and dequantized
+    # (int8 or fp8, per token or by the static input scale) before the float matmul.
+    from transformers import AutoModelForCausalLM
+
+    model_dir = ensure_quantized(qwen3, "compressed-tensors", preset=preset, group=0)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf(torch.tensor([[1, 2]]))  # decompresses the weights
+    ours = load_model(model_dir, torch.float32, CPU)
+    x = torch.randn(1, 7, 64, generator=torch.Generator().manual_seed(0)) * 3
+    with torch.no_grad():
+        theirs = torch.cat([getattr(hf.model.layers[0].self_attn, f"{p}_proj")(x) for p in QKV], -1)
+        mine = ours.model.layers[0].self_attn.qkv_proj(x)
+        plain = x @ ours.model.layers[0].self_attn.qkv_proj.quant.dequantized().T
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    assert (mine - plain).abs().max() > 1e-3  # the activations were quantized
+
+
+def test_tensor_parallel_ranks_hold_slices_of_the_single_rank_weights(qwen3):
+    model_dir = ensure_quantized(qwen3, "gptq", sym=False)
+    whole = load_model(model_dir, torch.float32, CPU)
+    ranks = [load_model(model_dir, torch.float32, CPU, tp_rank=r, tp_size=2) for r in (0, 1)]
+    full_down = whole.model.layers[1].mlp.down_proj.quant.dequantized()
+    halves = [m.model.layers[1].mlp.down_proj.quant.dequantized() for m in ranks]
+    assert torch.equal(torch.cat(halves, dim=1), full_down)  # row-parallel: input columns
+    full_gate_up = whole.model.layers[1].mlp.gate_up_proj.quant.dequantized()
+    gate, up = full_gate_up.split(128)
+    for r, model in enumerate(ranks):
+        part = model.model.layers[1].mlp.gate_up_proj.quant.dequantized()
+        assert torch.equal(
+            part, torch.cat([gate[64 * r : 64 * (r + 1)], up[64 * r : 64 * (r + 1)]])
+        )
+
+
+def _edited_copy(source: Path, dest: Path, quant_config=None, drop=(), rename=None) -> Path:
+    shutil.copytree(source, dest)
+    config = json.loads((dest / "config.json").read_text())
+    if quant_config is not None:
+        config["quantization_config"] = {**config["quantization_config"], **quant_config}
+    (dest / "config.json").write_text(json.dumps(config))
+    if drop or rename:
+        with safe_open(source / "model.safetensors", "pt") as f:
+            tensors = {n: f.get_tensor(n) for n in f.keys() if not any(d in n for d in drop)}  # noqa: SIM118
+        if rename:
+            tensors = {rename(n): t for n, t in tensors.items()}
+        save_file(tensors, str(dest / "model.safetensors"))
+    return dest
+
+
+@pytest.mark.parametrize(
+    ("kind", "options", "edit", "message"),
+    [
+        ("gptq", {}, {"bits": 3}, "gptq with 3-bit weights"),
+        ("gptq", {}, {"dynamic": {"-:.*down": {}}}, "per-module overrides"),
+        ("awq", {}, {"version": "gemv"}, "awq version 'gemv'"),
+        ("awq", {}, {"zero_point": False}, "awq without zero points"),
+        ("compressed-tensors", {"preset": "W4A16", "group": 32},
+         {"sparsity_config": {"format": "sparse-24-bitmask"}}, r"sparsity \(e.g. 2:4\)"),
+        ("compressed-tensors", {"preset": "W4A16", "group": 32}, {"format": "marlin-24"},
+         "format 'marlin-24'"),
+        ("compressed-tensors", {"preset": "W4A16", "group": 32},
+         {"kv_cache_scheme": {"num_bits": 8}}, "KV cache quantization"),
+        ("compressed-tensors", {"preset": "W4A16", "group": 32}, {"quant_method": "bitsandbytes"},
+         "bitsandbytes-quantized checkpoints are not loaded"),
+    ],
+)  # fmt: skip
+def test_what_conveyor_does_not_run_is_refused_at_load_by_name(
+    qwen3, tmp_path, kind, options, edit, message
+):
+    source = ensure_quantized(qwen3, kind, **options)
+    if kind == "compressed-tensors" and "format" in edit:
+        config = json.loads((source / "config.json").read_text())["quantization_config"]
+        group = {**config["config_groups"]["group_0"], "format": edit["format"]}
+        edit = {"format": edit["format"], "config_groups": {"group_0": group}}
+    model_dir = _edited_copy(source, tmp_path / "m", edit)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(model_dir, torch.float32, CPU)
+
+
+def test_a_quantization_flag_that_is_not_the_checkpoint_is_refused(qwen3):
+    with pytest.raises(ModelLoadError, match="--quantization awq, but the checkpoint is gptq"):
+        load_model(ensure_quantized(qwen3, "gptq"), torch.float32, CPU, quantization="awq")
+    with pytest.raises(ModelLoadError, match="int8 quantizes a float checkpoint.*already gptq"):
+        load_model(ensure_quantized(qwen3, "gptq"), torch.float32, CPU, quantization="int8")
+    with pytest.raises(ModelLoadError, match="--quantization gptq, but the checkpoint is not"):
+        load_model(qwen3, torch.float32, CPU, quantization="gptq")
+
+
+def test_act_order_with_tensor_parallel_row_layers_is_refused(qwen3):
+    model_dir = ensure_quantized(qwen3, "gptq", sym=False, desc_act=True)
+    with pytest.raises(ModelLoadError, match=r"act-order \(desc_act\) weights with tensor par"):
+        load_model(model_dir, torch.float32, CPU, tp_rank=0, tp_size=2)
+
+
+def test_a_quantized_module_we_run_in_float_is_refused(qwen3, tmp_path):
+    # A quantized LM head (or router, or expert) has no quantized layer to land in.
+    source = ensure_quantized(qwen3, "gptq")
+    model_dir = _edited_copy(
+        source, tmp_path / "m", rename=lambda n: n.replace("layers.1.mlp.down_proj", "lm_head")
+    )
+    config = json.loads((model_dir / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="quantized modules conveyor does not run.*lm_head"):
+        load_model(model_dir, torch.float32, CPU)
+
+
+def test_quantized_experts_are_refused_by_name(tiny_moe_model_dirs, tmp_path):
+    source = ensure_quantized(tiny_moe_model_dirs["qwen3_moe"], "gptq")
+    with pytest.raises(ModelLoadError, match="quantized mixture-of-experts experts conveyor does"):
+        load_model(source, torch.float32, CPU)

@@ -1,0 +1,158 @@
+"""The compiled 4-bit weight-only linear (``csrc/int4_gemm.c``) and its weights' layout.
+
+Runs in worker processes. Group-wise 4-bit weights whose groups are contiguous runs of input
+features (every GPTQ without act-order, AWQ, compressed-tensors W4A16, ``--quantization int4``)
+are repacked once after loading into the kernel's panels, and the checkpoint-layout copy is
+released; decode then reads 4 bits per weight plus a scale and a zero per group. Where the
+kernel cannot be built (or ``CONVEYOR_CPU_KERNEL=0``) the torch path of weights.py runs instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from conveyor.worker import native
+
+logger = logging.getLogger(__name__)
+
+SOURCE_PATH = Path(__file__).parent.parent / "csrc" / "int4_gemm.c"
+ABI_VERSION = 3  # CONVEYOR_INT4_GEMM_ABI_VERSION in the source
+
+_i32, _i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+_LINEAR_ARGTYPES = [
+    _ptr, _i64, _i64, _i64,  # x and its row stride, rows, in features
+    _ptr, _ptr, _ptr, _ptr, _i64, _i64,  # code words, scales, 2^23 + zeros, bias, N, group
+    _ptr, _i64, _i32,  # out and its row stride, threads
+]  # fmt: skip
+
+
+class Int4Gemm:
+    """The loaded library."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self.panel_width = int(library.conveyor_int4_panel_width())
+        self._linear = native.status_function(library, "conveyor_int4_linear", _LINEAR_ARGTYPES)
+
+
+def _from_library(library: ctypes.CDLL, path: Path) -> Int4Gemm:
+    version = library.conveyor_int4_gemm_abi_version()
+    if version != ABI_VERSION:
+        raise RuntimeError(f"{path} has ABI {version}, want {ABI_VERSION}")
+    return Int4Gemm(library, path)
+
+
+@functools.cache
+def load_int4_gemm() -> Int4Gemm | None:
+    """The library, built if needed; None (logged once) where it is off or cannot be built."""
+    return native.load_optional(
+        logger, "int4 kernel", "4-bit linears dequantize with torch", SOURCE_PATH, [SOURCE_PATH],
+        _from_library,
+    )  # fmt: skip
+
+
+CODES_PER_WORD = 8
+# 2^23: a code in a float's low mantissa bits reads 2^23 + code; the kernel subtracts this + z.
+MAGIC = float(1 << 23)
+
+
+class Int4Panels:
+    """One linear's 4-bit weights in the kernel's layout: code words [panels][K / 8][PANEL]
+    int32 (a column's codes of 8 consecutive input features, feature 8o + s in bits 4s..4s+3),
+    scales [panels][groups][PANEL] float32 and 2^23 + the zero code in the same layout."""
+
+    def __init__(
+        self,
+        gemm: Int4Gemm,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        group_size: int,
+    ) -> None:
+        """codes [N, K] uint8 (0-15), scales and zeros [N, K / group_size] float32 (the zeros
+        whole numbers 0-16, as every format's are: GPTQ's v1 format can say 16)."""
+        if not kernel_takes_zeros(zeros):
+            raise ValueError("the 4-bit kernel takes whole zero points 0-16")
+        if not kernel_takes_groups(codes.shape[1], group_size):
+            raise ValueError(f"the 4-bit kernel takes groups of a multiple of 8, not {group_size}")
+        self.gemm = gemm
+        self.out_features, self.in_features = codes.shape
+        self.group_size = group_size
+        width = gemm.panel_width
+        n_padded = -(-self.out_features // width) * width
+        padded = torch.zeros(n_padded, self.in_features, dtype=torch.uint8)
+        padded[: self.out_features] = codes
+        octets = padded.view(-1, width, self.in_features // CODES_PER_WORD, CODES_PER_WORD)
+        shifts = torch.arange(CODES_PER_WORD, dtype=torch.int64) * 4
+        words = (octets.to(torch.int64) << shifts).sum(-1)  # [P][width][K / 8]
+        words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+        self.codes = words.transpose(1, 2).contiguous()  # [P][K / 8][width]
+        self.scales = _panel_groups(scales, n_padded, width)
+        self.zero_offsets = _panel_groups(zeros + MAGIC, n_padded, width)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.zero_offsets.nbytes
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes [N, K], scales, zeros [N, groups]) back from the panels (for checks)."""
+        shifts = torch.arange(CODES_PER_WORD, dtype=torch.int32) * 4
+        codes = (self.codes.unsqueeze(-1) >> shifts) & 0x0F  # [P][K / 8][width][8]
+        codes = codes.permute(0, 2, 1, 3).reshape(-1, self.in_features)[: self.out_features]
+        scales = self.scales.transpose(1, 2).reshape(-1, self.scales.shape[1])[: self.out_features]
+        zeros = self.zero_offsets.transpose(1, 2).reshape(-1, self.scales.shape[1]) - MAGIC
+        return codes.to(torch.uint8), scales, zeros[: self.out_features]
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] -> [..., N] (+ bias) in x's dtype (float32 inside)."""
+        leading = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+            rows = rows.to(torch.float32).contiguous()
+        out = torch.empty((rows.shape[0], self.out_features), dtype=torch.float32)
+        if bias is not None:
+            bias = bias.detach().to(torch.float32).contiguous()
+        status = self.gemm._linear(
+            rows.data_ptr(), rows.stride(0), rows.shape[0], self.in_features,
+            self.codes.data_ptr(), self.scales.data_ptr(), self.zero_offsets.data_ptr(),
+            None if bias is None else bias.data_ptr(), self.out_features, self.group_size,
+            out.data_ptr(), self.out_features, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"int4 linear failed with status {status}")
+        return out.to(x.dtype).view(*leading, self.out_features)
+
+
+def kernel_takes_groups(in_features: int, group_size: int) -> bool:
+    return group_size % CODES_PER_WORD == 0 and in_features % group_size == 0
+
+
+def kernel_takes_zeros(zeros: torch.Tensor) -> bool:
+    return bool(((zeros == zeros.round()) & (zeros >= 0) & (zeros <= 16)).all())
+
+
+def _panel_groups(values: torch.Tensor, n_padded: int, width: int) -> torch.Tensor:
+    """[N, groups] -> [panels][groups][width], zero-padded columns."""
+    padded = torch.zeros(n_padded, values.shape[1], dtype=torch.float32)
+    padded[: values.shape[0]] = values
+    return padded.view(-1, width, values.shape[1]).transpose(1, 2).contiguous()
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
+    """weight [N, K] -> (codes [N, K] uint8, scales [N, K / group], zeros [N, K / group]):
+    symmetric per group, zero 8, the largest magnitude of a group at code 1 or 15, so every
+    weight is within scale / 2 of its original (``--quantization int4``)."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"{k} input features are not whole groups of {group_size}")
+    grouped = weight.detach().float().reshape(n, k // group_size, group_size)
+    scales = grouped.abs().amax(dim=-1) / 7
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(grouped / divisor[..., None]).clamp_(-7, 7) + 8
+    zeros = torch.full_like(scales, 8.0)
+    return codes.to(torch.uint8).reshape(n, k), scales, zeros

@@ -1,0 +1,210 @@
+"""A quantized linear's weights as loaded from a quantized checkpoint, and its matmul.
+
+Runs in worker processes. ``QuantizedWeights`` is a child module of the linear it replaces the
+float weight of; its parameters (``codes``, ``scales``, ``zeros``, ``g_idx``, ``input_scale``;
+scheme.py says what each holds) load through the linear's own tensor-parallel loaders, so a
+fused q/k/v or gate/up layer fills each part's rows and a row-parallel one takes its columns.
+The weights stay at the checkpoint's 4 or 8 bits; each matmul dequantizes them with torch ops
+(the correct path for every format), except that group-wise 4-bit weights on a CPU move into
+the compiled kernel's layout once loaded (int4_kernel.py) and decode reads them there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from conveyor.worker.layers.quantization.int4_kernel import (
+    Int4Panels,
+    kernel_takes_groups,
+    kernel_takes_zeros,
+    load_int4_gemm,
+)
+from conveyor.worker.layers.quantization.packing import unpack_nibbles
+from conveyor.worker.layers.quantization.scheme import FLOAT8, INT, LinearScheme
+
+INT8_MAX = 127.5  # compressed-tensors' symmetric int8 scale: |x| max over half of 255 levels
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+
+# (param, loaded tensor, shard id) -> None: the linear's loader for one part of a parameter.
+PartLoader = Callable[[nn.Parameter, torch.Tensor, object], None]
+
+
+class QuantizedWeights(nn.Module):
+    def __init__(
+        self,
+        scheme: LinearScheme,
+        out_features: int,
+        in_features: int,
+        full_rows: Callable[[object], int],
+        load_part: PartLoader,
+    ) -> None:
+        """``full_rows(shard_id)``: how many output rows the checkpoint tensor of that part has
+        before tensor parallelism (a per-tensor or block scale is spread over them);
+        ``load_part``: the linear's loader, which takes this rank's slice."""
+        super().__init__()
+        w = scheme.weights
+        self.scheme = scheme
+        self.out_features, self.in_features = out_features, in_features
+        self._full_rows, self._load_part = full_rows, load_part
+        # The compiled kernel's copy, once ``process_weights_after_loading`` made it.
+        self.panels: Int4Panels | None = None
+        if w.kind == INT and w.bits == 4:
+            if in_features % 2:
+                raise ValueError(f"4-bit weights need an even input size, got {in_features}")
+            codes = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
+        elif w.kind == INT:
+            codes = torch.empty(out_features, in_features, dtype=torch.uint8)
+        else:
+            codes = torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn)
+        num_groups = 1 if w.group_size == 0 else -(-in_features // w.group_size)
+        self.codes = self._param(codes)
+        self.scales = self._param(torch.empty(out_features, num_groups, dtype=torch.float32))
+        if not w.symmetric:
+            self.zeros = self._param(torch.empty(out_features, num_groups, dtype=torch.float32))
+        if w.act_order:
+            self.g_idx = self._param(torch.empty(in_features, dtype=torch.int32), self._load_g_idx)
+        a = scheme.activations
+        if a is not None and not a.dynamic:
+            self.input_scale = self._param(torch.empty(out_features, 1, dtype=torch.float32))
+
+    def _param(self, tensor: torch.Tensor, loader: PartLoader | None = None) -> nn.Parameter:
+        param = nn.Parameter(tensor, requires_grad=False)
+        param.weight_loader = loader or self._load_rows  # type: ignore[attr-defined]
+        return param
+
+    def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> None:
+        """Spread a per-tensor scale over the part's rows, and a block scale over its block's
+        rows, before the linear's loader takes this rank's slice."""
+        rows = self._full_rows(shard_id)
+        block = self.scheme.weights.block_rows if param is self.scales else 0
+        if loaded.shape[0] != rows and block and loaded.shape[0] == -(-rows // block):
+            loaded = loaded.repeat_interleave(block, dim=0)[:rows]
+        elif loaded.shape[0] == 1 and rows > 1:
+            loaded = loaded.expand(rows, *loaded.shape[1:])
+        elif loaded.shape[0] > rows:  # zero points packed eight rows to a word, padded
+            loaded = loaded[:rows]
+        self._load_part(param, loaded.to(param.dtype), shard_id)
+
+    def _load_g_idx(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> None:
+        # Every part of a fused layer reads the same input, so act-order gives them one order.
+        loaded = loaded.to(torch.int32)
+        if getattr(param, "loaded_once", False) and not torch.equal(param.data, loaded):
+            raise ValueError("the fused parts' act-order g_idx differ; conveyor needs them equal")
+        if loaded.shape != param.shape:
+            raise ValueError(f"g_idx has {tuple(loaded.shape)}, the layer {tuple(param.shape)}")
+        param.data.copy_(loaded)
+        param.loaded_once = True  # type: ignore[attr-defined]
+
+    def process_weights_after_loading(self) -> None:
+        """Move group-wise 4-bit weights on a CPU into the kernel's layout, releasing the
+        checkpoint layout (the kernel's copy is the only one; ``dequantized`` reads it)."""
+        w = self.scheme.weights
+        group_size = w.group_size or self.in_features
+        if (
+            self.panels is not None
+            or w.kind != INT
+            or w.bits != 4
+            or w.act_order
+            or self.scheme.activations is not None
+            or self.codes.device.type != "cpu"
+            or not kernel_takes_groups(self.in_features, group_size)
+        ):
+            return
+        gemm = load_int4_gemm()
+        if gemm is None:
+            return
+        zeros = self.zeros.data if not w.symmetric else torch.full_like(self.scales, w.middle_code)
+        if not kernel_takes_zeros(zeros):
+            return
+        codes = unpack_nibbles(self.codes)
+        self.panels = Int4Panels(gemm, codes, self.scales.data, zeros, group_size)
+        for name in ("codes", "scales", "zeros"):
+            if name in self._parameters:
+                delattr(self, name)
+
+    def group_of_each_input(self) -> torch.Tensor:
+        w = self.scheme.weights
+        if w.act_order:
+            return self.g_idx.long()
+        if w.group_size == 0:
+            return torch.zeros(self.in_features, dtype=torch.long)
+        return torch.arange(self.in_features) // w.group_size  # a CPU index serves any device
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [out, in] the checkpoint means, ``(codes - zero) * scale``."""
+        w = self.scheme.weights
+        groups = self.group_of_each_input()
+        if self.panels is not None:
+            codes, scales, zeros = self.panels.unpacked()
+            return ((codes.float() - zeros[:, groups]) * scales[:, groups]).to(dtype)
+        if w.kind == FLOAT8:
+            return (self.codes.to(torch.float32) * self.scales[:, groups]).to(dtype)
+        codes = unpack_nibbles(self.codes) if w.bits == 4 else self.codes
+        zeros = self.zeros[:, groups] if not w.symmetric else float(w.middle_code)
+        return ((codes.to(torch.float32) - zeros) * self.scales[:, groups]).to(dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.panels is not None:
+            return self.panels.linear(x, bias)
+        weight = self.dequantized(torch.float32)
+        rows = x.reshape(-1, self.in_features).to(torch.float32)
+        a = self.scheme.activations
+        if a is None:
+            out = rows @ weight.T
+        elif not a.dynamic:
+            out = self._static_tensor_activations(rows, weight)
+        else:
+            out = fake_quantize(rows, a.kind, a.strategy, a.group_size) @ weight.T
+        if bias is not None:
+            out = out + bias.to(torch.float32)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def _static_tensor_activations(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's input scale per part (q, k and v each have their own): the input is
+        quantized once per distinct scale and multiplies that part's rows."""
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=rows.device)
+        scales = self.input_scale[:, 0]
+        for scale in scales.unique().tolist():
+            mask = scales == scale
+            quantized = _quantize_dequantize(
+                rows, torch.tensor(scale), self.scheme.activations.kind
+            )
+            out[:, mask] = quantized @ weight[mask].T
+        return out
+
+
+def fake_quantize(x: torch.Tensor, kind: str, strategy: str, group_size: int = 0) -> torch.Tensor:
+    """x [rows, features] rounded through int8 or FP8 with dynamic symmetric scales (one per
+    row, per tensor, or per ``group_size`` features of a row) and scaled back."""
+    limit = FP8_MAX if kind == FLOAT8 else INT8_MAX
+    if strategy == "token":
+        scale = x.abs().amax(dim=-1, keepdim=True) / limit
+    elif strategy == "tensor":
+        scale = x.abs().amax().reshape(1, 1) / limit
+    elif strategy == "group":
+        rows, features = x.shape
+        padded = nn.functional.pad(x, (0, -features % group_size))
+        grouped = padded.view(rows, padded.shape[1] // group_size, group_size)
+        scale = grouped.abs().amax(dim=-1, keepdim=True) / limit
+        out = _quantize_dequantize(grouped, _nonzero(scale), kind)
+        return out.reshape(rows, padded.shape[1])[:, :features]
+    else:
+        raise ValueError(f"unknown activation strategy {strategy!r}")
+    return _quantize_dequantize(x, _nonzero(scale), kind)
+
+
+def _nonzero(scale: torch.Tensor) -> torch.Tensor:
+    # An all-zero row would divide by zero; any positive scale gives it zeros back.
+    return torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
+
+
+def _quantize_dequantize(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
+    scaled = x / scale
+    if kind == FLOAT8:
+        codes = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    else:
+        codes = torch.round(scaled).clamp(-128, 127)
+    return codes * scale
