@@ -62,14 +62,12 @@ class Sampler:
         return gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
 
 
-def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Greedy rows take the argmax; random rows go through temperature, filters and the race."""
-    greedy = None if metadata.all_random else logits.argmax(dim=-1)
-    if metadata.all_greedy:
-        return greedy
+def random_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows draw from: temperature, min-p, top-k, top-p, softmax (a
+    greedy row's is meaningless but finite)."""
     temperature = metadata.temperature
     if not metadata.all_random:
-        # Greedy rows are overwritten below; dividing them by 1 keeps them finite meanwhile.
+        # Greedy rows are overwritten by the caller; dividing them by 1 keeps them finite.
         temperature = torch.where(temperature > 0.0, temperature, 1.0)
     logits = logits / temperature.unsqueeze(1)
     if metadata.min_p is not None:
@@ -78,7 +76,15 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
     elif metadata.top_p is not None:
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-    sampled = race(logits.softmax(dim=-1), metadata.generators)
+    return logits.softmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Greedy rows take the argmax; random rows go through temperature, filters and the race."""
+    greedy = None if metadata.all_random else logits.argmax(dim=-1)
+    if metadata.all_greedy:
+        return greedy
+    sampled = race(random_probs(logits, metadata), metadata.generators)
     if greedy is None:
         return sampled
     return torch.where(metadata.temperature > 0.0, sampled, greedy)

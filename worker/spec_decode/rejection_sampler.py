@@ -25,12 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.worker.sampler import (
-    apply_min_p,
     apply_penalties,
     apply_token_constraints,
-    apply_top_k,
-    apply_top_k_top_p,
     gather_logprobs,
+    random_probs,
 )
 from conveyor.worker.sampling_metadata import SamplingMetadata
 
@@ -43,19 +41,6 @@ class Verified:
     # emitted token first then the top alternatives under the raw logits; [] for rows that
     # did not ask.
     logprob_rows: list[list[tuple[list[int], list[float], int]]] | None = None
-
-
-def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """The distribution the sampler draws random rows from: temperature, min-p, top-k, top-p."""
-    temperature = torch.where(metadata.temperature > 0.0, metadata.temperature, 1.0)
-    logits = logits / temperature.unsqueeze(1)
-    if metadata.min_p is not None:
-        logits = apply_min_p(logits, metadata.min_p)
-    if metadata.top_k is not None and metadata.top_p is None:
-        logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
-    elif metadata.top_p is not None:
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-    return logits.softmax(dim=-1)
 
 
 def verify(
@@ -76,7 +61,7 @@ def verify(
         logits = apply_token_constraints(logits, metadata.token_constraints)
     logits = apply_penalties(logits, metadata)
     greedy = logits.argmax(dim=-1).tolist()
-    probs = None if metadata.all_greedy else target_probs(logits, metadata)
+    probs = None if metadata.all_greedy else random_probs(logits, metadata)
     starts = [0]
     for row_drafts in drafts:
         starts.append(starts[-1] + len(row_drafts) + 1)
