@@ -315,6 +315,9 @@ def decode_body(body: bytes, body_type: type[Any]) -> Any:
         # msgspec ends its message with "- at `$.field`": a path, never the offending value.
         return _raise_invalid(str(exc))
     except msgspec.DecodeError as exc:
+        # msgspec 0.23 reports invalid UTF-8 inside a string here (earlier ones, below).
+        if "UTF-8" in str(exc):
+            raise bad_request(f"the request body is not valid UTF-8: {exc}") from None
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         # Even an unknown field is parsed to skip it: deep nesting must be a 400, not a 500.
