@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,6 +186,34 @@ def tagged_region(text: str, start: str, end: str, position: int) -> tuple[int, 
         return None
     body = found + len(start)
     return found, body, text.find(end, body)
+
+
+def tagged_calls(
+    text: str,
+    done: bool,
+    section: str,
+    begin: str,
+    end: str,
+    call: Callable[[str, bool], CallDraft | None],
+) -> Scan:
+    """The scan of a format whose calls follow the content from ``section`` on, each between
+    ``begin`` and ``end``: ``call(its text so far, closed)`` reads one (None while it cannot yet
+    say the call's name, which ends the scan there)."""
+    content, start = content_before(text, section, done)
+    if start < 0:
+        return Scan(content)
+    drafts: list[CallDraft] = []
+    position = start
+    while (region := tagged_region(text, begin, end, position)) is not None:
+        _, body, stop = region
+        draft = call(text[body : stop if stop >= 0 else len(text)], stop >= 0 or done)
+        if draft is None:
+            break
+        drafts.append(draft)
+        if stop < 0:
+            break
+        position = stop + len(end)
+    return whole(text, drafts, content) if done else Scan(content, drafts)
 
 
 def json_arguments(text: str, start: int, closed: bool) -> tuple[str, bool]:

@@ -16,10 +16,8 @@ from conveyor.frontend.parsers.tool_calls.base import (
     CallDraft,
     Scan,
     ToolCallParser,
-    content_before,
     json_arguments,
-    tagged_region,
-    whole,
+    tagged_calls,
 )
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -31,22 +29,7 @@ class DeepSeekV3Parser(ToolCallParser):
     needs_special_tokens = True
 
     def scan(self, text: str, done: bool) -> Scan:
-        content, start = content_before(text, CALLS_BEGIN, done)
-        if start < 0:
-            return Scan(content)
-        drafts: list[CallDraft] = []
-        position = start
-        while (region := tagged_region(text, CALL_BEGIN, CALL_END, position)) is not None:
-            _, body, end = region
-            call_text = text[body : end if end >= 0 else len(text)]
-            draft = self.call(call_text, end >= 0 or done)
-            if draft is None:
-                break
-            drafts.append(draft)
-            if end < 0:
-                break
-            position = end + len(CALL_END)
-        return whole(text, drafts, content) if done else Scan(content, drafts)
+        return tagged_calls(text, done, CALLS_BEGIN, CALL_BEGIN, CALL_END, self.call)
 
     def call(self, call_text: str, closed: bool) -> CallDraft | None:
         """``function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```."""

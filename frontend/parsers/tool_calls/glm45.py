@@ -18,10 +18,8 @@ from conveyor.frontend.parsers.tool_calls.base import (
     CallDraft,
     Scan,
     ToolCallParser,
-    content_before,
-    tagged_region,
+    tagged_calls,
     text_value,
-    whole,
 )
 from conveyor.frontend.parsers.tool_calls.json_text import encode
 
@@ -34,22 +32,7 @@ class Glm45Parser(ToolCallParser):
     needs_special_tokens = True
 
     def scan(self, text: str, done: bool) -> Scan:
-        content, start = content_before(text, CALL, done)
-        if start < 0:
-            return Scan(content)
-        drafts: list[CallDraft] = []
-        position = start
-        while (region := tagged_region(text, CALL, CALL_END, position)) is not None:
-            _, body, end = region
-            closed = end >= 0 or done
-            draft = self._call(text[body : end if end >= 0 else len(text)], closed)
-            if draft is None:
-                break
-            drafts.append(draft)
-            if end < 0:
-                break
-            position = end + len(CALL_END)
-        return whole(text, drafts, content) if done else Scan(content, drafts)
+        return tagged_calls(text, done, CALL, CALL, CALL_END, self._call)
 
     def _call(self, body: str, closed: bool) -> CallDraft | None:
         name_end = _NAME_END.search(body)

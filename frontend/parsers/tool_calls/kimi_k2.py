@@ -13,10 +13,8 @@ from conveyor.frontend.parsers.tool_calls.base import (
     CallDraft,
     Scan,
     ToolCallParser,
-    content_before,
     json_arguments,
-    tagged_region,
-    whole,
+    tagged_calls,
 )
 
 SECTION = "<|tool_calls_section_begin|>"
@@ -27,23 +25,13 @@ class KimiK2Parser(ToolCallParser):
     needs_special_tokens = True
 
     def scan(self, text: str, done: bool) -> Scan:
-        content, start = content_before(text, SECTION, done)
-        if start < 0:
-            return Scan(content)
-        drafts: list[CallDraft] = []
-        position = start
-        while (region := tagged_region(text, BEGIN, END, position)) is not None:
-            _, body, end = region
-            call_text = text[body : end if end >= 0 else len(text)]
-            marker = call_text.find(ARGUMENTS)
-            if marker < 0:
-                break
-            call_id = call_text[:marker].strip()
-            name = call_id.split(":")[0].split(".")[-1]
-            closed = end >= 0 or done
-            arguments, complete = json_arguments(call_text, marker + len(ARGUMENTS), closed)
-            drafts.append(CallDraft(name, arguments, closed and complete, call_id))
-            if end < 0:
-                break
-            position = end + len(END)
-        return whole(text, drafts, content) if done else Scan(content, drafts)
+        return tagged_calls(text, done, SECTION, BEGIN, END, self._call)
+
+    def _call(self, call_text: str, closed: bool) -> CallDraft | None:
+        marker = call_text.find(ARGUMENTS)
+        if marker < 0:
+            return None
+        call_id = call_text[:marker].strip()
+        name = call_id.split(":")[0].split(".")[-1]
+        arguments, complete = json_arguments(call_text, marker + len(ARGUMENTS), closed)
+        return CallDraft(name, arguments, closed and complete, call_id)

@@ -22,10 +22,8 @@ from conveyor.frontend.parsers.tool_calls.base import (
     CallDraft,
     Scan,
     ToolCallParser,
-    content_before,
-    tagged_region,
+    tagged_calls,
     text_value,
-    whole,
 )
 from conveyor.frontend.parsers.tool_calls.json_text import encode
 
@@ -37,21 +35,7 @@ FUNCTION_END = "</function>"
 
 class Qwen3CoderParser(ToolCallParser):
     def scan(self, text: str, done: bool) -> Scan:
-        content, start = content_before(text, CALL, done)
-        if start < 0:
-            return Scan(content)
-        drafts: list[CallDraft] = []
-        position = start
-        while (region := tagged_region(text, CALL, CALL_END, position)) is not None:
-            _, body, end = region
-            draft = self._call(text[body : end if end >= 0 else len(text)], end >= 0 or done)
-            if draft is None:
-                break
-            drafts.append(draft)
-            if end < 0:
-                break
-            position = end + len(CALL_END)
-        return whole(text, drafts, content) if done else Scan(content, drafts)
+        return tagged_calls(text, done, CALL, CALL, CALL_END, self._call)
 
     def _call(self, body: str, closed: bool) -> CallDraft | None:
         function = _FUNCTION.search(body)
