@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from conveyor.frontend.engine_args import EngineArgs
-from conveyor.worker.attention.cpu_kernel import PagedAttentionKernel, load_kernel
+from conveyor.protocol.config import ConfigError
+from conveyor.worker.attention.cpu_kernel import PagedAttentionKernel, amx_wanted, load_kernel
 from conveyor.worker.attention.torch_backend import TorchAttentionBackend
 from conveyor.worker.model_runner import ModelRunner
 from tests.devices import logprob_tolerance
@@ -241,3 +242,11 @@ def test_a_host_with_amx_runs_its_query_tiles_on_amx_tiles():
     finally:
         kernel.set_amx(True)
     assert not torch.equal(on, off)
+
+
+def test_a_cpu_amx_value_that_is_neither_on_nor_off_is_refused(monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CPU_AMX", "maybe")
+    with pytest.raises(ConfigError, match="CONVEYOR_CPU_AMX='maybe'"):
+        amx_wanted()
+    monkeypatch.setenv("CONVEYOR_CPU_AMX", "off")
+    assert not amx_wanted()

@@ -21,13 +21,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from conveyor.worker import native
+from conveyor.worker.kv_cache import switch_from_env
 from conveyor.worker.native import find_compiler
 
 logger = logging.getLogger(__name__)
@@ -176,12 +176,8 @@ class PagedAttentionKernel:
 
 
 def amx_wanted() -> bool:
-    return os.environ.get("CONVEYOR_CPU_AMX", "1").strip().lower() not in (
-        "0",
-        "false",
-        "no",
-        "off",
-    )
+    """CONVEYOR_CPU_AMX: on unless set off; a value that is neither is refused."""
+    return switch_from_env("CONVEYOR_CPU_AMX")
 
 
 def kernel_disabled() -> bool:
@@ -204,6 +200,7 @@ def _load_kernel(dtype: torch.dtype, kv_dtype: torch.dtype) -> PagedAttentionKer
     if kernel_disabled():
         logger.info("CPU attention kernel disabled by CONVEYOR_CPU_KERNEL; using torch ops")
         return None
+    amx_wanted()  # a bad CONVEYOR_CPU_AMX stops here, not as a failed build
     # Without a compiler the worker's start-up warning has said so, and what it costs.
     return native.load_optional(
         logger, "CPU attention kernel", "using torch ops", SOURCE_PATH, _inputs(),
