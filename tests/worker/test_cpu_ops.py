@@ -15,6 +15,7 @@ from conveyor.worker import native
 from conveyor.worker.layers import cpu_ops
 from conveyor.worker.layers.cpu_ops import TokenOps, load_token_ops
 from conveyor.worker.layers.norm import RMSNorm, rms_normalize
+from conveyor.worker.layers.rotary import RotaryAngles, rotate_
 from tests.env_switches import assert_refused, switch_set
 
 EPS = 1e-6
@@ -174,6 +175,36 @@ def test_fallback_builds_compute_the_same(tmp_path, monkeypatch, flags):
     error = (ops.small_linear(x, weight, None).double() - float64_linear(x, weight, None)).abs()
     assert (error <= float32_sum_bound(x, weight, None)).all(), error.max()
     assert ops.threaded == ("-fopenmp" in flags)
+    # And the bfloat16 forms, against the native build's: the same roundings, so the same bits
+    # but where a float32 result differing in its last bit (sums in another order, multiply-adds
+    # fused or not) lands on the other side of a bfloat16 rounding.
+    native_ops = load_token_ops()
+    if native_ops is not None:
+        generator = torch.Generator().manual_seed(5)
+        rows = (torch.randn(300, 520, generator=generator) * 3).bfloat16()
+        added = torch.randn(300, 520, generator=generator).bfloat16()
+        scale = torch.randn(520, generator=generator).bfloat16()
+        normed, summed = ops.add_rms_norm(rows, added, scale, EPS)
+        assert torch.equal(summed, native_ops.add_rms_norm(rows, added, scale, EPS)[1])
+        assert_nearly_equal_bf16(normed, native_ops.add_rms_norm(rows, added, scale, EPS)[0])
+        gated = (torch.randn(70, 2 * 100, generator=generator) * 4).bfloat16()
+        assert_nearly_equal_bf16(ops.silu_and_mul(gated), native_ops.silu_and_mul(gated))
+        heads = (torch.randn(37, 12, 64, generator=generator) * 3).bfloat16()
+        weight, _, cos, sin = norm_and_angles(37, 12, 64, 32)
+        weight, cos, sin = weight.bfloat16(), cos.bfloat16(), sin.bfloat16()
+        got = ops.qk_norm_rope_(heads.clone(), weight, EPS, cos, sin)
+        assert_nearly_equal_bf16(
+            got, native_ops.qk_norm_rope_(heads.clone(), weight, EPS, cos, sin)
+        )
+
+
+def assert_nearly_equal_bf16(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal but for under 0.1 % of the values, each within two bfloat16 steps of the largest
+    value of its row (a step before a cancelling sum is many steps of its result)."""
+    assert (got != expected).float().mean() < 1e-3
+    error = (got.float() - expected.float()).abs()
+    largest = expected.float().abs().amax(dim=-1, keepdim=True).expand_as(error)
+    assert (error <= largest * 2**-7).all(), (error / largest).max()
 
 
 def norm_and_angles(num_tokens, num_heads, head_dim, half, seed=0):
@@ -237,7 +268,11 @@ def test_qk_norm_rope_takes_only_what_it_can_read():
     weight, _, cos, sin = norm_and_angles(4, 3, 64, 32)
     assert TokenOps.takes_heads(x, weight, cos, sin) and TokenOps.takes_heads(x, None, cos, sin)
     assert not TokenOps.takes_heads(x.double(), weight, cos, sin)
-    assert not TokenOps.takes_heads(x.bfloat16(), weight, cos, sin)  # float32 only
+    assert not TokenOps.takes_heads(x.bfloat16(), weight, cos, sin)  # one dtype for all
+    assert TokenOps.takes_heads(
+        x.bfloat16(), weight.bfloat16(), cos.bfloat16(), sin.bfloat16()
+    ) and TokenOps.takes_heads(x.bfloat16(), None, cos.bfloat16(), sin.bfloat16())
+    assert not TokenOps.takes_heads(x.double(), weight.double(), cos.double(), sin.double())
     assert not TokenOps.takes_heads(x.transpose(0, 1), weight, cos[:3], sin[:3])  # heads apart
     assert not TokenOps.takes_heads(x[..., ::2], weight[:, :32], cos, sin)  # dims apart
     assert not TokenOps.takes_heads(x, weight[:2], cos, sin)  # a weight per head
@@ -287,7 +322,8 @@ def test_the_layers_take_the_compiled_ops_and_fall_back_to_torch(ops, monkeypatc
     monkeypatch.setattr("conveyor.worker.layers.activation.load_token_ops", lambda: None)
     fallback = SiluAndMul()(x)
     torch.testing.assert_close(compiled, fallback, rtol=1e-6, atol=1e-6)
-    assert not TokenOps.takes_gated(x.bfloat16()) and not TokenOps.takes_gated(x[:, :95])
+    assert TokenOps.takes_gated(x.bfloat16()) and not TokenOps.takes_gated(x[:, :95])
+    assert not TokenOps.takes_gated(x.double()) and not TokenOps.takes_gated(x.half())
     assert not TokenOps.takes_gated(x.t())
 
 
@@ -420,3 +456,95 @@ def test_conveyor_small_linear_off_keeps_the_packed_weight_and_other_values_are_
     assert_refused(monkeypatch, "CONVEYOR_SMALL_LINEAR", "sometimes", cpu_ops.small_linear_enabled)
     linear(x, weight, None, pack_weight(weight))
     assert calls == [1]
+
+
+@pytest.mark.parametrize("size", [1, 13, 64, 1000, 1536])
+@pytest.mark.parametrize("num_rows", [0, 1, 7, 64])
+def test_bfloat16_silu_and_mul_rounds_where_the_torch_ops_round(ops, size, num_rows):
+    """torch's bfloat16 silu computes in float32 and rounds, then the product rounds again: the
+    op rounds at the same two places, so only a float32 exp a few ulps from torch's near a
+    rounding boundary can move a result one bfloat16 step (none in these draws). Sizes off the
+    vector width go through the padded tail."""
+    generator = torch.Generator().manual_seed(size + 17 * num_rows)
+    x = (torch.randn(num_rows, 2 * size, generator=generator) * 6).bfloat16()
+    before = x.clone()
+    out = ops.silu_and_mul(x)
+    expected = torch.nn.functional.silu(x[:, :size]) * x[:, size:]
+    assert out.dtype == torch.bfloat16 and out.shape == (num_rows, size)
+    ulps = bf16_ulps(out, expected)
+    assert ulps.numel() == 0 or (ulps.max() <= 1 and (ulps == 0).float().mean() > 0.999)
+    assert torch.equal(x, before)
+
+
+def test_bfloat16_silu_and_mul_over_the_whole_range(ops):
+    g = torch.cat([torch.linspace(-120, 100, 20_001), torch.tensor([0.0, -0.0, 1e-30, -1e-30])])
+    g = g.bfloat16()
+    out = ops.silu_and_mul(torch.cat([g, torch.ones_like(g)]).view(1, -1))[0]
+    expected = torch.nn.functional.silu(g)
+    tiny = g.float() < -87  # the op's e^g is 0 there; torch's a subnormal under 1.5e-36
+    assert torch.equal(out[tiny], torch.zeros_like(out[tiny]))
+    assert bf16_ulps(out[~tiny], expected[~tiny]).max() <= 1
+
+
+@pytest.mark.parametrize(
+    "head_dim,half", [(64, 32), (128, 64), (256, 128), (64, 16), (80, 40), (24, 12)]
+)
+@pytest.mark.parametrize("num_tokens", [1, 5, 64, 300])
+@pytest.mark.parametrize("with_norm", [True, False], ids=["norm", "rope-only"])
+def test_bfloat16_qk_norm_rope_rounds_where_the_torch_ops_round(
+    ops, head_dim, half, num_tokens, with_norm
+):
+    """Against the layer's own torch ops in bfloat16 (rms_normalize, then rotate_: what a
+    bfloat16 model runs without the op, rounded as Hugging Face's). The rotation alone is bit
+    for bit (each product of two bfloat16 values is exact in float32, and every op rounds where
+    torch's does); the norm's float32 sum of squares goes in another order than torch's, which
+    can move a value one bfloat16 step before the weight's multiply and the rotation round it
+    again: rarely a difference, never more than a step or two of the head's largest value."""
+    num_heads, num_kv_heads = 8, 2
+    generator = torch.Generator().manual_seed(head_dim * 5 + num_tokens)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = (torch.randn(num_tokens, width, generator=generator) * 3).bfloat16()
+    qk_width = (num_heads + num_kv_heads) * head_dim
+    weight, eps, cos, sin = norm_and_angles(num_tokens, num_heads + num_kv_heads, head_dim, half)
+    weight, cos, sin = weight.bfloat16() if with_norm else None, cos.bfloat16(), sin.bfloat16()
+    before = qkv.clone()
+    qk = qkv[:, :qk_width].view(num_tokens, -1, head_dim)
+    assert TokenOps.takes_heads(qk, weight, cos, sin)
+    reference = qk.clone()
+    if weight is not None:
+        reference = rms_normalize(reference, weight, eps)
+    expected = rotate_(reference, RotaryAngles(cos, sin))
+    result = ops.qk_norm_rope_(qk, weight, eps, cos, sin)
+    assert result.data_ptr() == qkv.data_ptr()
+    assert torch.equal(qkv[:, qk_width:], before[:, qk_width:])
+    if not with_norm:
+        assert torch.equal(qk, expected)
+    else:
+        # A step of difference before the rotation stays a step of its inputs' size after it,
+        # many steps of a result that cancels (x1 cos - x2 sin near 0): bound it by the head.
+        assert_nearly_equal_bf16(qk, expected)
+
+
+def test_the_bfloat16_layers_take_the_compiled_ops(ops, monkeypatch):
+    """The layers route bfloat16 rows to the ops, and the torch ops they replace agree."""
+    from conveyor.worker.layers import rotary
+    from conveyor.worker.layers.activation import SiluAndMul
+
+    x = (torch.randn(9, 2 * 48) * 4).bfloat16()
+    heads = (torch.randn(9, 6, 64) * 3).bfloat16()
+    weight, _, cos, sin = norm_and_angles(9, 6, 64, 32)
+    weight, cos, sin = weight.bfloat16(), cos.bfloat16(), sin.bfloat16()
+    calls = []
+    for name in ("silu_and_mul", "qk_norm_rope_"):
+        original = getattr(TokenOps, name)
+        monkeypatch.setattr(
+            TokenOps, name, lambda self, *a, _o=original, _n=name: calls.append(_n) or _o(self, *a)
+        )
+    compiled = SiluAndMul()(x)
+    rotated = rotary.normalize_and_rotate(heads.clone(), weight, EPS, RotaryAngles(cos, sin))
+    assert calls == ["silu_and_mul", "qk_norm_rope_"]
+    monkeypatch.setattr("conveyor.worker.layers.activation.load_token_ops", lambda: None)
+    monkeypatch.setattr("conveyor.worker.layers.rotary.load_token_ops", lambda: None)
+    assert bf16_ulps(compiled, SiluAndMul()(x)).max() <= 1
+    fallback = rotary.normalize_and_rotate(heads.clone(), weight, EPS, RotaryAngles(cos, sin))
+    assert bf16_ulps(rotated, fallback).max() <= 2

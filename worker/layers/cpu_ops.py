@@ -27,7 +27,7 @@ SOURCE_PATH = Path(__file__).parent / "csrc" / "token_ops.c"
 # The attention kernel's vector helpers, which the source includes.
 VECTOR_MATH_PATH = Path(__file__).parent.parent / "attention" / "csrc" / "vector_math.h"
 # Must match CONVEYOR_TOKEN_OPS_ABI_VERSION in the source.
-ABI_VERSION = 4
+ABI_VERSION = 5
 # What the ops take: float32, and bfloat16 rounded where the torch ops round.
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -71,12 +71,22 @@ class TokenOps:
                 library, "conveyor_add_rms_norm_bf16", _ADD_RMS_NORM_ARGTYPES
             ),
         }
-        self._qk_norm_rope = native.status_function(
-            library, "conveyor_qk_norm_rope", _QK_NORM_ROPE_ARGTYPES
-        )
-        self._silu_and_mul = native.status_function(
-            library, "conveyor_silu_and_mul", _SILU_AND_MUL_ARGTYPES
-        )
+        self._qk_norm_rope = {
+            torch.float32: native.status_function(
+                library, "conveyor_qk_norm_rope", _QK_NORM_ROPE_ARGTYPES
+            ),
+            torch.bfloat16: native.status_function(
+                library, "conveyor_qk_norm_rope_bf16", _QK_NORM_ROPE_ARGTYPES
+            ),
+        }
+        self._silu_and_mul = {
+            torch.float32: native.status_function(
+                library, "conveyor_silu_and_mul", _SILU_AND_MUL_ARGTYPES
+            ),
+            torch.bfloat16: native.status_function(
+                library, "conveyor_silu_and_mul_bf16", _SILU_AND_MUL_ARGTYPES
+            ),
+        }
         self._small_linear = native.status_function(
             library, "conveyor_small_linear", _SMALL_LINEAR_ARGTYPES
         )
@@ -152,17 +162,18 @@ class TokenOps:
     def takes_heads(
         x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
     ) -> bool:
-        """Whether ``qk_norm_rope_`` takes these: CPU float32 heads [T, heads, head_dim], each
-        head dense and the heads side by side; ``weight`` (or None) float32 [heads, head_dim]
-        dense; cos and sin float32 [T, 1, half] (RotaryAngles) with dense rows, one stride."""
-        if not (x.is_cpu and x.dtype == torch.float32 and x.dim() == 3 and x.shape[0] > 0):
+        """Whether ``qk_norm_rope_`` takes these: CPU float32 or bfloat16 heads [T, heads,
+        head_dim], each head dense and the heads side by side; ``weight`` (or None) [heads,
+        head_dim] dense; cos and sin [T, 1, half] (RotaryAngles) with dense rows, one stride; all
+        of one dtype."""
+        if not (x.is_cpu and x.dtype in DTYPES and x.dim() == 3 and x.shape[0] > 0):
             return False
         num_tokens, num_heads, head_dim = x.shape
         if x.stride(2) != 1 or (num_heads > 1 and x.stride(1) != head_dim):
             return False
         if weight is not None and not (
             weight.is_cpu
-            and weight.dtype == torch.float32
+            and weight.dtype == x.dtype
             and weight.shape == (num_heads, head_dim)
             and weight.is_contiguous()
         ):
@@ -170,7 +181,7 @@ class TokenOps:
         return (
             all(
                 a.is_cpu
-                and a.dtype == torch.float32
+                and a.dtype == x.dtype
                 and a.dim() == 3
                 and a.shape[0] == num_tokens
                 and a.shape[1] == 1
@@ -193,7 +204,7 @@ class TokenOps:
         """In place on ``x`` [T, heads, head_dim]: each head's RMSNorm times ``weight`` (skipped
         when None), then its neox rotation by cos, sin [T, 1, half]. ``takes_heads`` must hold."""
         num_tokens, num_heads, head_dim = x.shape
-        status = self._qk_norm_rope(
+        status = self._qk_norm_rope[x.dtype](
             x.data_ptr(), x.stride(0), num_tokens, num_heads, head_dim,
             None if weight is None else weight.data_ptr(), eps,
             cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.shape[2],
@@ -205,10 +216,11 @@ class TokenOps:
 
     @staticmethod
     def takes_gated(x: torch.Tensor) -> bool:
-        """Whether ``silu_and_mul`` takes ``x``: CPU float32 [T, 2 * size] with dense rows."""
+        """Whether ``silu_and_mul`` takes ``x``: CPU float32 or bfloat16 [T, 2 * size] with dense
+        rows."""
         return (
             x.is_cpu
-            and x.dtype == torch.float32
+            and x.dtype in DTYPES
             and x.dim() == 2
             and x.shape[1] % 2 == 0
             and x.shape[1] > 0
@@ -220,7 +232,7 @@ class TokenOps:
         must hold."""
         num_rows, size = x.shape[0], x.shape[1] // 2
         out = torch.empty((num_rows, size), dtype=x.dtype)
-        status = self._silu_and_mul(
+        status = self._silu_and_mul[x.dtype](
             x.data_ptr(), x.stride(0), num_rows, size, out.data_ptr(), size,
             torch.get_num_threads(),
         )  # fmt: skip

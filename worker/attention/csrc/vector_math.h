@@ -98,7 +98,18 @@ static inline float hsum(vf8 v) {
 }
 
 /* bfloat16: the top 16 bits of a float32. Widening is exact; narrowing rounds to the nearest,
- * ties to even, as torch rounds (NaN stays NaN). */
+ * ties to even, as torch rounds (NaN stays NaN).
+ *
+ * The _ftz forms (the token ops' activations) narrow with AVX512-BF16's VCVTNEPS2BF16 where the
+ * CPU has it (with VL), one instruction for what is otherwise eight: the same bits for every
+ * value but those under 2^-126 in magnitude (float32 subnormals), which it flushes to zero where
+ * torch keeps them, far below anything a model's activations hold. Elsewhere they are the exact
+ * forms. What must match torch bit for bit at every value (the KV cache's writes) uses those. */
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define CONVEYOR_HARDWARE_BF16 1
+#endif
+
 typedef uint16_t vu16x8 __attribute__((vector_size(16)));
 typedef uint32_t vu8 __attribute__((vector_size(32)));
 
@@ -117,10 +128,12 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+static inline vf8 widen_bf16(vu16x8 raw) { return (vf8)(__builtin_convertvector(raw, vi8) << 16); }
+
 static inline vf8 load_bf16(const uint16_t *p) {
     vu16x8 raw;
     memcpy(&raw, p, sizeof raw);
-    return (vf8)(__builtin_convertvector(raw, vi8) << 16);
+    return widen_bf16(raw);
 }
 
 /* The bits of v rounded to bfloat16, in the top half of each lane (the low half is zero). */
@@ -131,12 +144,79 @@ static inline vu8 round_to_bf16_bits(vf8 v) {
     return (vu8)select(v != v, (vf8)quiet_nan, (vf8)rounded);
 }
 
+/* v rounded to bfloat16, as the 16-bit values a bfloat16 tensor holds. */
+static inline vu16x8 narrow_bf16(vf8 v) {
+    return __builtin_convertvector(round_to_bf16_bits(v) >> 16, vu16x8);
+}
+
 /* v rounded to bfloat16 and widened back: what a bfloat16 tensor would hold. */
 static inline vf8 round_to_bf16(vf8 v) { return (vf8)round_to_bf16_bits(v); }
 
-static inline void store_bf16(uint16_t *p, vf8 v) {
-    vu16x8 narrow = __builtin_convertvector(round_to_bf16_bits(v) >> 16, vu16x8);
-    memcpy(p, &narrow, sizeof narrow);
+static inline void store_bf16_bits(uint16_t *p, vu16x8 bits) { memcpy(p, &bits, sizeof bits); }
+
+static inline void store_bf16(uint16_t *p, vf8 v) { store_bf16_bits(p, narrow_bf16(v)); }
+
+static inline vu16x8 narrow_bf16_ftz(vf8 v) {
+#if defined(CONVEYOR_HARDWARE_BF16)
+    return (vu16x8)_mm256_cvtneps_pbh((__m256)v);
+#else
+    return narrow_bf16(v);
+#endif
 }
+
+static inline vf8 round_to_bf16_ftz(vf8 v) {
+#if defined(CONVEYOR_HARDWARE_BF16)
+    return widen_bf16(narrow_bf16_ftz(v));
+#else
+    return round_to_bf16(v);
+#endif
+}
+
+static inline void store_bf16_ftz(uint16_t *p, vf8 v) { store_bf16_bits(p, narrow_bf16_ftz(v)); }
+
+#if defined(__AVX512F__)
+/* The same for 16 floats (the token ops' bfloat16 rows; only _ftz narrowing), in intrinsics:
+ * GCC built the generic vectors' 16-lane conversions from pairs of 8-lane halves. */
+#include <immintrin.h>
+typedef __m256i vu16x16;
+
+static inline vf16 widen_bf16_16(vu16x16 raw) {
+    return (vf16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16);
+}
+
+static inline vf16 load_bf16_16(const uint16_t *p) {
+    return widen_bf16_16(_mm256_loadu_si256((const __m256i *)p));
+}
+
+static inline vu16x16 narrow_bf16_ftz_16(vf16 v) {
+#if defined(__AVX512BF16__)
+    return (vu16x16)_mm512_cvtneps_pbh((__m512)v);
+#else
+    const __m512i bits = (__m512i)v;
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    const __mmask16 nan = _mm512_cmp_ps_mask((__m512)v, (__m512)v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x00400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
+
+static inline vf16 round_to_bf16_ftz_16(vf16 v) { return widen_bf16_16(narrow_bf16_ftz_16(v)); }
+
+static inline void store_bf16_bits_16(uint16_t *p, vu16x16 bits) {
+    _mm256_storeu_si256((__m256i *)p, bits);
+}
+
+static inline void store_bf16_ftz_16(uint16_t *p, vf16 v) {
+    store_bf16_bits_16(p, narrow_bf16_ftz_16(v));
+}
+
+static inline float hsum16(vf16 v) {
+    const __m512 wide = (__m512)v;
+    const vf8 low = (vf8)_mm512_castps512_ps256(wide);
+    const vf8 high = (vf8)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide), 1));
+    return hsum(low + high);
+}
+#endif
 
 #endif

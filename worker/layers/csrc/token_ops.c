@@ -20,7 +20,7 @@
 
 #include "../../attention/csrc/vector_math.h"
 
-#define CONVEYOR_TOKEN_OPS_ABI_VERSION 4
+#define CONVEYOR_TOKEN_OPS_ABI_VERSION 5
 /* Below this many elements the OpenMP fork costs more than the second thread saves (a decode
  * batch of a few rows). */
 #define PARALLEL_MIN_ELEMENTS 16384
@@ -95,6 +95,97 @@ int conveyor_add_rms_norm(const float *x, int64_t x_stride, const float *residua
     return 0;
 }
 
+/* e^x for x <= 0 to within about an ulp, as torch's exp is: x = n ln 2 + y with integer n and
+ * |y| <= ln(2) / 2, ln 2 split in two parts (Cody and Waite) so that y keeps x's precision;
+ * e^y by its Taylor series to degree 7 (truncation ~6e-9 relative), 2^n into the exponent bits.
+ * (The attention kernel's exp2 of x * log2(e) loses |x| * 6e-8 of relative precision to the
+ * rounding of that product: harmless for softmax weights, 8 ulps of a silu at |x| = 16.) Below
+ * -87 the result is 0 (where torch's would be subnormal, below 1.2e-38). */
+#define EXP_NONPOSITIVE(VF, VI, SUFFIX)                                                            \
+    static inline VF exp_nonpositive##SUFFIX(VF x) {                                               \
+        VI underflow = x < -87.0f; /* e^x below float32 normals: 0 */                              \
+        x = select##SUFFIX(underflow, splat##SUFFIX(-87.0f), x);                                   \
+        VI n = __builtin_convertvector(x * LOG2E - 0.5f, VI); /* truncates toward 0: rounds */     \
+        VF nf = __builtin_convertvector(n, VF);                                                    \
+        VF y = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;                        \
+        VF p = splat##SUFFIX(1.0f / 5040.0f);                                                      \
+        p = p * y + 1.0f / 720.0f;                                                                 \
+        p = p * y + 1.0f / 120.0f;                                                                 \
+        p = p * y + 1.0f / 24.0f;                                                                  \
+        p = p * y + 1.0f / 6.0f;                                                                   \
+        p = p * y + 0.5f;                                                                          \
+        p = p * y + 1.0f;                                                                          \
+        p = p * y + 1.0f;                                                                          \
+        return select##SUFFIX(underflow, splat##SUFFIX(0.0f), (VF)((VI)p + (n << 23)));            \
+    }                                                                                              \
+    /* silu(g) * u = g * sigmoid(g) * u, sigmoid from e = exp(-|g|) <= 1 (never overflows). */     \
+    static inline VF silu_times##SUFFIX(VF g, VF u) {                                              \
+        VF e = exp_nonpositive##SUFFIX(select##SUFFIX(g < 0.0f, g, -g));                           \
+        VF sigmoid = select##SUFFIX(g < 0.0f, e, splat##SUFFIX(1.0f)) / (1.0f + e);                \
+        return (g * sigmoid) * u;                                                                  \
+    }
+
+EXP_NONPOSITIVE(vf8, vi8, )
+#if defined(__AVX512F__)
+EXP_NONPOSITIVE(vf16, vi16, 16)
+#endif
+
+/* bfloat16 steps of the ops below over one vector of N lanes, written once and instantiated for
+ * 16 lanes (AVX-512) and 8 (every host, and the 8-wide tail of a 16-lane loop): every lane rounds
+ * where the torch ops round, whatever its width (flushing float32 subnormals to zero where the
+ * CPU's own conversion does: vector_math.h's _ftz forms). A value both stored and used again is
+ * narrowed once and widened back (exact). BF: the suffix of the bf16 helpers, V: of the vector ops. */
+#define BF16_STEPS(VF, BITS, BF, V)                                                                \
+    /* s = bf16(x + added) stored to sum (or x alone); returns acc + s^2 */                        \
+    static inline VF bf16_sum_step##BF(const uint16_t *x, const uint16_t *added, uint16_t *sum,    \
+                                      VF acc) {                                                    \
+        VF s = load_bf16##BF(x);                                                                   \
+        if (added) {                                                                               \
+            BITS bits = narrow_bf16_ftz##BF(s + load_bf16##BF(added));                             \
+            store_bf16_bits##BF(sum, bits);                                                        \
+            s = widen_bf16##BF(bits);                                                              \
+        }                                                                                          \
+        return acc + s * s;                                                                        \
+    }                                                                                              \
+    static inline VF bf16_square_step##BF(const uint16_t *x, VF acc) {                             \
+        VF v = load_bf16##BF(x);                                                                   \
+        return acc + v * v;                                                                        \
+    }                                                                                              \
+    /* dst = bf16(weight * bf16(x * scale)): normalised in float32, cast, then scaled */           \
+    static inline void bf16_scale_step##BF(uint16_t *dst, const uint16_t *x,                       \
+                                           const uint16_t *weight, VF scale) {                     \
+        VF normed = round_to_bf16_ftz##BF(load_bf16##BF(x) * scale);                               \
+        store_bf16_ftz##BF(dst, load_bf16##BF(weight) * normed);                                   \
+    }                                                                                              \
+    /* dst = bf16(bf16(silu(gate)) * up): torch's silu rounds, then the product */                 \
+    static inline void bf16_silu_step##BF(uint16_t *dst, const uint16_t *gate,                     \
+                                          const uint16_t *up) {                                    \
+        VF silu = round_to_bf16_ftz##BF(silu_times##V(load_bf16##BF(gate), splat##V(1.0f)));       \
+        store_bf16_ftz##BF(dst, silu * load_bf16##BF(up));                                         \
+    }                                                                                              \
+    /* One pair of a head's halves: normalised (x = bf16(w * bf16(x * scale)), when w1 is not      \
+     * NULL), then the torch ops' rotation (worker/layers/rotary.py rotate_): x1 sin, then         \
+     * x1 cos - x2 sin and x2 cos + x1 sin, each op rounded. A product of two bfloat16 values is   \
+     * exact in float32, so only the roundings matter, not whether a multiply-add is fused. */     \
+    static inline void bf16_norm_rotate_step##BF(uint16_t *h1, uint16_t *h2, const uint16_t *w1,   \
+                                                 const uint16_t *w2, VF scale,                     \
+                                                 const uint16_t *cos, const uint16_t *sin) {       \
+        VF x1 = load_bf16##BF(h1), x2 = load_bf16##BF(h2);                                         \
+        if (w1) {                                                                                  \
+            x1 = round_to_bf16_ftz##BF(load_bf16##BF(w1) * round_to_bf16_ftz##BF(x1 * scale));     \
+            x2 = round_to_bf16_ftz##BF(load_bf16##BF(w2) * round_to_bf16_ftz##BF(x2 * scale));     \
+        }                                                                                          \
+        VF c = load_bf16##BF(cos), s = load_bf16##BF(sin);                                         \
+        VF x1_sin = round_to_bf16_ftz##BF(x1 * s);                                                 \
+        store_bf16_ftz##BF(h1, round_to_bf16_ftz##BF(x1 * c) - x2 * s);                            \
+        store_bf16_ftz##BF(h2, round_to_bf16_ftz##BF(x2 * c) + x1_sin);                            \
+    }
+
+BF16_STEPS(vf8, vu16x8, , )
+#if defined(__AVX512F__)
+BF16_STEPS(vf16, vu16x16, _16, 16)
+#endif
+
 /* The bfloat16 form, rounding where Hugging Face's bfloat16 model rounds: s = bf16(x + residual)
  * (stored to summed), n = bf16(s / sqrt(mean(s^2) + eps)) with the mean in float32, then
  * out = bf16(weight * n). size must be a multiple of 8. */
@@ -112,18 +203,25 @@ int conveyor_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16
         uint16_t *sum_row = residual ? summed + r * summed_stride : NULL;
         const uint16_t *normed = residual ? sum_row : row;
         uint16_t *dst = out + r * out_stride;
+        float sum_of_squares = 0.0f;
+        int i = 0;
+#if defined(__AVX512F__)
+        vf16 wide = splat16(0.0f);
+        for (; i + 16 <= size; i += 16)
+            wide = bf16_sum_step_16(row + i, added ? added + i : NULL, sum_row + i, wide);
+        sum_of_squares = hsum16(wide);
+#endif
         vf8 acc = splat(0.0f);
-        for (int i = 0; i < size; i += LANES) {
-            vf8 s = load_bf16(row + i);
-            if (added) {
-                s = round_to_bf16(s + load_bf16(added + i));
-                store_bf16(sum_row + i, s);
-            }
-            acc += s * s;
-        }
-        const vf8 scale = splat(1.0f / sqrtf(hsum(acc) / (float)size + eps));
-        for (int i = 0; i < size; i += LANES)
-            store_bf16(dst + i, load_bf16(weight + i) * round_to_bf16(load_bf16(normed + i) * scale));
+        for (; i < size; i += LANES)
+            acc = bf16_sum_step(row + i, added ? added + i : NULL, sum_row + i, acc);
+        sum_of_squares += hsum(acc);
+        const float scale = 1.0f / sqrtf(sum_of_squares / (float)size + eps);
+        i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= size; i += 16)
+            bf16_scale_step_16(dst + i, normed + i, weight + i, splat16(scale));
+#endif
+        for (; i < size; i += LANES) bf16_scale_step(dst + i, normed + i, weight + i, splat(scale));
     }
     return 0;
 }
@@ -217,40 +315,110 @@ int conveyor_qk_norm_rope(float *x, int64_t token_stride, int64_t num_tokens, in
     return 0;
 }
 
-/* e^x for x <= 0 to within about an ulp, as torch's exp is: x = n ln 2 + y with integer n and
- * |y| <= ln(2) / 2, ln 2 split in two parts (Cody and Waite) so that y keeps x's precision;
- * e^y by its Taylor series to degree 7 (truncation ~6e-9 relative), 2^n into the exponent bits.
- * (The attention kernel's exp2 of x * log2(e) loses |x| * 6e-8 of relative precision to the
- * rounding of that product: harmless for softmax weights, 8 ulps of a silu at |x| = 16.) Below
- * -87 the result is 0 (where torch's would be subnormal, below 1.2e-38). */
-#define EXP_NONPOSITIVE(VF, VI, SUFFIX)                                                            \
-    static inline VF exp_nonpositive##SUFFIX(VF x) {                                               \
-        VI underflow = x < -87.0f; /* e^x below float32 normals: 0 */                              \
-        x = select##SUFFIX(underflow, splat##SUFFIX(-87.0f), x);                                   \
-        VI n = __builtin_convertvector(x * LOG2E - 0.5f, VI); /* truncates toward 0: rounds */     \
-        VF nf = __builtin_convertvector(n, VF);                                                    \
-        VF y = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;                        \
-        VF p = splat##SUFFIX(1.0f / 5040.0f);                                                      \
-        p = p * y + 1.0f / 720.0f;                                                                 \
-        p = p * y + 1.0f / 120.0f;                                                                 \
-        p = p * y + 1.0f / 24.0f;                                                                  \
-        p = p * y + 1.0f / 6.0f;                                                                   \
-        p = p * y + 0.5f;                                                                          \
-        p = p * y + 1.0f;                                                                          \
-        p = p * y + 1.0f;                                                                          \
-        return select##SUFFIX(underflow, splat##SUFFIX(0.0f), (VF)((VI)p + (n << 23)));            \
-    }                                                                                              \
-    /* silu(g) * u = g * sigmoid(g) * u, sigmoid from e = exp(-|g|) <= 1 (never overflows). */     \
-    static inline VF silu_times##SUFFIX(VF g, VF u) {                                              \
-        VF e = exp_nonpositive##SUFFIX(select##SUFFIX(g < 0.0f, g, -g));                           \
-        VF sigmoid = select##SUFFIX(g < 0.0f, e, splat##SUFFIX(1.0f)) / (1.0f + e);                \
-        return (g * sigmoid) * u;                                                                  \
-    }
-
-EXP_NONPOSITIVE(vf8, vi8, )
+/* One bfloat16 head's steps over n elements (n any size: whole vectors, then a padded copy of
+ * the rest, so every element rounds alike). */
+static inline float bf16_head_squares(const uint16_t *h, int n) {
+    float total = 0.0f;
+    int i = 0;
 #if defined(__AVX512F__)
-EXP_NONPOSITIVE(vf16, vi16, 16)
+    vf16 wide = splat16(0.0f);
+    for (; i + 16 <= n; i += 16) wide = bf16_square_step_16(h + i, wide);
+    total = hsum16(wide);
 #endif
+    vf8 acc = splat(0.0f);
+    for (; i + LANES <= n; i += LANES) acc = bf16_square_step(h + i, acc);
+    total += hsum(acc);
+    for (; i < n; i++) total += bf16_to_float(h[i]) * bf16_to_float(h[i]);
+    return total;
+}
+
+static inline void bf16_head_scale(uint16_t *h, const uint16_t *w, float scale, int n) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) bf16_scale_step_16(h + i, h + i, w + i, splat16(scale));
+#endif
+    for (; i + LANES <= n; i += LANES) bf16_scale_step(h + i, h + i, w + i, splat(scale));
+    if (i < n) {
+        uint16_t x[LANES] = {0}, weight[LANES] = {0};
+        memcpy(x, h + i, (size_t)(n - i) * sizeof *x);
+        memcpy(weight, w + i, (size_t)(n - i) * sizeof *weight);
+        bf16_scale_step(x, x, weight, splat(scale));
+        memcpy(h + i, x, (size_t)(n - i) * sizeof *x);
+    }
+}
+
+/* The head's first 2 * half dims normalised (w not NULL) and rotated in one pass. */
+static inline void bf16_head_norm_rotate(uint16_t *h, const uint16_t *w, float scale,
+                                         const uint16_t *cos, const uint16_t *sin, int half) {
+    const uint16_t *w2 = w ? w + half : NULL;
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= half; i += 16)
+        bf16_norm_rotate_step_16(h + i, h + half + i, w ? w + i : NULL, w ? w2 + i : NULL,
+                                 splat16(scale), cos + i, sin + i);
+#endif
+    for (; i + LANES <= half; i += LANES)
+        bf16_norm_rotate_step(h + i, h + half + i, w ? w + i : NULL, w ? w2 + i : NULL,
+                              splat(scale), cos + i, sin + i);
+    if (i < half) {
+        const size_t bytes = (size_t)(half - i) * sizeof *h;
+        uint16_t x1[LANES] = {0}, x2[LANES] = {0}, c[LANES] = {0}, s[LANES] = {0};
+        uint16_t v1[LANES] = {0}, v2[LANES] = {0};
+        memcpy(x1, h + i, bytes);
+        memcpy(x2, h + half + i, bytes);
+        memcpy(c, cos + i, bytes);
+        memcpy(s, sin + i, bytes);
+        if (w) {
+            memcpy(v1, w + i, bytes);
+            memcpy(v2, w2 + i, bytes);
+        }
+        bf16_norm_rotate_step(x1, x2, w ? v1 : NULL, w ? v2 : NULL, splat(scale), c, s);
+        memcpy(h + i, x1, bytes);
+        memcpy(h + half + i, x2, bytes);
+    }
+}
+
+/* The bfloat16 form of conveyor_qk_norm_rope, rounding where the torch ops do
+ * (worker/layers/rotary.py normalize_and_rotate): n = bf16(x / sqrt(mean(x^2) + eps)) with the
+ * mean in float32, x = bf16(weight * n), then the rotation's roundings; weight, cos and sin are
+ * bfloat16 too (the angles cast to the activations' dtype, as Hugging Face casts them). A
+ * token's heads first get their scales, then each is normalised and rotated in one pass: a
+ * head's sum, square root and division are a chain of latencies that the heads' independent
+ * chains overlap, where one head after another waited on each (1.3 ns an element against 0.3
+ * for the rotation alone, 64-dim heads). */
+int conveyor_qk_norm_rope_bf16(uint16_t *x, int64_t token_stride, int64_t num_tokens,
+                               int num_heads, int head_dim, const uint16_t *weight, float eps,
+                               const uint16_t *cos, const uint16_t *sin, int64_t angle_stride,
+                               int half, int num_threads) {
+    if (head_dim <= 0 || num_heads <= 0 || num_tokens < 0 || half < 0 || 2 * half > head_dim
+        || (half > 0 && (cos == NULL || sin == NULL)))
+        return -1;
+    const int parallel =
+        num_tokens * num_heads * (int64_t)head_dim >= PARALLEL_MIN_ELEMENTS && num_threads > 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        uint16_t *token = x + t * token_stride;
+        float scales[num_heads];
+        if (weight != NULL) {
+            for (int h = 0; h < num_heads; h++)
+                scales[h] = bf16_head_squares(token + (int64_t)h * head_dim, head_dim);
+            for (int h = 0; h < num_heads; h++)
+                scales[h] = 1.0f / sqrtf(scales[h] / (float)head_dim + eps);
+        }
+        for (int h = 0; h < num_heads; h++) {
+            uint16_t *row = token + (int64_t)h * head_dim;
+            const uint16_t *w = weight ? weight + (int64_t)h * head_dim : NULL;
+            const float scale = weight ? scales[h] : 1.0f;
+            if (half > 0)
+                bf16_head_norm_rotate(row, w, scale, cos + t * angle_stride,
+                                      sin + t * angle_stride, half);
+            if (w && 2 * half < head_dim)  /* partial rotary: the rest is only normalised */
+                bf16_head_scale(row + 2 * half, w + 2 * half, scale, head_dim - 2 * half);
+        }
+    }
+    return 0;
+}
+
 
 /* out[r] = silu(x[r][0:size]) * x[r][size:2 size]: SwiGLU's gate and up halves of one fused
  * projection, one pass instead of silu's and the product's. sigmoid(g) is 1 / (1 + e) for g >= 0
@@ -277,6 +445,33 @@ int conveyor_silu_and_mul(const float *x, int64_t x_stride, int64_t num_rows, in
 #endif
         for (; i + LANES <= size; i += LANES) store(dst + i, silu_times(load(gate + i), load(up + i)));
         for (; i < size; i++) dst[i] = silu_times(splat(gate[i]), splat(up[i]))[0];
+    }
+    return 0;
+}
+
+/* The bfloat16 form: out = bf16(bf16(silu(gate)) * up), as torch's bfloat16 silu and product
+ * round (each computes in float32 and rounds its result). Any size: the last size % 8 columns go
+ * through a padded copy, so they round exactly as the vector lanes do. */
+int conveyor_silu_and_mul_bf16(const uint16_t *x, int64_t x_stride, int64_t num_rows, int size,
+                               uint16_t *out, int64_t out_stride, int num_threads) {
+    if (size <= 0 || num_rows < 0) return -1;
+    const int parallel = num_rows * (int64_t)size >= 4 * PARALLEL_MIN_ELEMENTS && num_threads > 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+    for (int64_t r = 0; r < num_rows; r++) {
+        const uint16_t *gate = x + r * x_stride, *up = gate + size;
+        uint16_t *dst = out + r * out_stride;
+        int i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= size; i += 16) bf16_silu_step_16(dst + i, gate + i, up + i);
+#endif
+        for (; i + LANES <= size; i += LANES) bf16_silu_step(dst + i, gate + i, up + i);
+        if (i < size) {
+            uint16_t g[LANES] = {0}, u[LANES] = {0}, d[LANES];
+            memcpy(g, gate + i, (size_t)(size - i) * sizeof *g);
+            memcpy(u, up + i, (size_t)(size - i) * sizeof *u);
+            bf16_silu_step(d, g, u);
+            memcpy(dst + i, d, (size_t)(size - i) * sizeof *d);
+        }
     }
     return 0;
 }
