@@ -72,7 +72,10 @@ def _add_commands(parser: argparse.ArgumentParser, commands: CommandTable, depth
     for name, entry in commands.items():
         if isinstance(entry, Command):
             # Each command parses its own flags (and --help): they pass through untouched.
-            subparsers.add_parser(name, help=entry.help, description=entry.help, add_help=False)
+            # argparse %-formats a help line ("70 % of ..." broke `--help`): escape it.
+            subparsers.add_parser(
+                name, help=entry.help.replace("%", "%%"), description=entry.help, add_help=False
+            )
         else:
             help_text = GROUP_HELP.get(name, name)
             group = subparsers.add_parser(name, help=help_text, description=help_text)

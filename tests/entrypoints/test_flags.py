@@ -105,3 +105,22 @@ def test_finite_values_still_parse():
         ["--tbt-slo-ms", "25", "--step-timeout-s", "0", "--kv-cache-memory", "1.5G"]
     )
     assert (args.tbt_slo_ms, args.step_timeout_s, args.kv_cache_memory) == (25.0, 0.0, 3 << 29)
+
+
+@pytest.mark.parametrize("table", ["conveyor", "benchmarks"])
+def test_the_command_lists_print(table, capsys):
+    """`conveyor --help` and `python -m benchmarks --help` list every command (a help line with
+    a bare % once made argparse raise instead)."""
+    from conveyor.entrypoints import cli
+
+    if table == "conveyor":
+        parser, commands = cli.build_parser(), cli.COMMANDS
+    else:
+        from benchmarks.__main__ import COMMANDS
+
+        parser, commands = cli.build_parser("python -m benchmarks", COMMANDS), COMMANDS
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--help"])
+    assert exited.value.code == 0
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in commands)
