@@ -11,7 +11,8 @@ Sections:
           residual add + RMSNorm, q/k head norms + RoPE, SiLU * up (each also as our torch ops,
           which the compiled CPU ops replace); with --compile also ours
           through torch.compile (static shapes, one compile per row count: minutes); with
-          --device cuda the ops run on the GPU in bfloat16 (the other sections are CPU only).
+          --device cuda the ops run on the GPU in bfloat16 (the other sections are CPU only);
+          --dtype bfloat16 runs them in bfloat16 on CPU.
   int8    every decoder linear shape at each row count: float32 with the packed weight (what
           the layers use) against the weight-only int8 kernel (``--quantization int8``) and the
           4-bit one (``--quantization int4``, one scale per 64 inputs), each
@@ -253,7 +254,7 @@ def reference_qk_norm_rope(qkv, q_size, kv_size, head_dim, q_weight, k_weight, r
 
 
 def ours_qk_norm_rope(qkv, q_size, kv_size, head_dim, qk_weight, angles):
-    """What the decoder layer runs: one compiled pass in place where it can (CPU float32)."""
+    """What the decoder layer runs: one compiled pass in place where it can (CPU)."""
     qk = qkv[:, : q_size + kv_size].view(qkv.shape[0], -1, head_dim)
     qk = normalize_and_rotate(qk, qk_weight, EPS, angles)
     num_heads = q_size // head_dim
@@ -261,7 +262,7 @@ def ours_qk_norm_rope(qkv, q_size, kv_size, head_dim, qk_weight, angles):
 
 
 def torch_qk_norm_rope(qkv, q_size, kv_size, head_dim, qk_weight, angles):
-    """The layer's torch ops, which the compiled pass replaces on CPU float32."""
+    """The layer's torch ops, which the compiled pass replaces on CPU (float32, bfloat16)."""
     qk = qkv[:, : q_size + kv_size].view(qkv.shape[0], -1, head_dim)
     qk = rotate_(rms_normalize(qk, qk_weight, EPS), angles)
     num_heads = q_size // head_dim
@@ -327,7 +328,7 @@ class OpCases:
         cases = {
             "add+rmsnorm": {
                 "reference": lambda: reference_add_norm(x, residual, self.norm.weight),
-                # The layer's torch ops, which "ours" runs as one compiled op on CPU float32.
+                # The layer's torch ops, which "ours" runs as one compiled op on CPU.
                 "torch ops": lambda: rms_normalize(x + residual, self.norm.weight, EPS),
                 "ours": lambda: self.norm(x, residual),
             },
@@ -359,10 +360,15 @@ class OpCases:
 
 
 def bench_ops(
-    config, rows: list[int], budget_s: float, compile_ops: bool = False, device: str = "cpu"
+    config,
+    rows: list[int],
+    budget_s: float,
+    compile_ops: bool = False,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
 ) -> None:
     on_cuda = device == "cuda"
-    dtype = torch.bfloat16 if on_cuda else torch.float32
+    dtype = dtype or (torch.bfloat16 if on_cuda else torch.float32)
     print(f"\n== small ops: reference (HF-style) vs ours, {device}, {dtype} ==")
     cases = OpCases(config, compile_ops, device, dtype)
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
@@ -489,6 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="ops section: where they run"
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="ops section: the activations' dtype (default float32 on CPU, bfloat16 on CUDA)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     keep_freed_memory_in_heap()  # as the worker does: no page faults on reused buffers
@@ -507,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.section in ("all", "matmul"):
             bench_matmuls(config, rows, args.budget)
         if args.section in ("all", "ops"):
-            bench_ops(config, rows, args.budget, args.compile, args.device)
+            dtype = getattr(torch, args.dtype) if args.dtype else None
+            bench_ops(config, rows, args.budget, args.compile, args.device, dtype)
         if args.section in ("all", "int8"):
             bench_int8(config, rows, args.budget)
         if args.section in ("all", "small"):
