@@ -342,7 +342,13 @@ static inline __attribute__((always_inline)) void QT_FN(softmax_tile)(
         const QT_VF alpha = QT_OP(exp2_nonpositive)(st->max[v] - shift);
         QT_VF sum = QT_OP(splat)(0.0f);
         for (int t = 0; t < n; t++) {
+#if QT_LANES == 16 && defined(CONVEYOR_AMX)
+            /* Weights that AMX rounds to bfloat16 need less of exp's precision: a shorter one. */
+            QT_VF weight = st->amx ? exp2_bf16_weights16(st->s[t][v] - shift)
+                                   : QT_OP(exp2_nonpositive)(st->s[t][v] - shift);
+#else
             QT_VF weight = QT_OP(exp2_nonpositive)(st->s[t][v] - shift);
+#endif
             if (masked)
                 weight = QT_OP(select)(st->s[t][v] == -INFINITY, QT_OP(splat)(0.0f), weight);
             st->s[t][v] = weight;
