@@ -30,7 +30,7 @@ SOURCE_PATH = Path(__file__).parent / "csrc" / "token_ops.c"
 # The attention kernel's vector helpers, which the source includes.
 VECTOR_MATH_PATH = Path(__file__).parent.parent / "attention" / "csrc" / "vector_math.h"
 # Must match CONVEYOR_TOKEN_OPS_ABI_VERSION in the source.
-ABI_VERSION = 6
+ABI_VERSION = 5
 # What the ops take: float32, and bfloat16 rounded where the torch ops round.
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -90,17 +90,8 @@ class TokenOps:
                 library, "conveyor_silu_and_mul_bf16", _SILU_AND_MUL_ARGTYPES
             ),
         }
-        self._small_linear = {
-            torch.float32: native.status_function(
-                library, "conveyor_small_linear", _SMALL_LINEAR_ARGTYPES
-            ),
-            torch.bfloat16: native.status_function(
-                library, "conveyor_small_linear_bf16", _SMALL_LINEAR_ARGTYPES
-            ),
-        }
-        # bfloat16 rows take small_linear only where the build has AVX512-BF16's dot products.
-        self.linear_dtypes = (torch.float32,) + (
-            (torch.bfloat16,) if library.conveyor_small_linear_bf16_available() else ()
+        self._small_linear = native.status_function(
+            library, "conveyor_small_linear", _SMALL_LINEAR_ARGTYPES
         )
         # A build without OpenMP runs small_linear on one thread: worth it only where torch
         # runs one too.
@@ -254,23 +245,22 @@ class TokenOps:
 
     @staticmethod
     def takes_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether ``small_linear`` could take these: CPU float32 or bfloat16 x [rows <=
-        SMALL_LINEAR_MAX_ROWS, in > 0] with dense rows, weight [out, in] dense, bias [out] dense
-        or None, all of one dtype, and nothing that autograd must follow (the kernel's output
-        has no history). bfloat16 also needs the build's ``linear_dtypes`` to name it."""
+        """Whether ``small_linear`` takes these: CPU float32 x [rows <= SMALL_LINEAR_MAX_ROWS,
+        in > 0] with dense rows, weight [out, in] dense, bias [out] dense or None, and nothing
+        that autograd must follow (the kernel's output has no history)."""
         if torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         ):
             return False
         return (
             x.is_cpu
-            and x.dtype in DTYPES
+            and x.dtype == torch.float32
             and x.dim() == 2
             and 0 < x.shape[0] <= SMALL_LINEAR_MAX_ROWS
             and x.shape[1] > 0
             and x.stride(1) == 1
             and weight.is_cpu
-            and weight.dtype == x.dtype
+            and weight.dtype == torch.float32
             and weight.dim() == 2
             and weight.shape[1] == x.shape[1]
             and weight.is_contiguous()
@@ -278,7 +268,7 @@ class TokenOps:
                 bias is None
                 or (
                     bias.is_cpu
-                    and bias.dtype == x.dtype
+                    and bias.dtype == torch.float32
                     and bias.shape == (weight.shape[0],)
                     and bias.is_contiguous()
                 )
@@ -288,11 +278,10 @@ class TokenOps:
     def small_linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """x W^T (+ bias), fresh [rows, out]. ``takes_linear`` must hold, and x's dtype be one
-        of ``linear_dtypes``."""
+        """x W^T (+ bias), fresh [rows, out]. ``takes_linear`` must hold."""
         num_rows, out_features = x.shape[0], weight.shape[0]
         out = torch.empty((num_rows, out_features), dtype=x.dtype)
-        status = self._small_linear[x.dtype](
+        status = self._small_linear(
             x.data_ptr(), x.stride(0), num_rows,
             weight.data_ptr(), out_features, weight.shape[1],
             None if bias is None else bias.data_ptr(),

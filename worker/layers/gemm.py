@@ -15,9 +15,8 @@ shapes), so bfloat16 takes it for every batch.
 
 A float32 linear of one or two rows (a decode step of one or two requests) goes to the compiled
 token ops' ``small_linear`` instead, where they are built: it streams the plain weight at ~1.2x
-the packed copy's speed there (one or two requests decode 1.07-1.2x as fast end to end); so does
-a bfloat16 one where the build has AVX512-BF16's dot products (1.1-1.35x the packed copy, one
-thread, Xeon); ``CONVEYOR_SMALL_LINEAR=0`` keeps the packed copy for them.
+the packed copy's speed there (one or two requests decode 1.07-1.2x as fast end to end);
+``CONVEYOR_SMALL_LINEAR=0`` keeps the packed copy for them.
 """
 
 from __future__ import annotations
@@ -81,11 +80,10 @@ def linear(
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., in] -> [..., out]; ``packed`` is ``pack_weight(weight)`` or None."""
-    if x.dim() == 2 and x.shape[0] <= SMALL_LINEAR_MAX_ROWS and x.is_cpu:
-        ops = load_token_ops()
+    if x.dim() == 2 and x.shape[0] <= SMALL_LINEAR_MAX_ROWS and x.dtype == torch.float32:
+        ops = load_token_ops() if x.is_cpu else None
         if (
             ops is not None
-            and x.dtype in ops.linear_dtypes
             and small_linear_enabled()
             and (ops.threaded or torch.get_num_threads() == 1)
             and ops.takes_linear(x, weight, bias)

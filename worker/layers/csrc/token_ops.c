@@ -20,7 +20,7 @@
 
 #include "../../attention/csrc/vector_math.h"
 
-#define CONVEYOR_TOKEN_OPS_ABI_VERSION 6
+#define CONVEYOR_TOKEN_OPS_ABI_VERSION 5
 /* Below this many elements the OpenMP fork costs more than the second thread saves (a decode
  * batch of a few rows). */
 #define PARALLEL_MIN_ELEMENTS 16384
@@ -588,98 +588,3 @@ int conveyor_small_linear(const float *x, int64_t x_stride, int64_t rows, const 
     }
     return 0;
 }
-
-/* ---- The same for bfloat16 rows and weights, where the CPU has AVX512-BF16 ----
- *
- * VDPBF16PS multiplies 32 bfloat16 pairs into 16 float32 sums per instruction, straight from the
- * weight's bits: one or two rows stream the weight at ~1.3x oneDNN's packed bfloat16 copy (20 GB/s
- * against 26, one thread, Xeon). Each output is its float32 sum (lanes in _mm512_reduce_add_ps's
- * order) plus the bias, rounded once to bfloat16, as oneDNN's bfloat16 linear rounds. */
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-int conveyor_small_linear_bf16_available(void) { return 1; }
-
-static inline __m512bh bf16_inputs(const uint16_t *p, int64_t left) {
-    if (left >= 32) return (__m512bh)_mm512_loadu_si512(p);
-    return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1u << left) - 1), p);
-}
-
-static inline uint16_t finish_bf16_output(__m512 acc, const uint16_t *bias, int64_t n) {
-    const float sum = _mm512_reduce_add_ps(acc);
-    return float_to_bf16(bias ? sum + bf16_to_float(bias[n]) : sum);
-}
-
-static inline __attribute__((always_inline)) void small_linear_bf16_outputs(
-    const uint16_t *x, int64_t x_stride, const int rows, const uint16_t *w, int64_t in,
-    const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t n0, int64_t n1) {
-    int64_t n = n0;
-    for (; n + WEIGHT_GROUP <= n1; n += WEIGHT_GROUP) {
-        const uint16_t *group = w + n * in;
-        __m512 acc[SMALL_LINEAR_MAX_ROWS][WEIGHT_GROUP];
-        for (int m = 0; m < rows; m++)
-            for (int g = 0; g < WEIGHT_GROUP; g++) acc[m][g] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < in; k += 32) {
-            __m512bh inputs[SMALL_LINEAR_MAX_ROWS];
-            for (int m = 0; m < rows; m++) inputs[m] = bf16_inputs(x + m * x_stride + k, in - k);
-            for (int g = 0; g < WEIGHT_GROUP; g++) {
-                const __m512bh weights = bf16_inputs(group + g * in + k, in - k);
-                for (int m = 0; m < rows; m++)
-                    acc[m][g] = _mm512_dpbf16_ps(acc[m][g], weights, inputs[m]);
-            }
-        }
-        for (int m = 0; m < rows; m++)
-            for (int g = 0; g < WEIGHT_GROUP; g++)
-                y[m * y_stride + n + g] = finish_bf16_output(acc[m][g], bias, n + g);
-    }
-    for (; n < n1; n++) { /* the last few outputs, one weight row at a time */
-        const uint16_t *w_row = w + n * in;
-        for (int m = 0; m < rows; m++) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t k = 0; k < in; k += 32)
-                acc = _mm512_dpbf16_ps(acc, bf16_inputs(w_row + k, in - k),
-                                       bf16_inputs(x + m * x_stride + k, in - k));
-            y[m * y_stride + n] = finish_bf16_output(acc, bias, n);
-        }
-    }
-}
-
-/* y[m] = x[m] W^T (+ bias) for m < rows <= SMALL_LINEAR_MAX_ROWS, all bfloat16; W is [out, in],
- * dense. Threads split the outputs as conveyor_small_linear does. */
-int conveyor_small_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows,
-                               const uint16_t *w, int64_t out, int64_t in, const uint16_t *bias,
-                               uint16_t *y, int64_t y_stride, int num_threads) {
-    if (rows < 0 || rows > SMALL_LINEAR_MAX_ROWS || out < 0 || in <= 0) return -1;
-    if (rows == 0 || out == 0) return 0;
-    /* Half the bytes of a float32 weight of as many elements: twice the elements to be worth a
-     * second thread. */
-    const int parallel = out * in >= 2 * SMALL_LINEAR_PARALLEL_MIN && num_threads > 1;
-#pragma omp parallel num_threads(num_threads) if (parallel)
-    {
-#if defined(_OPENMP)
-        const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
-#else
-        const int64_t thread = 0, threads = 1;
-#endif
-        const int64_t groups = (out + WEIGHT_GROUP - 1) / WEIGHT_GROUP;
-        const int64_t per_thread = (groups + threads - 1) / threads * WEIGHT_GROUP;
-        const int64_t n0 = thread * per_thread;
-        const int64_t n1 = n0 + per_thread < out ? n0 + per_thread : out;
-        if (n0 < n1) {
-            if (rows == 1)
-                small_linear_bf16_outputs(x, x_stride, 1, w, in, bias, y, y_stride, n0, n1);
-            else
-                small_linear_bf16_outputs(x, x_stride, 2, w, in, bias, y, y_stride, n0, n1);
-        }
-    }
-    return 0;
-}
-#else
-int conveyor_small_linear_bf16_available(void) { return 0; }
-
-int conveyor_small_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows,
-                               const uint16_t *w, int64_t out, int64_t in, const uint16_t *bias,
-                               uint16_t *y, int64_t y_stride, int num_threads) {
-    (void)x, (void)x_stride, (void)rows, (void)w, (void)out, (void)in, (void)bias, (void)y;
-    (void)y_stride, (void)num_threads;
-    return -2; /* not built: this CPU (or compiler) has no AVX512-BF16 */
-}
-#endif
