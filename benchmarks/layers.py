@@ -210,12 +210,14 @@ def bench_small_linears(config, rows: list[int], budget_s: float) -> None:
         )
         return
     cache_bytes = last_level_cache_bytes() or 32 << 20  # where Linux reports none
+    # A virtual machine may report its host's whole L3 (hundreds of MiB): 2 GiB of copies at most.
+    budget_bytes = min(16 * cache_bytes, 2 << 30)
     print(
-        f"\n== one and two rows (weights from memory: copies of 16x the {cache_bytes >> 20} MiB "
-        "cache) =="
+        f"\n== one and two rows (weights from memory: copies of up to 16x the "
+        f"{cache_bytes >> 20} MiB cache, {budget_bytes >> 20} MiB at most) =="
     )
     for name, (k, n) in linear_shapes(config).items():
-        copies = max(2, -(-16 * cache_bytes // (4 * n * k)))
+        copies = max(2, -(-budget_bytes // (4 * n * k)))
         weights = [torch.randn(n, k) / k**0.5 for _ in range(copies)]
         packed = [pack_weight(w) for w in weights]
         for num_rows in rows:
