@@ -48,6 +48,9 @@ class SpecDecodeScheduling:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.max_batch = config.disable_by_batch_size
+        # KV slots reserved past a speculating request's scheduled tokens (a draft model's own
+        # drafts' KV); 0 for ngram.
+        self.lookahead = config.num_lookahead_tokens
         # req_id -> (the request's num_tokens when the drafts were proposed, the drafts): a
         # draft is only valid right after the token it was proposed from.
         self._drafts: dict[int, tuple[int, list[int]]] = {}
