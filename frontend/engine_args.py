@@ -534,9 +534,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="JSON",
         help='speculative decoding, vLLM\'s syntax: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-        "(n-gram prompt lookup; greedy outputs unchanged, sampling keeps its distribution); "
-        '"disable_by_batch_size": N turns drafts off while more than N requests run '
-        "(default 8); default: off",
+        '(n-gram prompt lookup) or \'{"model": DIR, "num_speculative_tokens": 4}\' (a draft '
+        'model of the same vocabulary, method "draft_model"; "quantization": "int8"/"int4" '
+        "quantizes it at load on CPU); greedy outputs unchanged, sampling keeps its "
+        'distribution; "disable_by_batch_size": N turns drafts off while more than N requests '
+        "run (default 8); default: off",
     )
     group.add_argument(
         "--trace-steps",
