@@ -41,11 +41,13 @@ class RequestState:
     # The engine's id of the request's LoRA adapter (0: the base model).
     lora_id: int = 0
     # A draft model's progress (worker/spec_decode/draft_model.py): positions whose draft KV
-    # holds the request's real tokens, the drafts it made last, and their distributions for
-    # random rows. Reset whenever the request gets a row: a resumed request's blocks are new.
+    # holds the request's real tokens, the drafts it made last, their distributions for random
+    # rows, and the prefix keys of its blocks full of them. Reset whenever the request gets a
+    # row: a resumed request's blocks are new.
     draft_num_computed: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: Any = None
+    draft_block_keys: list[int] = field(default_factory=list)
 
 
 class InputBatch:
@@ -148,6 +150,7 @@ class InputBatch:
         state.draft_num_computed = 0
         state.draft_token_ids = []
         state.draft_probs = None
+        state.draft_block_keys = []
         self.req_ids.append(state.req_id)
         self.row_states.append(state)
         self.row_of[state.req_id] = row

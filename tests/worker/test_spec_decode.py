@@ -209,8 +209,10 @@ def test_draft_model_proposals_are_its_greedy_continuation_through_accepts_rejec
     tiny_model_dir, hf_model
 ) -> None:
     """The draft's KV follows the request: after a partial accept (its own draft KV reused up
-    to the first wrong draft), a full accept, and a new row (a resumed request's new blocks),
-    its k drafts are the greedy continuation transformers computes from the whole history.
+    to the first wrong draft), a full accept, a new row (a resumed request's new blocks), and
+    new rows on blocks the draft filled before (prefix hits: trusted as far as their keys are
+    the row's prefix's), its k drafts are the greedy continuation transformers computes from
+    the whole history.
     The catch-up runs in chunks (a token budget of 8 for prompts of 21 and 13 tokens), two
     rows batched in every forward."""
     from conveyor.protocol.speculative import SpeculativeConfig
@@ -267,7 +269,24 @@ def test_draft_model_proposals_are_its_greedy_continuation_through_accepts_rejec
     drafts = check()
     # Row 1 leaves and comes back (preempted, resumed into other blocks): recomputed from 0.
     state = batch.row_states[1]
+    old_blocks = batch.block_table[1, :16].tolist()
     batch._remove_rows([1])
     batch._add_row(state, histories[1], list(range(40, 56)))
     assert state.draft_num_computed == 0
+    assert proposer._first_unknown(batch, 1) == 0
     check()
+    # Back in its old blocks (prefix-cache hits): the draft trusts the blocks it filled with
+    # this very prefix, all but the one holding the latest token.
+    num_tokens = len(histories[1])
+    for history, blocks, trusted in [
+        (histories[1], old_blocks, (num_tokens - 1) // 4 * 4),
+        # Same blocks, another token in block 2: trusted up to it, and not past it.
+        (histories[1][:9] + [histories[1][9] + 1] + histories[1][10:], old_blocks, 8),
+    ]:
+        batch._remove_rows([1])
+        state = batch._new_state(1, greedy_params, len(history))
+        batch._add_row(state, history, blocks)
+        histories[1] = history
+        assert proposer._first_unknown(batch, 1) == trusted
+        check()
+        old_blocks = batch.block_table[1, :16].tolist()
