@@ -33,6 +33,9 @@ _NGRAM_ONLY_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 # default model still gained at 64 (its steps are bound by Python, not arithmetic), and no
 # weight-bound model that copies has been measured (`conveyor bench offline --compare-spec`).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# The longest a request whose drafts keep failing goes without them (its steps): the engine core
+# schedules none meanwhile, and a draft model's worker proposes none.
+MAX_BACKOFF_STEPS = 32
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True):

@@ -48,6 +48,10 @@ class RequestState:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: Any = None
     draft_block_keys: list[int] = field(default_factory=list)
+    # The engine core's back-off, mirrored: draft steps in a row with nothing accepted, and
+    # steps left without drafts (a draft model's forwards are skipped meanwhile).
+    draft_misses: int = 0
+    draft_paused: int = 0
 
 
 class InputBatch:

@@ -22,7 +22,7 @@ import torch
 from conveyor.protocol import Logprobs, ModelRunnerOutput, SchedulerOutput
 from conveyor.protocol.messages import STRUCTURED_OUTPUT_FAILURE
 from conveyor.protocol.sampling_params import SamplingParams
-from conveyor.protocol.speculative import SpeculativeConfig
+from conveyor.protocol.speculative import MAX_BACKOFF_STEPS, SpeculativeConfig
 from conveyor.worker.device_buffers import to_device
 from conveyor.worker.input_batch import InputBatch
 from conveyor.worker.prompt_logprobs import plan_prompt_logprobs
@@ -64,10 +64,28 @@ class SpecDecoder:
 
     def propose(self, batch: InputBatch, rows: list[int]) -> list[list[int]]:
         """Drafts for the rows that sampled (after their tokens were appended); none while the
-        batch is past the off-switch."""
+        batch is past the off-switch. A draft model skips the rows whose drafts the engine
+        core would drop (its back-off, mirrored here: its k forwards are not free)."""
         if batch.num_reqs > self.config.disable_by_batch_size or not rows:
             return []
-        return self.proposer.propose(batch, rows)
+        if self.draft is None:
+            return self.proposer.propose(batch, rows)
+        live = [row for row in rows if not _paused(batch.row_states[row])]
+        drafts = dict(zip(live, self.proposer.propose(batch, live))) if live else {}
+        return [drafts.get(row, []) for row in rows]
+
+    @staticmethod
+    def record_acceptance(batch: InputBatch, rows: list[int], tokens: dict[int, list[int]]) -> None:
+        """The engine core's back-off rule (engine_core/spec_decode.py), per request: after two
+        draft steps in a row with nothing accepted, no drafts for 2, 4, ... 32 steps."""
+        for row in rows:
+            state = batch.row_states[row]
+            if len(tokens[row]) > 1:
+                state.draft_misses = 0
+                continue
+            state.draft_misses += 1
+            if state.draft_misses >= 2:
+                state.draft_paused = min(1 << (state.draft_misses - 1), MAX_BACKOFF_STEPS)
 
     def execute(
         self,
@@ -104,6 +122,8 @@ class SpecDecoder:
         failed.update(
             self._verify(runner, spec, drafts, hidden[len(plain) :], tokens, logprob_rows)
         )
+        if self.draft is not None:
+            self.record_acceptance(batch, spec, tokens)
         for row in row_list:
             _append(batch, row, tokens[row])
         output = ModelRunnerOutput(
@@ -325,6 +345,14 @@ def _draft_probs(batch: InputBatch, row: int, drafts: list[int]) -> torch.Tensor
             f"request {state.req_id}: drafts scheduled that its draft model did not make"
         )
     return state.draft_probs[: len(drafts)]
+
+
+def _paused(state: Any) -> bool:
+    """Whether a request's drafts are paused for this step (counting the step)."""
+    if state.draft_paused:
+        state.draft_paused -= 1
+        return True
+    return False
 
 
 def _is_random(params: SamplingParams) -> bool:
