@@ -29,9 +29,10 @@ _DRAFT_ONLY_KEYS = ("model", "quantization")
 _NGRAM_ONLY_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 # Above this many running requests a step carries no drafts: verification's extra positions
 # cost more than the tokens they win once the step is no longer bound by reading the weights.
-# A conservative value, not yet a measured crossover: on the CPU hosts measured so far the
-# default model still gained at 64 (its steps are bound by Python, not arithmetic), and no
-# weight-bound model that copies has been measured (`conveyor bench offline --compare-spec`).
+# Measured on 2 shared CPU cores (`conveyor bench offline --compare-spec`): on a copying workload
+# ngram paid at 1 and 4 running requests in every run and was mixed from 16 on; 8 sits between.
+# A draft model that costs about what the target does loses at every batch size, which no
+# threshold fixes. Not yet measured where a GPU step stops being weight-bound.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 # The longest a request whose drafts keep failing goes without them (its steps): the engine core
 # schedules none meanwhile, and a draft model's worker proposes none.
