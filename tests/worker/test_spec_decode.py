@@ -290,3 +290,80 @@ def test_draft_model_proposals_are_its_greedy_continuation_through_accepts_rejec
         assert proposer._first_unknown(batch, 1) == trusted
         check()
         old_blocks = batch.block_table[1, :16].tolist()
+
+
+def test_a_draft_models_worker_pauses_exactly_when_the_engine_drops_its_drafts(
+    tiny_model_dir,
+) -> None:
+    """The engine core's back-off, mirrored in the worker: after two draft steps in a row with
+    nothing accepted, the draft model runs no forwards for the steps whose drafts the engine
+    would drop, and proposes again in time for the first step that takes drafts."""
+    from conveyor.engine_core.request import Request, RequestStatus
+    from conveyor.engine_core.spec_decode import SpecDecodeScheduling
+    from conveyor.protocol.speculative import SpeculativeConfig
+    from conveyor.worker.attention.selector import select_backend
+    from conveyor.worker.input_batch import InputBatch
+    from conveyor.worker.spec_decode.draft_model import DraftModelProposer
+    from conveyor.worker.spec_decode.spec_step import SpecDecoder, _append
+
+    cpu = torch.device("cpu")
+    config = SpeculativeConfig(method="draft_model", model=str(tiny_model_dir))
+    decoder = SpecDecoder(
+        config,
+        128,
+        lambda: DraftModelProposer(
+            config,
+            max_model_len=128,
+            max_num_tokens=64,
+            block_size=4,
+            vocab_size=2048,
+            device=cpu,
+            dtype=torch.float32,
+            kv_dtype=torch.float32,
+            make_backend=lambda sinks: select_backend(cpu, 4, "torch"),
+        ),
+    )
+    decoder.draft.initialize_cache(40)
+    batch = InputBatch(max_num_seqs=1, max_model_len=128, max_blocks_per_req=32)
+    prompt = list(range(3, 12))
+    batch._add_row(
+        batch._new_state(0, SamplingParams(temperature=0.0), len(prompt)),
+        prompt,
+        list(range(1, 33)),
+    )
+    engine = SpecDecodeScheduling(config)
+    request = Request(0, prompt, SamplingParams(temperature=0.0, max_tokens=100), max_model_len=128)
+    request.status = RequestStatus.RUNNING
+    worker_proposed, engine_took = [], []
+    for _ in range(12):
+        # The engine schedules the step with the drafts it kept (or none, paused) ...
+        drafts = engine.take_drafts(request, 100)
+        engine_took.append(bool(drafts))
+        # ... the worker verifies them, all rejected, and proposes after its token.
+        tokens = {0: [7]}
+        if drafts:
+            decoder.record_acceptance(batch, [0], tokens)
+            engine._back_off(0, 0)
+        _append(batch, 0, tokens[0])
+        request.append_output_token_id(7)
+        proposal = decoder.propose(batch, [0])[0]
+        worker_proposed.append(bool(proposal))
+        if proposal:
+            engine._drafts[0] = (len(request.all_token_ids), proposal)
+    # Every proposal made is taken by the next step, and every step that takes drafts had one.
+    assert engine_took[1:] == worker_proposed[:-1]
+    # Two misses, then 2 steps without; a miss, 4 without: proposals are rare.
+    assert worker_proposed == [
+        True,
+        True,
+        False,
+        False,
+        True,
+        False,
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]
