@@ -16,18 +16,11 @@ drafts' own KV at the positions after it. Next time, the drafts the target accep
 already in the draft's cache (they are the tokens it ran on); the first rejected position and
 what follows are run again. What it lacks it recomputes:
 
-* a request's row is new (arrival, or resumed after preemption): ``draft_num_computed`` is 0.
-  Its prefix-cache hits are trusted only as far as the draft's own record says: every block the
-  draft has filled with real tokens carries the key of the whole prefix it holds (a chain of
-  hashes, as the engine's prefix cache keys blocks), and any block the draft writes otherwise
-  loses its key first. A new row runs from the first of its blocks whose key is not its own
-  prefix's: a block the target filled while speculation was off, or that another prefix's
-  tokens or a draft's guesses overwrote since, is computed again;
+* a request's row is new (arrival, or resumed after preemption): ``draft_num_computed`` is 0,
+  and its prefix-cache hits are trusted only as far as the draft's own record of its blocks
+  goes (worker/spec_decode/draft_cache.py);
 * steps without drafts (the off-switch, a back-off) leave the draft behind; it catches up at
   its next proposal, in chunks no larger than the engine's token budget.
-
-A wrong key (a hash collision) would cost acceptance, never correctness: drafts are only
-guesses, and the target verifies every one.
 
 The positions after the request's latest token (where the draft writes its own drafts' KV) are
 slots the engine reserved for it (``SpeculativeConfig.num_lookahead_tokens``); a row with fewer
@@ -55,6 +48,7 @@ from conveyor.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import race
 from conveyor.worker.sampling_metadata import _effective_temperature
+from conveyor.worker.spec_decode.draft_cache import DraftBlockKeys
 
 
 class DraftModelProposer:
@@ -119,8 +113,7 @@ class DraftModelProposer:
         for layer, cache in zip(self.attention_layers, caches):
             layer.kv_cache = cache
             layer.backend = self.backend
-        # Per block id: the key of the prefix whose real tokens' draft KV the block holds.
-        self._block_keys: list[int | None] = [None] * num_blocks
+        self.block_keys = DraftBlockKeys(num_blocks, self.block_size)
 
     def release(self) -> None:
         for layer in self.attention_layers:
@@ -143,7 +136,7 @@ class DraftModelProposer:
             # Every block written below loses its key first (it holds neither what it held
             # nor, until the row's blocks are keyed again after, a known prefix).
             last = int(batch.num_tokens[row]) + room[row] - 2
-            self._forget_blocks(batch, row, starts[row], last)
+            self.block_keys.forget(batch, row, starts[row], last)
         logits = self._catch_up(batch, proposing, starts)
         active = proposing
         for j in range(self.k):
@@ -161,43 +154,8 @@ class DraftModelProposer:
             state.draft_token_ids = drafts[row]
             state.draft_num_computed = int(batch.num_tokens[row])
             state.draft_probs = torch.stack(probs[row]) if probs[row] else None
-            self._key_blocks(batch, row)
+            self.block_keys.record(batch, row)
         return [drafts[row] for row in rows]
-
-    def _prefix_keys(self, batch: InputBatch, row: int, num_blocks: int) -> list[int]:
-        """The row's block keys up to ``num_blocks`` full blocks, extended from those kept."""
-        keys = batch.row_states[row].draft_block_keys
-        size = self.block_size
-        for i in range(len(keys), num_blocks):
-            block = batch.token_ids[row, i * size : (i + 1) * size].tobytes()
-            keys.append(hash((keys[-1] if keys else 0, block)))
-        return keys[:num_blocks]
-
-    def _key_blocks(self, batch: InputBatch, row: int) -> None:
-        """After a proposal: the row's blocks full of real tokens hold its prefixes' draft KV."""
-        num_full = int(batch.num_tokens[row]) // self.block_size
-        keys = self._prefix_keys(batch, row, num_full)
-        for i, key in enumerate(keys):
-            block_id = int(batch.block_table[row, i])
-            if block_id:  # 0: the null block (a slot nobody reads)
-                self._block_keys[block_id] = key
-
-    def _trusted_prefix(self, batch: InputBatch, row: int) -> int:
-        """Positions at the start of a new row whose draft KV is already its own: the leading
-        blocks whose key is the row's prefix's."""
-        num_full = (int(batch.num_tokens[row]) - 1) // self.block_size
-        count = 0
-        for i, key in enumerate(self._prefix_keys(batch, row, num_full)):
-            block_id = int(batch.block_table[row, i])
-            if not block_id or self._block_keys[block_id] != key:
-                break
-            count += 1
-        return count * self.block_size
-
-    def _forget_blocks(self, batch: InputBatch, row: int, first: int, last: int) -> None:
-        size = self.block_size
-        for i in range(first // size, last // size + 1):
-            self._block_keys[int(batch.block_table[row, i])] = None
 
     def _room(self, batch: InputBatch, row: int) -> int:
         """Drafts the row may get: k, fewer near the context's end or its last reserved slot
@@ -215,7 +173,7 @@ class DraftModelProposer:
         num_tokens = int(batch.num_tokens[row])
         start = state.draft_num_computed
         if start == 0:
-            return min(self._trusted_prefix(batch, row), num_tokens - 1)
+            return min(self.block_keys.trusted_prefix(batch, row), num_tokens - 1)
         if state.draft_token_ids:
             # The last drafts' KV sits at start .. start + k - 2 (the k-th was never run).
             written = state.draft_token_ids[:-1][: max(0, num_tokens - start)]
