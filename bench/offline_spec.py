@@ -6,6 +6,9 @@ installation has them) followed by its first lines again, so the model's greedy 
 copies the file on. The two engines (one without speculation, one with ``--speculative-config``,
 default ngram k=4 with the off-switch out of the way) run the same prompts, interleaved
 ``--repeats`` times, at each ``--batch-sizes`` value: same-run ratios, robust to a shared host.
+With a draft model, a third engine runs the draft alone on the same prompts, interleaved with
+the others: its cost per token relative to the target's (plain tok/s / draft tok/s) is what
+bounds the gain, with the acceptance rate.
 """
 
 from __future__ import annotations
@@ -79,6 +82,10 @@ def compare_spec(args: argparse.Namespace, engine_kwargs: dict[str, object]) -> 
         "plain": LLM(args.model, engine=args.engine, **base),
         "spec": LLM(args.model, engine=args.engine, speculative_config=spec, **base),
     }
+    if spec.get("model") is not None:
+        # The draft alone, in the weights' format it drafts in.
+        draft = {**base, "quantization": spec.get("quantization")}
+        llms["draft"] = LLM(spec["model"], engine=args.engine, **draft)
     results = []
     try:
         tokenizer = llms["plain"].get_tokenizer()
@@ -96,16 +103,17 @@ def compare_spec(args: argparse.Namespace, engine_kwargs: dict[str, object]) -> 
                 for name, llm in llms.items():
                     runs[name].append(_run(llm, prompts, args.spec_max_tokens))
             best = {name: max(r["output_tok_s"] for r in rs) for name, rs in runs.items()}
-            results.append(
-                {
-                    "batch": size,
-                    "plain_tok_s": best["plain"],
-                    "spec_tok_s": best["spec"],
-                    "ratio": round(best["spec"] / best["plain"], 3),
-                    "acceptance": runs["spec"][-1].get("acceptance", 0.0),
-                    "runs": runs,
-                }
-            )
+            row = {
+                "batch": size,
+                "plain_tok_s": best["plain"],
+                "spec_tok_s": best["spec"],
+                "ratio": round(best["spec"] / best["plain"], 3),
+                "acceptance": runs["spec"][-1].get("acceptance", 0.0),
+                "runs": runs,
+            }
+            if "draft" in best:
+                row["draft_cost"] = round(best["plain"] / best["draft"], 3)
+            results.append(row)
     finally:
         for llm in llms.values():
             llm.shutdown()
@@ -124,10 +132,14 @@ def compare_spec(args: argparse.Namespace, engine_kwargs: dict[str, object]) -> 
     print(
         f"{args.spec_workload} workload, {args.spec_max_tokens} output tokens, best of {args.repeats}; {spec}"
     )
-    print(f"{'batch':>6} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} {'accepted':>9}")
+    print(
+        f"{'batch':>6} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} {'accepted':>9}"
+        + (f" {'draft cost':>10}" if "draft" in llms else "")
+    )
     for row in results:
         print(
             f"{row['batch']:>6} {row['plain_tok_s']:>12} {row['spec_tok_s']:>11} "
             f"{row['ratio']:>6} {100 * row['acceptance']:>8.1f}%"
+            + (f" {row['draft_cost']:>10}" if "draft_cost" in row else "")
         )
     return 0

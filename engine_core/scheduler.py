@@ -254,12 +254,15 @@ class Scheduler:
                     continue
                 num_tokens = 1
             drafts = None
+            lookahead = 0
             if self._spec_active and num_tokens == 1:
                 drafts = self.spec.take_drafts(request, budget)  # type: ignore[union-attr]
                 num_tokens += len(drafts)
-            new_block_ids = kv.allocate_slots(request, num_tokens)
+                # A draft model writes its next drafts' KV past this step's tokens.
+                lookahead = self.spec.lookahead  # type: ignore[union-attr]
+            new_block_ids = kv.allocate_slots(request, num_tokens, num_reserved_tokens=lookahead)
             if new_block_ids is None:
-                new_block_ids = self._allocate_or_preempt(request, num_tokens)
+                new_block_ids = self._allocate_or_preempt(request, num_tokens, lookahead)
                 if new_block_ids is None:
                     continue
             plan.add_cached(request, num_tokens, new_block_ids)
@@ -360,10 +363,14 @@ class Scheduler:
             self.step_budget.took(num_hit_tokens, num_tokens, in_cached=resumed)
         return True
 
-    def _allocate_or_preempt(self, request: Request, num_tokens: int) -> list[int] | None:
+    def _allocate_or_preempt(
+        self, request: Request, num_tokens: int, num_reserved_tokens: int = 0
+    ) -> list[int] | None:
         """Preempt until the request's blocks fit; None if the request itself had to go."""
         while True:
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_tokens)
+            new_block_ids = self.kv_cache_manager.allocate_slots(
+                request, num_tokens, num_reserved_tokens=num_reserved_tokens
+            )
             if new_block_ids is not None:
                 return new_block_ids
             victim = max(self.running, key=priority_key) if self._by_priority else self.running[-1]

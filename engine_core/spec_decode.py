@@ -35,11 +35,9 @@ from __future__ import annotations
 
 from conveyor.engine_core.request import Request, RequestStatus
 from conveyor.protocol import ModelRunnerOutput, SchedulerOutput
-from conveyor.protocol.speculative import SpeculativeConfig
+from conveyor.protocol.speculative import MAX_BACKOFF_STEPS, SpeculativeConfig
 
 _RUNNING = RequestStatus.RUNNING
-# The longest a request whose drafts keep failing goes without them (its steps).
-MAX_BACKOFF_STEPS = 32
 
 
 class SpecDecodeScheduling:
@@ -48,6 +46,9 @@ class SpecDecodeScheduling:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.max_batch = config.disable_by_batch_size
+        # KV slots reserved past a speculating request's scheduled tokens (a draft model's own
+        # drafts' KV); 0 for ngram.
+        self.lookahead = config.num_lookahead_tokens
         # req_id -> (the request's num_tokens when the drafts were proposed, the drafts): a
         # draft is only valid right after the token it was proposed from.
         self._drafts: dict[int, tuple[int, list[int]]] = {}
@@ -70,11 +71,13 @@ class SpecDecodeScheduling:
         """The drafts to schedule after the request's one token to compute, within what the
         step's budget and the request's max_tokens leave; [] if none are valid."""
         entry = self._drafts.pop(request.req_id, None)
-        if entry is None:
-            return []
         paused = self._paused.get(request.req_id)
         if paused:
+            # Counted in the request's steps, proposals or not: a draft model's worker pauses
+            # by the same rule (worker/spec_decode/spec_step.py) and proposes nothing meanwhile.
             self._paused[request.req_id] = paused - 1
+            return []
+        if entry is None:
             return []
         num_tokens, drafts = entry
         if num_tokens != len(request.all_token_ids):

@@ -22,6 +22,7 @@ import msgspec
 from conveyor.frontend.model_source import resolve_model
 from conveyor.frontend.parsers.reasoning import REASONING_PARSERS
 from conveyor.frontend.parsers.tool_calls import TOOL_CALL_PARSERS
+from conveyor.frontend.speculative_draft import resolve_draft
 from conveyor.frontend.vllm_flags import ENGINE_FLAGS, add_vllm_flags
 from conveyor.protocol import (
     CacheConfig,
@@ -41,6 +42,7 @@ from conveyor.protocol.config import (
     POLICIES,
     QUANTIZATION_METHODS,
     ConfigError,
+    ModelConfig,
     NodeConfig,
     read_sampling_defaults,
 )
@@ -165,11 +167,15 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"
 
-    def _speculative_config(self) -> SpeculativeConfig | None:
+    def _speculative_config(self, target: ModelConfig) -> SpeculativeConfig | None:
         try:
-            return parse_speculative_config(self.speculative_config)
+            spec = parse_speculative_config(self.speculative_config)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        draft_dir = None
+        if spec is not None and spec.model is not None:
+            draft_dir = resolve_model(spec.model, None, self.download_dir)
+        return resolve_draft(spec, target, draft_dir, self._device())
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model directory and build the checked, frozen config tree."""
@@ -214,7 +220,7 @@ class EngineArgs:
                 async_scheduling=self.async_scheduling,
                 max_waiting_requests=self.max_waiting_requests,
                 tbt_slo_ms=self.tbt_slo_ms,
-                speculative=self._speculative_config(),
+                speculative=self._speculative_config(model_config),
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -528,9 +534,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="JSON",
         help='speculative decoding, vLLM\'s syntax: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-        "(n-gram prompt lookup; greedy outputs unchanged, sampling keeps its distribution); "
-        '"disable_by_batch_size": N turns drafts off while more than N requests run '
-        "(default 8); default: off",
+        '(n-gram prompt lookup) or \'{"model": DIR, "num_speculative_tokens": 4}\' (a draft '
+        'model of the same vocabulary, method "draft_model"; "quantization": "int8"/"int4" '
+        "quantizes it at load on CPU); greedy outputs unchanged, sampling keeps its "
+        'distribution; "disable_by_batch_size": N turns drafts off while more than N requests '
+        "run (default 8); default: off",
     )
     group.add_argument(
         "--trace-steps",

@@ -58,7 +58,8 @@ _NO_COMPILE = (
 )
 _OLD_SPEC = (
     "vLLM V1 replaced these with --speculative-config; conveyor takes that one "
-    '(\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\')'
+    '(\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
+    '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\')'
 )
 _NO_LORA_VOCAB = "conveyor's LoRA adapters never extend the vocabulary (no embedding LoRA)"
 _NO_FULLY_SHARDED = (

@@ -40,6 +40,18 @@ class RequestState:
     prompt_logprobs_sent: bool = False
     # The engine's id of the request's LoRA adapter (0: the base model).
     lora_id: int = 0
+    # A draft model's progress (worker/spec_decode/draft_model.py): positions whose draft KV
+    # holds the request's real tokens, the drafts it made last, their distributions for random
+    # rows, and the prefix keys of its blocks full of them. Reset whenever the request gets a
+    # row: a resumed request's blocks are new.
+    draft_num_computed: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: Any = None
+    draft_block_keys: list[int] = field(default_factory=list)
+    # The engine core's back-off, mirrored: draft steps in a row with nothing accepted, and
+    # steps left without drafts (a draft model's forwards are skipped meanwhile).
+    draft_misses: int = 0
+    draft_paused: int = 0
 
 
 class InputBatch:
@@ -139,6 +151,10 @@ class InputBatch:
             raise RuntimeError(f"request {state.req_id} does not fit max_model_len")
         row = self.num_reqs
         self.num_reqs += 1
+        state.draft_num_computed = 0
+        state.draft_token_ids = []
+        state.draft_probs = None
+        state.draft_block_keys = []
         self.req_ids.append(state.req_id)
         self.row_states.append(state)
         self.row_of[state.req_id] = row

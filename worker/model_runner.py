@@ -26,6 +26,7 @@ from conveyor.protocol import (
     SchedulerOutput,
 )
 from conveyor.protocol.messages import STRUCTURED_OUTPUT_FAILURE
+from conveyor.protocol.speculative import SpeculativeConfig
 from conveyor.worker.attention.selector import select_backend
 from conveyor.worker.cuda_graphs import (
     DecodeGraphs,
@@ -62,6 +63,7 @@ from conveyor.worker.sampling_metadata import (
     make_sampling_metadata,
     with_grammar_bitmask,
 )
+from conveyor.worker.spec_decode.draft_model import DraftModelProposer
 from conveyor.worker.spec_decode.spec_step import SpecDecoder
 from conveyor.worker.step_inputs import StepInputBuffers, StepInputs
 from conveyor.worker.structured_output import GrammarRuntime
@@ -132,7 +134,35 @@ class ModelRunner:
         self._grammars: GrammarRuntime | None = None
         # Speculative decoding (worker/spec_decode/): proposes drafts, verifies scheduled ones.
         spec = config.scheduler.speculative
-        self.spec_decoder = SpecDecoder(spec, max_model_len) if spec is not None else None
+        self.spec_decoder = None
+        if spec is not None:
+            self.spec_decoder = SpecDecoder(
+                spec, max_model_len, lambda: self._load_draft(spec, tp_rank, tp_size)
+            )
+
+    def _load_draft(self, spec: SpeculativeConfig, tp_rank: int, tp_size: int) -> Any:
+        """The draft model of ``draft_model`` speculation, loaded like the target (same dtype,
+        same sharding) with an attention backend of its own."""
+        return DraftModelProposer(
+            spec,
+            max_model_len=self.config.scheduler.max_model_len,
+            max_num_tokens=self.config.scheduler.max_num_batched_tokens,
+            block_size=self.block_size,
+            vocab_size=self.vocab_size,
+            device=self.device,
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
+            make_backend=lambda needs_sinks: select_backend(
+                self.device,
+                self.block_size,
+                self.config.attention_backend,
+                dtype=self.dtype,
+                needs_sinks=needs_sinks,
+                kv_dtype=self.kv_dtype,
+            ),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
 
     def _make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
@@ -140,14 +170,20 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache
 
     def bytes_per_block(self) -> int:
+        """A block's bytes on this rank: the target's K/V and, with a draft model, the draft's
+        (it shares the target's block ids: worker/spec_decode/draft_model.py)."""
         first = self.attention_layers[0]
+        draft = self._draft()
         return kv_bytes_per_block(
             len(self.attention_layers),
             self.block_size,
             first.num_kv_heads,
             first.head_dim,
             self.kv_dtype,
-        )
+        ) + (draft.bytes_per_block() if draft is not None else 0)
+
+    def _draft(self) -> DraftModelProposer | None:
+        return self.spec_decoder.draft if self.spec_decoder is not None else None
 
     def determine_num_blocks(self) -> int:
         """Blocks this rank can hold: a byte budget on CPU, measured free memory on CUDA (or the
@@ -277,6 +313,8 @@ class ModelRunner:
         for layer, cache in zip(self.attention_layers, caches):
             layer.kv_cache = cache
             layer.backend = self.backend
+        if self._draft() is not None:
+            self._draft().initialize_cache(num_blocks)  # type: ignore[union-attr]
         self.num_blocks = num_blocks
         if self._whole_graphs_due:
             self._whole_graphs_due = False
@@ -324,6 +362,8 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.kv_cache = None
         self.attention_layers = []
+        if self._draft() is not None:
+            self._draft().release()  # type: ignore[union-attr]
         self.decode_graphs = None
         self.model = None
         self.num_blocks = None

@@ -297,9 +297,17 @@ def test_speculative_config_parsing_refuses_what_it_does_not_do() -> None:
         num_speculative_tokens=5, prompt_lookup_max=3, prompt_lookup_min=1
     )
     assert parse_speculative_config(None) is None
+    # vLLM's inference: a model without a method is a draft model.
+    draft = parse_speculative_config('{"model": "/m", "num_speculative_tokens": 3}')
+    assert (draft.method, draft.model, draft.num_lookahead_tokens) == ("draft_model", "/m", 3)
+    assert config.num_lookahead_tokens == 0
     for bad, word in [
         ('{"method": "eagle", "num_speculative_tokens": 2}', "eagle"),
         ('{"method": "ngram", "model": "x"}', "model"),
+        ('{"method": "ngram", "quantization": "int8"}', "quantization"),
+        ('{"method": "draft_model"}', 'needs "model"'),
+        ('{"model": "/m", "prompt_lookup_max": 3}', "prompt_lookup_max"),
+        ('{"model": "/m", "draft_tensor_parallel_size": 1}', "draft_tensor_parallel_size"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
         ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup"),
         ("[1]", "object"),

@@ -168,3 +168,202 @@ def test_a_grammar_cuts_drafts_at_the_first_refused_token_and_masks_each_positio
     assert index == list(range(len(good) + 1))
     checks.accept({0: good[:1]})
     assert state.matcher.validate_tokens(good[1:]) == len(good) - 1
+
+
+@pytest.mark.parametrize("kind", ["near-target", "far-from-target"])
+def test_drafts_sampled_from_a_draft_distribution_keep_the_target_distribution(kind) -> None:
+    """A draft model's drafts come from its own q: accepted with min(1, p/q), a rejection drawn
+    from max(0, p - q). Chi-square: each emitted token follows p, whatever q is."""
+    torch.manual_seed(1)
+    logits = torch.randn(3, VOCAB) * 1.5
+    params = SamplingParams(temperature=0.8, top_k=5)
+    metadata = _metadata([params] * 3)
+    targets = [torch.tensor(_target(logits[i], 0.8, 5), dtype=torch.float32) for i in range(2)]
+    if kind == "near-target":
+        q = torch.stack([(t + 0.05).softmax(dim=-1) * 0.5 + t * 0.5 for t in targets])
+    else:
+        q = torch.softmax(torch.randn(2, VOCAB) * 2.0, dim=-1)
+    num_draws = 6000
+    first, second, accepted = [], [], 0
+    for seed in range(num_draws):
+        generator = torch.Generator().manual_seed(seed)
+        drafts = [int(torch.multinomial(q[j], 1, generator=generator)) for j in range(2)]
+        tokens = verify(logits, [drafts], metadata, [True], [generator], [None], [q]).token_ids[0]
+        first.append(tokens[0])
+        if len(tokens) > 1:  # the first draft was accepted: the second position was scored
+            accepted += 1
+            second.append(tokens[1])
+    for observed, position in [(first, 0), (second, 1)]:
+        expected = targets[position].double().numpy()
+        counts = np.bincount(observed, minlength=VOCAB)
+        assert counts[expected == 0].sum() == 0, "a token the filters remove was emitted"
+        support = expected > 0
+        result = chisquare(counts[support], expected[support] / expected.sum() * len(observed))
+        assert result.pvalue > 1e-3, (kind, position, counts, expected * len(observed))
+    # The acceptance rate is sum(min(p, q)) at the first position.
+    want = float(torch.minimum(targets[0], q[0]).sum())
+    assert accepted / num_draws == pytest.approx(want, abs=0.03)
+
+
+def test_draft_model_proposals_are_its_greedy_continuation_through_accepts_rejects_and_resets(
+    tiny_model_dir, hf_model
+) -> None:
+    """The draft's KV follows the request: after a partial accept (its own draft KV reused up
+    to the first wrong draft), a full accept, a new row (a resumed request's new blocks), and
+    new rows on blocks the draft filled before (prefix hits: trusted as far as their keys are
+    the row's prefix's), its k drafts are the greedy continuation transformers computes from
+    the whole history.
+    The catch-up runs in chunks (a token budget of 8 for prompts of 21 and 13 tokens), two
+    rows batched in every forward."""
+    from conveyor.protocol.speculative import SpeculativeConfig
+    from conveyor.worker.attention.selector import select_backend
+    from conveyor.worker.input_batch import InputBatch
+    from conveyor.worker.spec_decode.draft_model import DraftModelProposer
+    from conveyor.worker.spec_decode.spec_step import _append
+
+    k, cpu = 3, torch.device("cpu")
+    config = SpeculativeConfig(
+        method="draft_model", model=str(tiny_model_dir), **{"num_speculative_tokens": k}
+    )
+    proposer = DraftModelProposer(
+        config,
+        max_model_len=128,
+        max_num_tokens=8,
+        block_size=4,
+        vocab_size=2048,
+        device=cpu,
+        dtype=torch.float32,
+        kv_dtype=torch.float32,
+        make_backend=lambda sinks: select_backend(cpu, 4, "torch"),
+    )
+    proposer.initialize_cache(64)
+    hf = hf_model(tiny_model_dir)
+
+    def greedy(history: list[int]) -> list[int]:
+        ids = torch.tensor([history])
+        out = hf.generate(
+            ids, max_new_tokens=k, do_sample=False, attention_mask=torch.ones_like(ids)
+        )
+        return out[0, len(history) :].tolist()
+
+    batch = InputBatch(max_num_seqs=2, max_model_len=128, max_blocks_per_req=32)
+    greedy_params = SamplingParams(temperature=0.0)
+    histories = [list(range(5, 26)), [7, 3, 9, 11, 400, 3, 9, 11, 400, 3, 9, 11, 77]]
+    for req_id, history in enumerate(histories):
+        state = batch._new_state(req_id, greedy_params, len(history))
+        blocks = list(range(1 + 16 * req_id, 17 + 16 * req_id))
+        batch._add_row(state, history, blocks)
+
+    def check() -> list[list[int]]:
+        drafts = proposer.propose(batch, [0, 1])
+        for row, history in enumerate(histories):
+            assert drafts[row] == greedy(history), row
+        return drafts
+
+    drafts = check()
+    # Row 0 accepts 2 drafts, then its own token; row 1 accepts all k and a bonus token.
+    steps = [drafts[0][:2] + [(drafts[0][2] + 1) % 2048], drafts[1] + [5]]
+    for row, tokens in enumerate(steps):
+        _append(batch, row, tokens)
+        histories[row] += tokens
+    drafts = check()
+    # Row 1 leaves and comes back (preempted, resumed into other blocks): recomputed from 0.
+    state = batch.row_states[1]
+    old_blocks = batch.block_table[1, :16].tolist()
+    batch._remove_rows([1])
+    batch._add_row(state, histories[1], list(range(40, 56)))
+    assert state.draft_num_computed == 0
+    assert proposer._first_unknown(batch, 1) == 0
+    check()
+    # Back in its old blocks (prefix-cache hits): the draft trusts the blocks it filled with
+    # this very prefix, all but the one holding the latest token.
+    num_tokens = len(histories[1])
+    for history, blocks, trusted in [
+        (histories[1], old_blocks, (num_tokens - 1) // 4 * 4),
+        # Same blocks, another token in block 2: trusted up to it, and not past it.
+        (histories[1][:9] + [histories[1][9] + 1] + histories[1][10:], old_blocks, 8),
+    ]:
+        batch._remove_rows([1])
+        state = batch._new_state(1, greedy_params, len(history))
+        batch._add_row(state, history, blocks)
+        histories[1] = history
+        assert proposer._first_unknown(batch, 1) == trusted
+        check()
+        old_blocks = batch.block_table[1, :16].tolist()
+
+
+def test_a_draft_models_worker_pauses_exactly_when_the_engine_drops_its_drafts(
+    tiny_model_dir,
+) -> None:
+    """The engine core's back-off, mirrored in the worker: after two draft steps in a row with
+    nothing accepted, the draft model runs no forwards for the steps whose drafts the engine
+    would drop, and proposes again in time for the first step that takes drafts."""
+    from conveyor.engine_core.request import Request, RequestStatus
+    from conveyor.engine_core.spec_decode import SpecDecodeScheduling
+    from conveyor.protocol.speculative import SpeculativeConfig
+    from conveyor.worker.attention.selector import select_backend
+    from conveyor.worker.input_batch import InputBatch
+    from conveyor.worker.spec_decode.draft_model import DraftModelProposer
+    from conveyor.worker.spec_decode.spec_step import SpecDecoder, _append
+
+    cpu = torch.device("cpu")
+    config = SpeculativeConfig(method="draft_model", model=str(tiny_model_dir))
+    decoder = SpecDecoder(
+        config,
+        128,
+        lambda: DraftModelProposer(
+            config,
+            max_model_len=128,
+            max_num_tokens=64,
+            block_size=4,
+            vocab_size=2048,
+            device=cpu,
+            dtype=torch.float32,
+            kv_dtype=torch.float32,
+            make_backend=lambda sinks: select_backend(cpu, 4, "torch"),
+        ),
+    )
+    decoder.draft.initialize_cache(40)
+    batch = InputBatch(max_num_seqs=1, max_model_len=128, max_blocks_per_req=32)
+    prompt = list(range(3, 12))
+    batch._add_row(
+        batch._new_state(0, SamplingParams(temperature=0.0), len(prompt)),
+        prompt,
+        list(range(1, 33)),
+    )
+    engine = SpecDecodeScheduling(config)
+    request = Request(0, prompt, SamplingParams(temperature=0.0, max_tokens=100), max_model_len=128)
+    request.status = RequestStatus.RUNNING
+    worker_proposed, engine_took = [], []
+    for _ in range(12):
+        # The engine schedules the step with the drafts it kept (or none, paused) ...
+        drafts = engine.take_drafts(request, 100)
+        engine_took.append(bool(drafts))
+        # ... the worker verifies them, all rejected, and proposes after its token.
+        tokens = {0: [7]}
+        if drafts:
+            decoder.record_acceptance(batch, [0], tokens)
+            engine._back_off(0, 0)
+        _append(batch, 0, tokens[0])
+        request.append_output_token_id(7)
+        proposal = decoder.propose(batch, [0])[0]
+        worker_proposed.append(bool(proposal))
+        if proposal:
+            engine._drafts[0] = (len(request.all_token_ids), proposal)
+    # Every proposal made is taken by the next step, and every step that takes drafts had one.
+    assert engine_took[1:] == worker_proposed[:-1]
+    # Two misses, then 2 steps without; a miss, 4 without: proposals are rare.
+    assert worker_proposed == [
+        True,
+        True,
+        False,
+        False,
+        True,
+        False,
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]

@@ -9,6 +9,7 @@ fits the same call: it lives in the worker beside the target and gets the batch 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from conveyor.protocol.speculative import SpeculativeConfig
@@ -45,7 +46,13 @@ class NgramProposer:
         return drafts
 
 
-def make_proposer(config: SpeculativeConfig, max_model_len: int) -> Proposer:
+def make_proposer(
+    config: SpeculativeConfig, max_model_len: int, load_draft: Callable[[], Proposer] | None = None
+) -> Proposer:
+    """The method's proposer; ``load_draft`` builds a draft model's (it needs the runner's
+    device, dtypes, attention backend and tensor-parallel rank)."""
     if config.method == "ngram":
         return NgramProposer(config, max_model_len)
+    if config.method == "draft_model" and load_draft is not None:
+        return load_draft()
     raise ValueError(f"no proposer {config.method!r}")

@@ -6,11 +6,13 @@ token after it. The drafts are checked in order:
 
 * greedy rows accept ``d_{j+1}`` while it is ``argmax p_j``, then take ``argmax p_a`` at the first
   mismatch (or after the last draft): exactly the tokens greedy decoding would have made;
-* random rows use rejection sampling with the proposer's distribution ``q``. An n-gram draft is a
-  point mass (``q(d) = 1``), so ``d_{j+1}`` is accepted with probability ``p_j(d_{j+1})``; at the
-  first rejection the token comes from ``p_j`` with ``d_{j+1}`` removed and renormalised
-  (``max(0, p - q)``), and after k acceptances from ``p_k``. Each emitted token is then
-  distributed exactly as ``p`` (Leviathan et al. 2023; Chen et al. 2023).
+* random rows use rejection sampling with the proposer's distribution ``q``: ``d_{j+1}`` is
+  accepted with probability ``min(1, p_j(d) / q_j(d))``; at the first rejection the token comes
+  from ``max(0, p_j - q_j)`` renormalised, and after k acceptances from ``p_k``. Each emitted
+  token is then distributed exactly as ``p`` (Leviathan et al. 2023; Chen et al. 2023). A draft
+  model's drafts were sampled from its own ``q`` (passed in per row); an n-gram draft is a point
+  mass (``q(d) = 1``), so it is accepted with probability ``p_j(d)`` and a rejection draws from
+  ``p_j`` with ``d`` removed.
 
 ``p_j`` is the distribution the sampler would draw from: the row's constraints (allow-lists,
 biases, the ``min_tokens`` ban), penalties, temperature and filters, applied at each position as
@@ -50,9 +52,12 @@ def verify(
     is_random: list[bool],
     generators: list[torch.Generator | None],
     logprob_counts: list[int | None],
+    draft_q: list[torch.Tensor | None] | None = None,
 ) -> Verified:
     """Check each row's drafts; ``logits`` is [sum(1 + k_i), V], row i's positions together,
-    ``metadata`` one row per position (built as if the drafts before it were emitted)."""
+    ``metadata`` one row per position (built as if the drafts before it were emitted);
+    ``draft_q[i]`` ([k_i, V]) the distributions row i's drafts were sampled from (None: point
+    masses)."""
     logits = logits.float()
     raw_logprobs = None
     if metadata.max_num_logprobs is not None:
@@ -71,7 +76,8 @@ def verify(
         start = starts[i]
         if is_random[i]:
             assert probs is not None
-            tokens = _verify_random(probs, start, row_drafts, draft_probs[i], generators[i])
+            q = None if draft_q is None else draft_q[i]
+            tokens = _verify_random(probs, start, row_drafts, draft_probs[i], generators[i], q)
         else:
             num_accepted = 0
             while (
@@ -117,20 +123,36 @@ def _verify_random(
     drafts: list[int],
     draft_probs: list[float],
     generator: torch.Generator | None,
+    q: torch.Tensor | None = None,
 ) -> list[int]:
     uniforms = torch.rand(len(drafts), generator=generator, device=probs.device).tolist()
+    # q(d) of each draft: 1 for a point mass. u < p / q is tested as u * q < p (q(d) > 0: d
+    # was drawn from q).
+    draft_q = [1.0] * len(drafts)
+    if q is not None and drafts:
+        index = torch.arange(len(drafts), device=q.device)
+        draft_q = q[index, torch.tensor(drafts, device=q.device)].tolist()
     num_accepted = 0
-    while num_accepted < len(drafts) and uniforms[num_accepted] < draft_probs[num_accepted]:
+    while (
+        num_accepted < len(drafts)
+        and uniforms[num_accepted] * draft_q[num_accepted] < draft_probs[num_accepted]
+    ):
         num_accepted += 1
     dist = probs[start + num_accepted].clone()
     if num_accepted < len(drafts):
-        dist[drafts[num_accepted]] = 0.0  # max(0, p - q) for a point-mass q
+        if q is None:
+            dist[drafts[num_accepted]] = 0.0  # max(0, p - q) for a point-mass q
+        else:
+            residual = (dist - q[num_accepted]).clamp_(min=0.0)
+            # p == q (to rounding) leaves nothing: a rejection had probability ~0; draw from p.
+            if float(residual.sum()) > 0.0:
+                dist = residual
     # The sampler's exponential race: argmax(dist / E), E ~ Exp(1), picks i with dist[i] / sum.
     noise = torch.empty_like(dist).uniform_(generator=generator)
     token = int(dist.div_(noise.log_().neg_()).argmax())
     if float(dist[token]) <= 0.0:
-        # Nothing left after removing the draft (it held all the mass, yet u >= 1 - 1 ulp):
-        # the draft is the only token p allows.
+        # Nothing left after removing a point-mass draft (it held all the mass, yet
+        # u >= 1 - 1 ulp): the draft is the only token p allows.
         token = drafts[num_accepted]
     return drafts[:num_accepted] + [token]
 

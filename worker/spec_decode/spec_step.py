@@ -13,6 +13,7 @@ accepted ones are counted when appended, and the rejected ones are overwritten l
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,12 +22,13 @@ import torch
 from conveyor.protocol import Logprobs, ModelRunnerOutput, SchedulerOutput
 from conveyor.protocol.messages import STRUCTURED_OUTPUT_FAILURE
 from conveyor.protocol.sampling_params import SamplingParams
-from conveyor.protocol.speculative import SpeculativeConfig
+from conveyor.protocol.speculative import MAX_BACKOFF_STEPS, SpeculativeConfig
 from conveyor.worker.device_buffers import to_device
 from conveyor.worker.input_batch import InputBatch
 from conveyor.worker.prompt_logprobs import plan_prompt_logprobs
 from conveyor.worker.sampler import logprobs_to_wire
 from conveyor.worker.sampling_metadata import _effective_temperature, make_sampling_metadata
+from conveyor.worker.spec_decode.draft_model import DraftModelProposer
 from conveyor.worker.spec_decode.proposers import make_proposer
 from conveyor.worker.spec_decode.rejection_sampler import verify
 from conveyor.worker.step_inputs import StepInputs
@@ -41,9 +43,16 @@ LogprobRow = tuple[list[int], list[float], int]
 class SpecDecoder:
     """The worker's half of speculative decoding: drafts in, verified tokens and drafts out."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        max_model_len: int,
+        load_draft: Callable[[], DraftModelProposer] | None = None,
+    ) -> None:
         self.config = config
-        self.proposer = make_proposer(config, max_model_len)
+        self.proposer = make_proposer(config, max_model_len, load_draft)
+        # A draft model's proposer: its KV cache is sized and made with the target's.
+        self.draft = self.proposer if isinstance(self.proposer, DraftModelProposer) else None
 
     @staticmethod
     def write_drafts(batch: InputBatch, drafts_by_req: dict[int, list[int]]) -> None:
@@ -55,10 +64,28 @@ class SpecDecoder:
 
     def propose(self, batch: InputBatch, rows: list[int]) -> list[list[int]]:
         """Drafts for the rows that sampled (after their tokens were appended); none while the
-        batch is past the off-switch."""
+        batch is past the off-switch. A draft model skips the rows whose drafts the engine
+        core would drop (its back-off, mirrored here: its k forwards are not free)."""
         if batch.num_reqs > self.config.disable_by_batch_size or not rows:
             return []
-        return self.proposer.propose(batch, rows)
+        if self.draft is None:
+            return self.proposer.propose(batch, rows)
+        live = [row for row in rows if not _paused(batch.row_states[row])]
+        drafts = dict(zip(live, self.proposer.propose(batch, live))) if live else {}
+        return [drafts.get(row, []) for row in rows]
+
+    @staticmethod
+    def record_acceptance(batch: InputBatch, rows: list[int], tokens: dict[int, list[int]]) -> None:
+        """The engine core's back-off rule (engine_core/spec_decode.py), per request: after two
+        draft steps in a row with nothing accepted, no drafts for 2, 4, ... 32 steps."""
+        for row in rows:
+            state = batch.row_states[row]
+            if len(tokens[row]) > 1:
+                state.draft_misses = 0
+                continue
+            state.draft_misses += 1
+            if state.draft_misses >= 2:
+                state.draft_paused = min(1 << (state.draft_misses - 1), MAX_BACKOFF_STEPS)
 
     def execute(
         self,
@@ -95,6 +122,8 @@ class SpecDecoder:
         failed.update(
             self._verify(runner, spec, drafts, hidden[len(plain) :], tokens, logprob_rows)
         )
+        if self.draft is not None:
+            self.record_acceptance(batch, spec, tokens)
         for row in row_list:
             _append(batch, row, tokens[row])
         output = ModelRunnerOutput(
@@ -190,7 +219,16 @@ class SpecDecoder:
         is_random = [_is_random(p) for p in row_params]
         generators = [batch.row_states[row].generator for row in rows]
         verified = verify(
-            logits, drafts, metadata, is_random, generators, [p.logprobs for p in row_params]
+            logits,
+            drafts,
+            metadata,
+            is_random,
+            generators,
+            [p.logprobs for p in row_params],
+            [
+                _draft_probs(batch, row, d) if r else None
+                for row, d, r in zip(rows, drafts, is_random)
+            ],
         )
         for i, row in enumerate(rows):
             tokens[row] = verified.token_ids[i]
@@ -292,6 +330,29 @@ def _merge_logprobs(
             merged.logprobs.append(logprobs)
             merged.ranks.append(rank)
     return merged
+
+
+def _draft_probs(batch: InputBatch, row: int, drafts: list[int]) -> torch.Tensor | None:
+    """A draft model's distributions at the row's drafts ([len(drafts), V]); None for a
+    proposer whose drafts are point masses (ngram)."""
+    state = batch.row_states[row]
+    if state.draft_probs is None:
+        return None
+    if state.draft_token_ids[: len(drafts)] != drafts:
+        # The engine schedules only drafts made at the row's current length: anything else is
+        # a bug, and q of other tokens would bias every sampled token.
+        raise RuntimeError(
+            f"request {state.req_id}: drafts scheduled that its draft model did not make"
+        )
+    return state.draft_probs[: len(drafts)]
+
+
+def _paused(state: Any) -> bool:
+    """Whether a request's drafts are paused for this step (counting the step)."""
+    if state.draft_paused:
+        state.draft_paused -= 1
+        return True
+    return False
 
 
 def _is_random(params: SamplingParams) -> bool:
