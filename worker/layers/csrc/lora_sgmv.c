@@ -30,17 +30,24 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #define CONVEYOR_LORA_SGMV_ABI_VERSION 1
 
+/* A tile is MR rows by NV vectors of output columns: MR * NV accumulators, NV right-hand
+ * vectors and a broadcast fit the registers (32 with AVX-512, 16 with AVX2). Six rows reuse each
+ * loaded (and, in bfloat16, widened) weight vector six times. */
 #if defined(__AVX512F__)
 #define VL 16
+#define NV 4
 #else
 #define VL 8
+#define NV 2
 #endif
-#define NV 4 /* vectors of output columns per tile: MR * NV accumulators fit the registers */
 #define PANEL (VL * NV)
-#define MR 4
+#define MR 6
 /* Below this many multiply-adds the fork costs more than a second thread saves. */
 #define PARALLEL_MIN_MACS (1 << 16)
 
@@ -127,7 +134,7 @@ typedef struct {
         const Product *p, int64_t col, const int ROWS, const int NVEC, const int l_bf16,     \
         const int r_bf16, const int c_bf16) {                                                \
         VF acc[MR][NV];                                                                      \
-        _Pragma("GCC unroll 4") for (int i = 0; i < ROWS; i++)                               \
+        _Pragma("GCC unroll 6") for (int i = 0; i < ROWS; i++)                               \
             _Pragma("GCC unroll 4") for (int j = 0; j < NVEC; j++) acc[i][j] =               \
                 p->accumulate ? load##SUFFIX(p->c[i], col + j * LANES, c_bf16) : (VF){0};    \
         for (int64_t k = 0; k < p->k_count; k++) {                                           \
@@ -135,12 +142,12 @@ typedef struct {
             const int64_t at = k * p->r_stride + col;                                        \
             _Pragma("GCC unroll 4") for (int j = 0; j < NVEC; j++) rv[j] =                   \
                 load##SUFFIX(p->r, at + j * LANES, r_bf16);                                  \
-            _Pragma("GCC unroll 4") for (int i = 0; i < ROWS; i++) {                         \
+            _Pragma("GCC unroll 6") for (int i = 0; i < ROWS; i++) {                         \
                 const VF lv = load1(p->l[i], k, l_bf16) - (VF){0};                           \
                 _Pragma("GCC unroll 4") for (int j = 0; j < NVEC; j++) acc[i][j] += lv * rv[j]; \
             }                                                                                \
         }                                                                                    \
-        _Pragma("GCC unroll 4") for (int i = 0; i < ROWS; i++)                               \
+        _Pragma("GCC unroll 6") for (int i = 0; i < ROWS; i++)                               \
             _Pragma("GCC unroll 4") for (int j = 0; j < NVEC; j++)                           \
                 store##SUFFIX(p->c[i], col + j * LANES, acc[i][j], c_bf16);                  \
     }
@@ -165,7 +172,9 @@ static inline __attribute__((always_inline)) void tile_scalar(const Product *p, 
         case 1: CALL(1); break;   \
         case 2: CALL(2); break;   \
         case 3: CALL(3); break;   \
-        default: CALL(4); break;  \
+        case 4: CALL(4); break;   \
+        case 5: CALL(5); break;   \
+        default: CALL(6); break;  \
     }
 
 /* The product's columns [c0, c1): whole tiles, then single vectors, eight lanes, scalars. */
@@ -198,7 +207,7 @@ static inline __attribute__((always_inline)) void product_columns(const Product 
 typedef struct {
     const char *x, *a_t, *b;
     char *out;
-    float *shrunk;
+    float *shrunk, *x_rows; /* x_rows: MR * K floats per thread, for widened bfloat16 rows */
     int64_t x_stride, out_stride, act_size, weight_size;
     const int64_t *token_rows, *segments, *part_cols, *segment_offsets;
     int64_t offset, num_segments, k_size, n_size, max_rank, width;
@@ -206,27 +215,53 @@ typedef struct {
     int num_parts;
 } Call;
 
+static inline int thread_index(void) {
+#if defined(_OPENMP)
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 static inline int64_t token_row(const Call *c, int64_t i) {
     return c->token_rows ? c->token_rows[i] : c->offset + i;
 }
 
-/* Shrink MR (or fewer) tokens of one segment: shrunk[i][part's rank columns] = x[row] A_p^T. */
+/* Shrink MR (or fewer) tokens of one segment: shrunk[i][part's rank columns] = x[row] A_p^T.
+ * Parts that use the slots' whole rank run into the next part's columns, and adjacent ranges
+ * are one product (more vectors per tile). bfloat16 rows are widened into x_rows first (MR * K
+ * floats of this thread's), once, not at every broadcast. */
 static inline __attribute__((always_inline)) void shrink_rows(const Call *c, int64_t segment,
-                                                               int64_t i0, const int act_bf16,
+                                                               int64_t i0, float *x_rows,
+                                                               const int act_bf16,
                                                                const int w_bf16) {
     const int64_t slot = c->segments[3 * segment], end = c->segments[3 * segment + 2];
     Product p = {.rows = end - i0 < MR ? (int)(end - i0) : MR, .r_stride = c->width,
-                 .k_count = c->k_size, .accumulate = 0};
+                 .k_count = c->k_size, .accumulate = 0,
+                 .r = c->a_t + slot * c->k_size * c->width * c->weight_size};
     for (int i = 0; i < p.rows; i++) {
-        p.l[i] = c->x + token_row(c, i0 + i) * c->x_stride * c->act_size;
+        const char *row = c->x + token_row(c, i0 + i) * c->x_stride * c->act_size;
+        if (act_bf16) {
+            float *widened = x_rows + i * c->k_size;
+            for (int64_t k = 0; k < c->k_size; k++)
+                widened[k] = bf16_to_float(((const uint16_t *)row)[k]);
+            p.l[i] = widened;
+        } else {
+            p.l[i] = row;
+        }
         p.c[i] = c->shrunk + (i0 + i) * c->width;
     }
-    const char *a_t = c->a_t + slot * c->k_size * c->width * c->weight_size;
-    for (int part = 0; part < c->num_parts; part++) {
-        const int rank = c->ranks[slot * c->num_parts + part];
-        if (rank <= 0) continue;
-        p.r = a_t;
-        product_columns(&p, part * c->max_rank, part * c->max_rank + rank, act_bf16, w_bf16, 0);
+    int64_t lo = 0, hi = 0; /* the pending range of rank columns */
+    for (int part = 0; part <= c->num_parts; part++) {
+        const int rank = part < c->num_parts ? c->ranks[slot * c->num_parts + part] : 0;
+        const int64_t first = part * c->max_rank;
+        if (rank > 0 && first == hi) {
+            hi = first + rank;
+            continue;
+        }
+        if (hi > lo) product_columns(&p, lo, hi, 0, w_bf16, 0);
+        lo = first;
+        hi = first + (rank > 0 ? rank : 0);
     }
 }
 
@@ -273,28 +308,40 @@ static inline int64_t segment_of_item(const Call *c, int64_t item) {
     return lo;
 }
 
-static inline __attribute__((always_inline)) void run(const Call *c, int64_t num_items,
-                                                       int num_threads, int parallel,
-                                                       const int act_bf16, const int w_bf16) {
+/* What each thread of the team does: its share of the shrinks, then of the expands. The dtype
+ * flags are constants in each caller below (OpenMP outlines a parallel region before the
+ * inliner runs, so the region sits in each specialised caller, not here). */
+static inline __attribute__((always_inline)) void run_in_team(const Call *c, int64_t num_items,
+                                                               const int act_bf16,
+                                                               const int w_bf16) {
+    float *x_rows = act_bf16 ? c->x_rows + thread_index() * MR * c->k_size : NULL;
     const int64_t num_panels = (c->n_size + PANEL - 1) / PANEL;
-#pragma omp parallel num_threads(num_threads) if (parallel)
-    {
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < num_items; item++) {
-            const int64_t segment = segment_of_item(c, item);
-            const int64_t i0 =
-                c->segments[3 * segment + 1] + (item - c->segment_offsets[segment]) * MR;
-            shrink_rows(c, segment, i0, act_bf16, w_bf16);
-        }
-        /* The implicit barrier above is the call's one wait: every shrunk row is ready. */
+    for (int64_t item = 0; item < num_items; item++) {
+        const int64_t segment = segment_of_item(c, item);
+        const int64_t i0 =
+            c->segments[3 * segment + 1] + (item - c->segment_offsets[segment]) * MR;
+        shrink_rows(c, segment, i0, x_rows, act_bf16, w_bf16);
+    }
+    /* The implicit barrier above is the call's one wait: every shrunk row is ready. */
 #pragma omp for schedule(static)
-        for (int64_t panel = 0; panel < num_panels; panel++) {
-            const int64_t n0 = panel * PANEL;
-            expand_panel(c, n0, n0 + PANEL < c->n_size ? n0 + PANEL : c->n_size, act_bf16,
-                         w_bf16);
-        }
+    for (int64_t panel = 0; panel < num_panels; panel++) {
+        const int64_t n0 = panel * PANEL;
+        expand_panel(c, n0, n0 + PANEL < c->n_size ? n0 + PANEL : c->n_size, act_bf16, w_bf16);
     }
 }
+
+#define RUN(ACT_BF16, W_BF16)                                                                  \
+    static void run_##ACT_BF16##_##W_BF16(const Call *c, int64_t num_items, int num_threads,    \
+                                          int parallel) {                                       \
+        _Pragma("omp parallel num_threads(num_threads) if (parallel)")                          \
+            run_in_team(c, num_items, ACT_BF16, W_BF16);                                        \
+    }
+
+RUN(0, 0)
+RUN(0, 1)
+RUN(1, 0)
+RUN(1, 1)
 
 /* out[token_rows[i]] += B_s (A_s x[token_rows[i]]) for every token i of every segment
  * (slot s, start, end): segments in order, covering tokens [0, total); token_rows NULL means
@@ -316,9 +363,11 @@ int conveyor_lora_add(const void *x, int64_t x_stride, void *out, int64_t out_st
     const int64_t num_tokens = segments[3 * num_segments - 1];
     int64_t *segment_offsets = malloc(sizeof(int64_t) * num_segments);
     float *shrunk = malloc(sizeof(float) * num_tokens * num_parts * max_rank);
-    if (!segment_offsets || !shrunk) {
+    float *x_rows = act_bf16 ? malloc(sizeof(float) * num_threads * MR * k_size) : NULL;
+    if (!segment_offsets || !shrunk || (act_bf16 && !x_rows)) {
         free(segment_offsets);
         free(shrunk);
+        free(x_rows);
         return -2;
     }
     int64_t num_items = 0, macs = 0;
@@ -331,7 +380,7 @@ int conveyor_lora_add(const void *x, int64_t x_stride, void *out, int64_t out_st
                     (k_size + part_cols[part + 1] - part_cols[part]);
     }
     const Call call = {
-        .x = x, .a_t = a_t, .b = b, .out = out, .shrunk = shrunk,
+        .x = x, .a_t = a_t, .b = b, .out = out, .shrunk = shrunk, .x_rows = x_rows,
         .x_stride = x_stride, .out_stride = out_stride,
         .act_size = act_bf16 ? 2 : 4, .weight_size = weight_bf16 ? 2 : 4,
         .token_rows = token_rows, .segments = segments, .part_cols = part_cols,
@@ -341,12 +390,13 @@ int conveyor_lora_add(const void *x, int64_t x_stride, void *out, int64_t out_st
     };
     const int parallel = num_threads > 1 && macs >= PARALLEL_MIN_MACS;
     switch ((act_bf16 ? 2 : 0) + (weight_bf16 ? 1 : 0)) {
-        case 0: run(&call, num_items, num_threads, parallel, 0, 0); break;
-        case 1: run(&call, num_items, num_threads, parallel, 0, 1); break;
-        case 2: run(&call, num_items, num_threads, parallel, 1, 0); break;
-        default: run(&call, num_items, num_threads, parallel, 1, 1); break;
+        case 0: run_0_0(&call, num_items, num_threads, parallel); break;
+        case 1: run_0_1(&call, num_items, num_threads, parallel); break;
+        case 2: run_1_0(&call, num_items, num_threads, parallel); break;
+        default: run_1_1(&call, num_items, num_threads, parallel); break;
     }
     free(segment_offsets);
     free(shrunk);
+    free(x_rows);
     return 0;
 }
