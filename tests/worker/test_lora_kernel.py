@@ -18,8 +18,9 @@ from conveyor.worker.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from conveyor.worker.lora.kernel import load_lora_kernel
+from conveyor.worker.lora.kernel import KERNEL_ENV, kernel_enabled, load_lora_kernel
 from conveyor.worker.lora.slots import LoRASlots, StepGroups
+from tests.env_switches import assert_refused, switch_set
 
 pytestmark = pytest.mark.skipif(load_lora_kernel() is None, reason="no C compiler for the kernel")
 
@@ -144,3 +145,18 @@ def test_bfloat16_activations_with_float32_slots():
     out = torch.randn(len(token_slots), parts[0]).to(torch.bfloat16)
     got, expected = _both(slots, x, out)
     torch.testing.assert_close(got, expected, rtol=0.02, atol=0.02)
+
+
+def test_the_switch_turns_the_kernel_off_and_refuses_a_typo(monkeypatch):
+    layer, _ = _layer("down", "small")
+
+    def make() -> LoRASlots:
+        return LoRASlots(layer, 1, StepGroups(), 2, 8, torch.float32, torch.device("cpu"))
+
+    assert make().kernel is not None
+    with switch_set(monkeypatch, KERNEL_ENV, "off", kernel_enabled):
+        assert make().kernel is None
+    assert_refused(monkeypatch, KERNEL_ENV, "sometimes", kernel_enabled)
+    # float16 slots are the loop's: the kernel reads float32 and bfloat16 only.
+    float16 = LoRASlots(layer, 1, StepGroups(), 2, 8, torch.float16, torch.device("cpu"))
+    assert float16.kernel is None

@@ -80,6 +80,13 @@ def _from_library(library: ctypes.CDLL, path: Path) -> LoRAKernel:
     return LoRAKernel(library, path)
 
 
+def kernel_for(device: torch.device, dtype: torch.dtype) -> LoRAKernel | None:
+    """The kernel for slots of ``dtype`` on ``device``, or None: the torch loop serves them."""
+    if torch.device(device).type != "cpu" or dtype not in DTYPES or not kernel_enabled():
+        return None
+    return load_lora_kernel()
+
+
 @functools.cache
 def kernel_enabled() -> bool:
     """CONVEYOR_LORA_KERNEL (a value that is neither on nor off is refused at start-up)."""
@@ -91,8 +98,6 @@ def kernel_enabled() -> bool:
 @functools.cache
 def load_lora_kernel() -> LoRAKernel | None:
     """The library, built if needed; None (logged once) where it is off or cannot be built."""
-    if not kernel_enabled():
-        return None
     return native.load_optional(
         logger, "grouped LoRA kernel", "LoRA layers run a torch loop over the step's adapters",
         SOURCE_PATH, [SOURCE_PATH], _from_library,

@@ -37,7 +37,7 @@ from conveyor.worker.layers.linear import (
     RowParallelLinear,
     ShardId,
 )
-from conveyor.worker.lora.kernel import DTYPES, LoRAKernel, load_lora_kernel
+from conveyor.worker.lora.kernel import DTYPES, LoRAKernel, kernel_for
 
 
 class StepGroups:
@@ -109,9 +109,7 @@ class LoRASlots:
         self.part_cols = torch.tensor(_part_columns(layer, num_parts), dtype=torch.int64)
         if self.part_cols[-1] != out_features:
             raise ValueError(f"LoRA parts end at {self.part_cols[-1]}, not at {out_features}")
-        self.kernel: LoRAKernel | None = None
-        if torch.device(device).type == "cpu" and dtype in DTYPES:
-            self.kernel = load_lora_kernel()
+        self.kernel: LoRAKernel | None = kernel_for(device, dtype)
 
     def load(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Fill ``slot`` with (A, scaled B) per part (full checkpoint shapes); the rest zero."""
