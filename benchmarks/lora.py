@@ -4,7 +4,8 @@
 Runs ``LLM`` (engine-core process + worker) with ``enable_lora`` on one model and makes
 ``max(--adapters)`` PEFT adapters of ``--rank`` on every q/k/v/o and gate/up/down projection
 (random A and B, saved by PEFT). Each batch is ``--num-requests`` random-token prompts, greedy with
-``ignore_eos``, interleaved round after round so their ratios come from one machine state:
+``ignore_eos``, interleaved round after round (every other round in reverse order) so their ratios come from
+one machine state; a ratio is the median over rounds of that round's pair:
 
 - ``base``: no adapter (the engine's LoRA path is skipped for a step without one);
 - ``loras-N``: request i runs under adapter i mod N (every step mixes N adapters).
@@ -46,6 +47,11 @@ _VARIANTS = {
     "kernel": "in one grouped kernel call per layer (on CPU, where it builds)",
     "loop": "in a torch loop, two matmuls per adapter per layer (CONVEYOR_LORA_KERNEL=0)",
 }
+
+
+def _paired(rates: list[float], against: list[float]) -> float:
+    """The median over rounds of one round's rate against the other's in the same round."""
+    return statistics.median(a / b for a, b in zip(rates, against))
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -121,22 +127,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         for llm in engines.values():  # warm-up: kernels built, every adapter loaded
             llm.generate(prompts(), greedy, use_tqdm=False, lora_request=batches[f"loras-{most}"])
-        for _ in range(args.rounds):
-            for variant, llm in engines.items():
-                trace = traces[variant]
-                for name, loras in batches.items():
-                    num_lines = len(trace.read_text().splitlines()) if trace.exists() else 0
-                    start = time.perf_counter()
-                    outputs = llm.generate(prompts(), greedy, use_tqdm=False, lora_request=loras)
-                    elapsed = time.perf_counter() - start
-                    num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-                    assert num_tokens == args.num_requests * args.output_len, num_tokens
-                    rates.setdefault((variant, name), []).append(num_tokens / elapsed)
-                    lines = trace.read_text().splitlines()[num_lines:]
-                    records = [json.loads(line) for line in lines]
-                    steps.setdefault((variant, name), []).extend(
-                        r["duration_ms"] for r in records if r["num_prefill_tokens"] == 0
-                    )
+        for round_index in range(args.rounds):
+            # Every other round runs in reverse order, so drift in the machine's state within a
+            # round does not favour whichever batch comes first.
+            order = [(v, name) for v in variants for name in batches]
+            for variant, name in order[:: -1 if round_index % 2 else 1]:
+                llm, trace = engines[variant], traces[variant]
+                num_lines = len(trace.read_text().splitlines()) if trace.exists() else 0
+                start = time.perf_counter()
+                outputs = llm.generate(
+                    prompts(), greedy, use_tqdm=False, lora_request=batches[name]
+                )
+                elapsed = time.perf_counter() - start
+                num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+                assert num_tokens == args.num_requests * args.output_len, num_tokens
+                rates.setdefault((variant, name), []).append(num_tokens / elapsed)
+                lines = trace.read_text().splitlines()[num_lines:]
+                records = [json.loads(line) for line in lines]
+                steps.setdefault((variant, name), []).extend(
+                    r["duration_ms"] for r in records if r["num_prefill_tokens"] == 0
+                )
     finally:
         for llm in engines.values():
             llm.shutdown()
@@ -170,12 +180,12 @@ def _summary(
     batches: dict[str, Any],
     args: argparse.Namespace,
 ) -> dict[str, dict[str, float]]:
-    base = statistics.median(rates[(variant, "base")])
+    base = rates[(variant, "base")]
     one = _percentile(steps[(variant, f"loras-{min(args.adapters)}")], 0.5)
     return {
         name: {
             "output_tok_per_s": statistics.median(rates[(variant, name)]),
-            "vs_base": statistics.median(rates[(variant, name)]) / base,
+            "vs_base": _paired(rates[(variant, name)], base),
             "step_p50_ms": _percentile(steps[(variant, name)], 0.5),
             "step_p50_vs_fewest": _percentile(steps[(variant, name)], 0.5) / one,
         }
