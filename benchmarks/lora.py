@@ -19,7 +19,7 @@ adapters (``CONVEYOR_LORA_KERNEL=0``) instead of the grouped kernel, and interle
 with the first's round by round: ``kernel/loop`` is the kernel's gain in one machine state.
 Usage::
 
-    python -m benchmarks lora [--model DIR] [--dtype float32] [--num-requests 64]
+    python -m benchmarks lora [--model DIR] [--dtype float32] [--engine mp] [--num-requests 64]
         [--output-len 64] [--rank 16] [--adapters 1 4 16] [--rounds 3] [--compare-loop] [--json]
 """
 
@@ -72,13 +72,16 @@ def _start_engine(model: str, args: argparse.Namespace, trace: Path, kernel: boo
     """An engine for the batches; ``kernel`` False: its workers run the torch loop (the variable
     is read when the worker processes start, so it is set around the start only)."""
     from conveyor.frontend import LLM
-    from conveyor.worker.lora.kernel import KERNEL_ENV
+    from conveyor.worker.lora.kernel import KERNEL_ENV, kernel_enabled
 
     before = os.environ.get(KERNEL_ENV)
     os.environ[KERNEL_ENV] = "1" if kernel else "0"
+    kernel_enabled.cache_clear()  # an in-process worker reads it in this process
     try:
         return LLM(
             model,
+            engine=args.engine,
+            executor_backend=args.engine,
             dtype=args.dtype,
             max_num_seqs=max(64, args.num_requests),
             enable_lora=True,
@@ -162,6 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {
             "model": model,
             "dtype": args.dtype,
+            "engine": args.engine,
             "num_requests": args.num_requests,
             "prompt_len": PROMPT_LEN,
             "output_len": args.output_len,
@@ -197,6 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks lora", description=__doc__)
     parser.add_argument("--model", type=Path, help="model directory (default: the bench model)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--engine",
+        default="mp",
+        choices=["mp", "inprocess"],
+        help="mp: engine and worker processes; inprocess: both in this process (no heartbeats "
+        "to miss on a host that stalls for seconds)",
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
