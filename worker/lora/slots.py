@@ -117,6 +117,8 @@ class LoRASlots:
         for part, (a, b) in parts.items():
             rank = a.shape[0]
             cols = slice(part * self.max_rank, part * self.max_rank + rank)
+            # Recorded first, so a failed copy is still cleared by the next load.
+            self.ranks[slot, part] = rank
             a, b = a.to(self.a_t.dtype), b.to(self.b.dtype)
             if self.row_parallel:  # through A's transposed view: the loader slices columns
                 self.layer.weight_loader(self.a_t[slot, :, cols].t(), a)
@@ -125,11 +127,15 @@ class LoRASlots:
                 self.a_t[slot, :, cols].copy_(a.t())
                 # Through B's transposed view: the layer's loader slices output rows.
                 self.layer.weight_loader(self.b[slot, cols].t(), b, self._shard_id(part))
-            self.ranks[slot, part] = rank
 
     def clear(self, slot: int) -> None:
-        self.a_t[slot].zero_()
-        self.b[slot].zero_()
+        """Zero what the slot's adapter wrote (``ranks`` says where); the rest is zero already,
+        so a swap does not rewrite the whole slot."""
+        for part, rank in enumerate(self.ranks[slot].tolist()):
+            if rank:
+                cols = slice(part * self.max_rank, part * self.max_rank + rank)
+                self.a_t[slot, :, cols].zero_()
+                self.b[slot, cols].zero_()
         self.ranks[slot].zero_()
 
     def _shard_id(self, part: int) -> ShardId:
