@@ -8,7 +8,12 @@ step they were just written; the weights, base and adapter alike, arrive cold, b
 previous layer's weights went through the caches in between). The three ways are interleaved
 call by call; each figure is the median over ``--repeats`` of a layer's four linears.
 ``--compare-build=FLAGS`` adds a build of the kernel with extra compiler flags (e.g.
-``--compare-build=-DPREFETCH_B=0``) as a fourth way. Usage::
+``--compare-build=-DPREFETCH_B=0``) as a fourth way.
+
+Then what swapping an adapter into a slot costs the step that needs it: ``LoRAManager`` on the
+`bench` model with 16 slots fills one slot with a rank-16 adapter, from the host LRU and from
+the adapter's files (medians of ``--repeats``; every slot was filled once before, as in a server
+that has run a while). Usage::
 
     python -m benchmarks lora-kernel [--dtype float32] [--threads 1] [--repeats 40]
         [--compare-build=FLAGS] [--json]
@@ -136,6 +141,46 @@ def measure(args: argparse.Namespace, num_adapters: int) -> dict[str, float]:
     return result
 
 
+def measure_fills(args: argparse.Namespace) -> dict[str, float]:
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from benchmarks.fixtures.model_maker import ensure_model
+    from benchmarks.lora import make_adapters
+    from conveyor.protocol.lora import LoRAConfig, LoRALoad
+    from conveyor.worker.loader import load_model
+    from conveyor.worker.lora import LoRAManager
+
+    dtype = getattr(torch, args.dtype)
+    model_dir = ensure_model("bench", "qwen3")
+    work = Path(tempfile.mkdtemp(prefix="conveyor-bench-lora-fills-"))
+    try:
+        paths = [str(p) for p in make_adapters(str(model_dir), work, 2, RANK)]
+        model = load_model(model_dir, dtype, "cpu")
+        config = LoRAConfig(max_loras=16, max_lora_rank=RANK, max_cpu_loras=16)
+        manager = LoRAManager(model, config, str(model_dir), dtype, torch.device("cpu"))
+        for slot in range(16):
+            manager.apply_loads([LoRALoad(slot, 100 + slot, paths[0])])
+        files, host = [], []
+        for i in range(args.repeats):
+            manager._host.clear()  # read from the files again
+            start = time.perf_counter()
+            manager.apply_loads([LoRALoad(i % 16, 1, paths[1])])
+            files.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            manager.apply_loads([LoRALoad((i + 8) % 16, 1, paths[1])])
+            host.append(time.perf_counter() - start)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {
+        "fill_from_files_ms": statistics.median(files) * 1e3,
+        "fill_from_host_lru_ms": statistics.median(host) * 1e3,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks lora-kernel", description=__doc__)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -158,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             "compare_build": args.compare_build,
         },
         "results": {str(n): measure(args, n) for n in (1, 4, 16)},
+        "slot_fill": measure_fills(args),
     }
     if print_report_start(report, args.json):
         return 0
@@ -174,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
                 f" ({row['other_build_vs_kernel']:.2f}x the kernel)"
             )
         print(line)
+    fill = report["slot_fill"]
+    print(
+        f"one slot filled (bench model, rank {RANK}, seven projections): from the host LRU"
+        f" {fill['fill_from_host_lru_ms']:.1f} ms, from the adapter's files"
+        f" {fill['fill_from_files_ms']:.1f} ms"
+    )
     return 0
 
 
