@@ -95,6 +95,7 @@ def _start_engine(model: str, args: argparse.Namespace, trace: Path, kernel: boo
             del os.environ[KERNEL_ENV]
         else:
             os.environ[KERNEL_ENV] = before
+        kernel_enabled.cache_clear()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
