@@ -3,9 +3,10 @@
 
 Runs ``LLM`` (engine-core process + worker) with ``enable_lora`` on one model and makes
 ``max(--adapters)`` PEFT adapters of ``--rank`` on every q/k/v/o and gate/up/down projection
-(random A and B, saved by PEFT). Each batch is ``--num-requests`` random-token prompts, greedy with
-``ignore_eos``, interleaved round after round (every other round in reverse order) so their ratios come from
-one machine state; a ratio is the median over rounds of that round's pair:
+(random A and B, saved by PEFT). Each batch is ``--num-requests`` random-token prompts, greedy
+with ``ignore_eos``, interleaved round after round (every other round in reverse order) so their
+ratios come from one machine state; a ratio to the base is the median over rounds of that
+round's pair:
 
 - ``base``: no adapter (the engine's LoRA path is skipped for a step without one);
 - ``loras-N``: request i runs under adapter i mod N (every step mixes N adapters).
@@ -16,8 +17,8 @@ step costs over one adapter.
 
 ``--compare-loop`` starts a second engine whose workers run the torch loop over the step's
 adapters (``CONVEYOR_LORA_KERNEL=0``) instead of the grouped kernel, and interleaves its batches
-with the first's round by round: ``kernel/loop`` is the kernel's gain in one machine state.
-Usage::
+with the first's round by round: ``kernel/loop``, the ratio of the two engines' median rates,
+is the kernel's gain in one machine state. Usage::
 
     python -m benchmarks lora [--model DIR] [--dtype float32] [--engine mp] [--num-requests 64]
         [--output-len 64] [--rank 16] [--adapters 1 4 16] [--rounds 3] [--compare-loop] [--json]
