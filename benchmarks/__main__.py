@@ -35,6 +35,9 @@ COMMANDS: CommandTable = {
     "lora": Command(
         "benchmarks.lora", "output tok/s of a batch over 1, 4, 16 LoRA adapters vs the base"
     ),
+    "lora-kernel": Command(
+        "benchmarks.lora_kernel", "a layer's LoRA correction: grouped kernel, torch loop, base"
+    ),
     "metrics": Command(
         "benchmarks.metrics_cost", "output tok/s through the server with metrics on and off"
     ),

@@ -3,24 +3,32 @@
 
 Runs ``LLM`` (engine-core process + worker) with ``enable_lora`` on one model and makes
 ``max(--adapters)`` PEFT adapters of ``--rank`` on every q/k/v/o and gate/up/down projection
-(random A and B, saved by PEFT). Each batch is ``--num-requests`` random-token prompts, greedy with
-``ignore_eos``, interleaved round after round so their ratios come from one machine state:
+(random A and B, saved by PEFT). Each batch is ``--num-requests`` random-token prompts, greedy
+with ``ignore_eos``, interleaved round after round (every other round in reverse order) so their
+ratios come from one machine state; a ratio to the base is the median over rounds of that
+round's pair:
 
 - ``base``: no adapter (the engine's LoRA path is skipped for a step without one);
 - ``loras-N``: request i runs under adapter i mod N (every step mixes N adapters).
 
 Prefix caching is off, so every batch computes its prompts. The engine's step trace gives each
 decode step's duration: ``loras-16``'s against ``loras-1``'s is what mixing adapters in one
-step costs over one adapter. Usage::
+step costs over one adapter.
 
-    python -m benchmarks lora [--model DIR] [--num-requests 64] [--output-len 64] [--rank 16]
-        [--adapters 1 4 16] [--rounds 3] [--json]
+``--compare-loop`` starts a second engine whose workers run the torch loop over the step's
+adapters (``CONVEYOR_LORA_KERNEL=0``) instead of the grouped kernel, and interleaves its batches
+with the first's round by round: ``kernel/loop``, the ratio of the two engines' median rates,
+is the kernel's gain in one machine state. Usage::
+
+    python -m benchmarks lora [--model DIR] [--dtype float32] [--engine mp] [--num-requests 64]
+        [--output-len 64] [--rank 16] [--adapters 1 4 16] [--rounds 3] [--compare-loop] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -34,6 +42,17 @@ from conveyor.bench.machine import machine_info, print_report_start
 
 PROMPT_LEN = 32
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+_VARIANTS = {
+    "kernel": "in one grouped kernel call per layer (on CPU, where it builds)",
+    "loop": "in a torch loop, two matmuls per adapter per layer (CONVEYOR_LORA_KERNEL=0)",
+}
+
+
+def _paired(rates: list[float], against: list[float]) -> float:
+    """The median over rounds of one round's rate against the other's in the same round."""
+    return statistics.median(a / b for a, b in zip(rates, against))
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -50,73 +69,105 @@ def make_adapters(model: str, folder: Path, count: int, rank: int) -> list[Path]
     ]
 
 
+def _start_engine(model: str, args: argparse.Namespace, trace: Path, kernel: bool) -> Any:
+    """An engine for the batches; ``kernel`` False: its workers run the torch loop (the variable
+    is read when the worker processes start, so it is set around the start only)."""
+    from conveyor.frontend import LLM
+    from conveyor.worker.lora.kernel import KERNEL_ENV, kernel_enabled
+
+    before = os.environ.get(KERNEL_ENV)
+    os.environ[KERNEL_ENV] = "1" if kernel else "0"
+    kernel_enabled.cache_clear()  # an in-process worker reads it in this process
+    try:
+        return LLM(
+            model,
+            engine=args.engine,
+            executor_backend=args.engine,
+            dtype=args.dtype,
+            max_num_seqs=max(64, args.num_requests),
+            enable_lora=True,
+            max_loras=max(args.adapters),
+            max_lora_rank=args.rank,
+            enable_prefix_caching=False,
+            trace_steps=str(trace),
+        )
+    finally:
+        if before is None:
+            del os.environ[KERNEL_ENV]
+        else:
+            os.environ[KERNEL_ENV] = before
+        kernel_enabled.cache_clear()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.fixtures.model_maker import ensure_model
-    from conveyor.frontend import LLM
     from conveyor.protocol import SamplingParams
     from conveyor.protocol.lora import LoRARequest
 
     model = str(args.model or ensure_model("bench", "qwen3"))
     work = Path(tempfile.mkdtemp(prefix="conveyor-bench-lora-"))
-    trace = work / "steps.jsonl"
     most = max(args.adapters)
     paths = make_adapters(model, work, most, args.rank)
     adapters = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
     rng = random.Random(0)
-    llm = LLM(
-        model,
-        max_num_seqs=max(64, args.num_requests),
-        enable_lora=True,
-        max_loras=most,
-        max_lora_rank=args.rank,
-        enable_prefix_caching=False,
-        trace_steps=str(trace),
-    )
-    vocab_size = llm.config.model.vocab_size
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-
-    def prompts() -> list[list[int]]:
-        return [
-            [rng.randrange(10, vocab_size) for _ in range(PROMPT_LEN)]
-            for _ in range(args.num_requests)
-        ]
-
+    variants = ["kernel", "loop"] if args.compare_loop else ["kernel"]
+    traces = {variant: work / f"steps-{variant}.jsonl" for variant in variants}
+    engines: dict[str, Any] = {}
     batches: dict[str, list[LoRARequest | None]] = {"base": [None] * args.num_requests}
     for count in args.adapters:
         batches[f"loras-{count}"] = [adapters[i % count] for i in range(args.num_requests)]
-    rates: dict[str, list[float]] = {name: [] for name in batches}
-    steps: dict[str, list[float]] = {name: [] for name in batches}
+    rates: dict[tuple[str, str], list[float]] = {}
+    steps: dict[tuple[str, str], list[float]] = {}
     try:
-        llm.generate(prompts(), greedy, use_tqdm=False, lora_request=batches[f"loras-{most}"])
-        for _ in range(args.rounds):
-            for name, loras in batches.items():
+        for variant in variants:
+            engines[variant] = _start_engine(model, args, traces[variant], variant == "kernel")
+        vocab_size = engines["kernel"].config.model.vocab_size
+        greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+
+        def prompts() -> list[list[int]]:
+            return [
+                [rng.randrange(10, vocab_size) for _ in range(PROMPT_LEN)]
+                for _ in range(args.num_requests)
+            ]
+
+        for llm in engines.values():  # warm-up: kernels built, every adapter loaded
+            llm.generate(prompts(), greedy, use_tqdm=False, lora_request=batches[f"loras-{most}"])
+        for round_index in range(args.rounds):
+            # Every other round runs in reverse order, so drift in the machine's state within a
+            # round does not favour whichever batch comes first.
+            order = [(v, name) for v in variants for name in batches]
+            for variant, name in order[:: -1 if round_index % 2 else 1]:
+                llm, trace = engines[variant], traces[variant]
                 num_lines = len(trace.read_text().splitlines()) if trace.exists() else 0
                 start = time.perf_counter()
-                outputs = llm.generate(prompts(), greedy, use_tqdm=False, lora_request=loras)
+                outputs = llm.generate(
+                    prompts(), greedy, use_tqdm=False, lora_request=batches[name]
+                )
                 elapsed = time.perf_counter() - start
                 num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
                 assert num_tokens == args.num_requests * args.output_len, num_tokens
-                rates[name].append(num_tokens / elapsed)
-                records = [json.loads(line) for line in trace.read_text().splitlines()[num_lines:]]
-                steps[name] += [r["duration_ms"] for r in records if r["num_prefill_tokens"] == 0]
+                rates.setdefault((variant, name), []).append(num_tokens / elapsed)
+                lines = trace.read_text().splitlines()[num_lines:]
+                records = [json.loads(line) for line in lines]
+                steps.setdefault((variant, name), []).extend(
+                    r["duration_ms"] for r in records if r["num_prefill_tokens"] == 0
+                )
     finally:
-        llm.shutdown()
+        for llm in engines.values():
+            llm.shutdown()
         shutil.rmtree(work, ignore_errors=True)
-    base = statistics.median(rates["base"])
-    one = _percentile(steps[f"loras-{min(args.adapters)}"], 0.5)
-    results = {
-        name: {
-            "output_tok_per_s": statistics.median(rates[name]),
-            "vs_base": statistics.median(rates[name]) / base,
-            "step_p50_ms": _percentile(steps[name], 0.5),
-            "step_p50_vs_fewest": _percentile(steps[name], 0.5) / one,
-        }
-        for name in batches
-    }
+    results = {variant: _summary(rates, steps, variant, batches, args) for variant in variants}
+    if args.compare_loop:
+        for name, row in results["kernel"].items():
+            row["kernel_vs_loop"] = (
+                row["output_tok_per_s"] / results["loop"][name]["output_tok_per_s"]
+            )
     return {
         "machine": machine_info(),
         "config": {
             "model": model,
+            "dtype": args.dtype,
+            "engine": args.engine,
             "num_requests": args.num_requests,
             "prompt_len": PROMPT_LEN,
             "output_len": args.output_len,
@@ -128,25 +179,64 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _summary(
+    rates: dict[tuple[str, str], list[float]],
+    steps: dict[tuple[str, str], list[float]],
+    variant: str,
+    batches: dict[str, Any],
+    args: argparse.Namespace,
+) -> dict[str, dict[str, float]]:
+    base = rates[(variant, "base")]
+    one = _percentile(steps[(variant, f"loras-{min(args.adapters)}")], 0.5)
+    return {
+        name: {
+            "output_tok_per_s": statistics.median(rates[(variant, name)]),
+            "vs_base": _paired(rates[(variant, name)], base),
+            "step_p50_ms": _percentile(steps[(variant, name)], 0.5),
+            "step_p50_vs_fewest": _percentile(steps[(variant, name)], 0.5) / one,
+        }
+        for name in batches
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks lora", description=__doc__)
     parser.add_argument("--model", type=Path, help="model directory (default: the bench model)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--engine",
+        default="mp",
+        choices=["mp", "inprocess"],
+        help="mp: engine and worker processes; inprocess: both in this process (no heartbeats "
+        "to miss on a host that stalls for seconds)",
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--compare-loop",
+        action="store_true",
+        help="also run an engine on the torch loop (CONVEYOR_LORA_KERNEL=0), interleaved",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     report = run(args)
     if print_report_start(report, args.json):
         return 0
-    print(f"{'batch':<9} {'out tok/s':>10} {'vs base':>8} {'step p50':>10} {'vs fewest':>10}")
-    for name, row in report["results"].items():
+    for variant, rows in report["results"].items():
+        print(f"{variant}: the step's adapters {_VARIANTS[variant]}")
         print(
-            f"{name:<9} {row['output_tok_per_s']:>10.0f} {row['vs_base']:>7.2f}x"
-            f" {row['step_p50_ms']:>8.1f}ms {row['step_p50_vs_fewest']:>9.2f}x"
+            f"{'batch':<9} {'out tok/s':>10} {'vs base':>8} {'step p50':>10} {'vs fewest':>10}"
+            + (f" {'kernel/loop':>12}" if "kernel_vs_loop" in rows["base"] else "")
         )
+        for name, row in rows.items():
+            gain = f" {row['kernel_vs_loop']:>11.2f}x" if "kernel_vs_loop" in row else ""
+            print(
+                f"{name:<9} {row['output_tok_per_s']:>10.0f} {row['vs_base']:>7.2f}x"
+                f" {row['step_p50_ms']:>8.1f}ms {row['step_p50_vs_fewest']:>9.2f}x{gain}"
+            )
     return 0
 
 

@@ -26,6 +26,7 @@ KERNEL_TESTS = [
     "tests/worker/test_cpu_ops.py",
     "tests/worker/test_int8_linear.py",
     "tests/worker/test_int4_kernel.py",
+    "tests/worker/test_lora_kernel.py",
 ]
 
 
@@ -54,7 +55,7 @@ def test_the_avx2_builds_pass_the_kernel_tests(tmp_path):
     assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]
     libraries = sorted((tmp_path / "kernels").glob("*.so"))
     names = {path.name.rsplit("-", 1)[0] for path in libraries}
-    assert {"paged_attention", "token_ops", "int8_gemm"} <= names, names
+    assert {"paged_attention", "token_ops", "int8_gemm", "lora_sgmv"} <= names, names
     objdump = shutil.which("objdump")
     if objdump is None:
         return

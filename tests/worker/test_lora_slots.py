@@ -112,3 +112,20 @@ def test_a_step_of_base_tokens_only_adds_nothing():
     groups.set_tokens(np.array([-1, -1]), torch.device("cpu"))
     x = torch.randn(2, INTER)
     torch.testing.assert_close(layer(x), x @ layer.weight.t())
+
+
+def test_a_reloaded_slot_holds_only_the_new_adapter():
+    """``clear`` zeroes only what the last adapter wrote (its ranks say where): after a full
+    adapter, a smaller one on another part leaves the slot as a fresh slot would hold it."""
+    layer, parts = _layer("qkv")
+    groups = StepGroups()
+    reused = LoRASlots(layer, 3, groups, NUM_SLOTS, MAX_RANK, torch.float32, "cpu")
+    fresh = LoRASlots(layer, 3, StepGroups(), NUM_SLOTS, MAX_RANK, torch.float32, "cpu")
+    reused.load(1, _adapter(parts, HIDDEN, MAX_RANK, [0, 1, 2], 6))
+    second = _adapter(parts, HIDDEN, 2, [2], 7)
+    reused.load(1, second)
+    fresh.load(1, second)
+    assert torch.equal(reused.a_t, fresh.a_t) and torch.equal(reused.b, fresh.b)
+    assert reused.ranks[1].tolist() == [0, 0, 2]
+    reused.clear(1)
+    assert not reused.a_t.any() and not reused.b.any() and not reused.ranks.any()

@@ -1,20 +1,23 @@
 """One adapted linear layer's LoRA slots, and the step's tokens grouped by slot.
 
-Runs in worker processes. Every adapted layer holds, for each of ``max_loras`` slots, an A of
-``[parts * max_rank, in]`` and a B, stored transposed, of ``[parts * max_rank, out]`` (zero where
-an adapter's rank is smaller or it does not target a part): a fused layer (q/k/v, gate/up) stacks
-its parts' A rows and puts each part's B in its own output columns and rank rows, so one shrink
-and one expand per slot serve all its parts. The scale (alpha / r, or alpha / sqrt(r) for rsLoRA)
-is folded into B when it is loaded. B is kept transposed because the expand of a few rows
-against a transposed view of ``[out, rank]`` runs 20-70x slower on CPU than against a contiguous
-``[rank, out]`` (MKL, 4 rows x rank 32 x 3,072 outputs: 666 against 10 us).
+Runs in worker processes. Every adapted layer holds, for each of ``max_loras`` slots, A stored
+transposed, ``[in, parts * max_rank]``, and B stored transposed, ``[parts * max_rank, out]``
+(zero where an adapter's rank is smaller or it does not target a part): a fused layer (q/k/v,
+gate/up) puts each part's A in its own rank columns and each part's B in its own rank rows and
+output columns, and ``ranks`` says how many rank rows of each part a slot uses. The scale
+(alpha / r, or alpha / sqrt(r) for rsLoRA) is folded into B when it is loaded. Both are kept
+contiguous along the rank and output dimensions because the products of a few rows against
+transposed views ran 20-70x slower on CPU (MKL, 4 rows x rank 32 x 3,072 outputs: 666 against
+10 us), and the grouped kernel reads them row by row.
 
 The base linear runs once over the whole step; ``add_to`` then adds ``x A^T B^T`` to the rows of
-each slot in the step (a loop over the step's adapters, never over requests). ``StepGroups``
-sorts the step's tokens by slot once per step; every layer reuses it. The model runner orders
-the step's requests by slot first (``LoRAManager.begin_step``), so the runs are slices of the
-flat stream and no layer gathers or scatters; tokens in any other order still work, gathered
-into slot order and added back.
+each slot in the step: on CPU in one call of the grouped kernel (worker/lora/kernel.py) for all
+the step's adapters, elsewhere (or where it cannot be built) a torch loop over the step's
+adapters, never over requests. ``StepGroups`` sorts the step's tokens by slot once per step;
+every layer reuses it. The model runner orders the step's requests by slot first
+(``LoRAManager.begin_step``), so the runs are slices of the flat stream and no layer gathers or
+scatters; tokens in any other order still work (the kernel reads and writes them in place, the
+loop gathers them into slot order and adds them back).
 
 Tensor parallelism shards the slots like the layer: a column-parallel layer keeps the whole A
 and this rank's output rows of B (sliced by the layer's own weight loader); a row-parallel layer
@@ -27,7 +30,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from conveyor.worker.layers.linear import LinearBase, RowParallelLinear, ShardId
+from conveyor.worker.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    ShardId,
+)
+from conveyor.worker.lora.kernel import DTYPES, LoRAKernel, kernel_for
 
 
 class StepGroups:
@@ -35,10 +45,12 @@ class StepGroups:
 
     ``perm`` maps a run's rows back to the flat stream (None when the LoRA tokens already lie in
     slot order in one contiguous range, then ``offset`` places the runs and no gather is needed).
+    ``segment_array`` holds the runs as int64 ``[runs, 3]`` for the grouped kernel.
     """
 
     def __init__(self) -> None:
         self.segments: list[tuple[int, int, int]] = []
+        self.segment_array = np.zeros((0, 3), dtype=np.int64)
         self.perm: torch.Tensor | None = None
         self.offset = 0
         self.num_tokens = 0
@@ -49,7 +61,7 @@ class StepGroups:
         lora_tokens = np.flatnonzero(token_slots >= 0)
         self.perm, self.offset = None, 0
         if len(lora_tokens) == 0:
-            self.segments = []
+            self.clear()
             return
         order = lora_tokens[np.argsort(token_slots[lora_tokens], kind="stable")]
         slots = token_slots[order]
@@ -61,9 +73,11 @@ class StepGroups:
         else:
             self.perm = torch.from_numpy(order.astype(np.int64)).to(device)
         self.segments = segments
+        self.segment_array = np.array(segments, dtype=np.int64).reshape(-1, 3)
 
     def clear(self) -> None:
         self.segments = []
+        self.segment_array = np.zeros((0, 3), dtype=np.int64)
         self.perm = None
 
 
@@ -87,28 +101,42 @@ class LoRASlots:
         self.groups = groups
         self.row_parallel = isinstance(layer, RowParallelLinear)
         width = num_parts * max_rank
-        self.a = torch.zeros(max_loras, width, in_features, dtype=dtype, device=device)
+        self.a_t = torch.zeros(max_loras, in_features, width, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, width, out_features, dtype=dtype, device=device)
+        # The rank rows of each part a slot uses (0: the part is not adapted), and each part's
+        # first output column on this rank: the kernel touches nothing else.
+        self.ranks = torch.zeros(max_loras, num_parts, dtype=torch.int32)
+        self.part_cols = torch.tensor(_part_columns(layer, num_parts), dtype=torch.int64)
+        if self.part_cols[-1] != out_features:
+            raise ValueError(f"LoRA parts end at {self.part_cols[-1]}, not at {out_features}")
+        self.kernel: LoRAKernel | None = kernel_for(device, dtype)
 
     def load(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Fill ``slot`` with (A, scaled B) per part (full checkpoint shapes); the rest zero."""
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.clear(slot)
         for part, (a, b) in parts.items():
             rank = a.shape[0]
             cols = slice(part * self.max_rank, part * self.max_rank + rank)
-            a, b = a.to(self.a.dtype), b.to(self.b.dtype)
-            if self.row_parallel:
-                self.layer.weight_loader(self.a[slot, cols], a)  # this rank's input columns
+            # Recorded first, so a failed copy is still cleared by the next load.
+            self.ranks[slot, part] = rank
+            a, b = a.to(self.a_t.dtype), b.to(self.b.dtype)
+            if self.row_parallel:  # through A's transposed view: the loader slices columns
+                self.layer.weight_loader(self.a_t[slot, :, cols].t(), a)
                 self.b[slot, cols].copy_(b.t())
             else:
-                self.a[slot, cols].copy_(a)
+                self.a_t[slot, :, cols].copy_(a.t())
                 # Through B's transposed view: the layer's loader slices output rows.
                 self.layer.weight_loader(self.b[slot, cols].t(), b, self._shard_id(part))
 
     def clear(self, slot: int) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        """Zero what the slot's adapter wrote (``ranks`` says where); the rest is zero already,
+        so a swap does not rewrite the whole slot."""
+        for part, rank in enumerate(self.ranks[slot].tolist()):
+            if rank:
+                cols = slice(part * self.max_rank, part * self.max_rank + rank)
+                self.a_t[slot, :, cols].zero_()
+                self.b[slot, cols].zero_()
+        self.ranks[slot].zero_()
 
     def _shard_id(self, part: int) -> ShardId:
         if self.num_parts == 3:
@@ -126,19 +154,30 @@ class LoRASlots:
             raise RuntimeError(
                 f"LoRA layer got {x.shape[0]} rows for a step of {groups.num_tokens} tokens"
             )
-        a, b = self.a, self.b
-        if groups.perm is None and out.dtype == a.dtype:
+        if self.kernel is not None and _kernel_takes(x, out):
+            self.kernel.add(
+                x, out, groups.perm, groups.offset, groups.segment_array,
+                self.a_t, self.b, self.ranks, self.part_cols,
+            )  # fmt: skip
+            return out
+        return self.add_with_torch(x, out)
+
+    def add_with_torch(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``add_to`` as two matmuls per adapter in the step (the kernel's reference)."""
+        groups = self.groups
+        a_t, b = self.a_t, self.b
+        if groups.perm is None and out.dtype == a_t.dtype:
             offset = groups.offset
             for slot, start, end in groups.segments:
                 rows = slice(offset + start, offset + end)
-                shrunk = torch.mm(x[rows].to(a.dtype), a[slot].t())
+                shrunk = torch.mm(x[rows].to(a_t.dtype), a_t[slot])
                 out[rows].addmm_(shrunk, b[slot])
             return out
         gathered = x.index_select(0, groups.perm) if groups.perm is not None else x
         delta = torch.empty(
             gathered.shape[0] if groups.perm is not None else x.shape[0],
             out.shape[1],
-            dtype=a.dtype,
+            dtype=a_t.dtype,
             device=out.device,
         )
         if groups.perm is None:  # contiguous, in another dtype than the layer's output
@@ -146,10 +185,37 @@ class LoRASlots:
             delta.zero_()
             for slot, start, end in groups.segments:
                 rows = slice(offset + start, offset + end)
-                shrunk = torch.mm(gathered[rows].to(a.dtype), a[slot].t())
+                shrunk = torch.mm(gathered[rows].to(a_t.dtype), a_t[slot])
                 torch.mm(shrunk, b[slot], out=delta[rows])
             return out.add_(delta.to(out.dtype))
         for slot, start, end in groups.segments:
-            shrunk = torch.mm(gathered[start:end].to(a.dtype), a[slot].t())
+            shrunk = torch.mm(gathered[start:end].to(a_t.dtype), a_t[slot])
             torch.mm(shrunk, b[slot], out=delta[start:end])
         return out.index_add_(0, groups.perm, delta.to(out.dtype))
+
+
+def _kernel_takes(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the grouped kernel reads ``x`` and writes ``out`` as they are: CPU rows of unit
+    column stride in one of its dtypes (the layers' inputs and outputs always are)."""
+    return (
+        x.dim() == 2
+        and out.dim() == 2
+        and x.dtype == out.dtype
+        and x.dtype in DTYPES
+        and x.is_cpu
+        and x.stride(1) == 1
+        and out.stride(1) == 1
+    )
+
+
+def _part_columns(layer: LinearBase, num_parts: int) -> list[int]:
+    """Where each fused part's output columns start on this rank, then the end."""
+    if isinstance(layer, QKVParallelLinear) and num_parts == 3:
+        q, kv = layer.q_size, layer.kv_size
+        return [0, q, q + kv, q + 2 * kv]
+    if isinstance(layer, MergedColumnParallelLinear) and num_parts == len(layer.output_sizes):
+        sizes = [size // layer.tp_size for size in layer.output_sizes]
+        return [0, *np.cumsum(sizes).tolist()]
+    if num_parts != 1:
+        raise ValueError(f"{type(layer).__name__} has no {num_parts} LoRA parts")
+    return [0, layer.weight.shape[0]]
