@@ -236,7 +236,46 @@ def test_a_quantized_module_we_run_in_float_is_refused(qwen3, tmp_path):
         load_model(model_dir, torch.float32, CPU)
 
 
-def test_quantized_experts_are_refused_by_name(tiny_moe_model_dirs, tmp_path):
-    source = ensure_quantized(tiny_moe_model_dirs["qwen3_moe"], "gptq")
-    with pytest.raises(ModelLoadError, match="quantized mixture-of-experts experts conveyor does"):
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(desc_act=True), r"quantized experts \(int4 group 32 act-order\): act-order"),
+        (dict(bits=8), r"quantized experts \(int8 group 32\): conveyor runs 4-bit integer or FP8"),
+    ],
+)
+def test_expert_variants_conveyor_does_not_run_are_refused_by_name(
+    tiny_moe_model_dirs, options, message
+):
+    source = ensure_quantized(tiny_moe_model_dirs["qwen3_moe"], "gptq", **options)
+    with pytest.raises(ModelLoadError, match=message):
         load_model(source, torch.float32, CPU)
+
+
+def test_fp8_experts_with_static_input_scales_are_refused(tiny_moe_model_dirs, tmp_path):
+    source = ensure_quantized(tiny_moe_model_dirs["qwen3_moe"], "fp8-moe")
+    model_dir = _edited_copy(source, tmp_path / "m", {"activation_scheme": "static"})
+    with pytest.raises(ModelLoadError, match="static input scales on FP8 experts"):
+        load_model(model_dir, torch.float32, CPU)
+
+
+def test_4bit_experts_split_across_ranks_as_float_experts_do(tiny_moe_model_dirs):
+    # Each rank's experts hold their share of every expert's intermediate features: [gate_r;
+    # up_r] rows and down's columns (whole groups of 16), their partial down sums add up.
+    model_dir = ensure_quantized(
+        tiny_moe_model_dirs["qwen3_moe"], "compressed-tensors-moe", preset="W4A16", group=16
+    )
+    experts = [
+        load_model(model_dir, torch.float32, CPU, tp_rank=r, tp_size=s).model.layers[1].mlp.experts
+        for r, s in ((0, 1), (0, 2), (1, 2))
+    ]
+    assert all(e.quantized_expert(0).down_proj.quant.panels is not None for e in experts)
+    x, h = torch.randn(3, 64), torch.randn(3, 32)
+    for expert in (0, 7):
+        gate, up = experts[0].project(x, expert, 0).chunk(2, -1)
+        halves = [e.project(x, expert, 0).chunk(2, -1) for e in experts[1:]]
+        torch.testing.assert_close(torch.cat([g for g, _ in halves], -1), gate)
+        torch.testing.assert_close(torch.cat([u for _, u in halves], -1), up)
+        partial = [
+            e.project(h[:, 16 * r : 16 * (r + 1)], expert, 1) for r, e in enumerate(experts[1:])
+        ]
+        torch.testing.assert_close(sum(partial), experts[0].project(h, expert, 1))
