@@ -99,13 +99,14 @@ def ensure_q4_0(model_dir: Path, llama: LlamaCpp) -> Path:
 
 def gguf_bytes(path: Path, llama: LlamaCpp) -> int:
     """Every tensor's bytes in the file: what a decode step reads (the tied embedding is the
-    output matrix, read whole; its lookup of one row is noise)."""
-    sys.path.insert(0, str(llama.tree / "gguf-py"))
-    try:
-        from gguf import GGUFReader
-    finally:
-        sys.path.pop(0)
-    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+    output matrix, read whole; its lookup of one row is noise). Read by the tree's own gguf
+    package, in a child process, as the converter runs."""
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from gguf import GGUFReader; "
+        "print(sum(int(t.n_bytes) for t in GGUFReader(sys.argv[2]).tensors))"
+    )
+    command = [sys.executable, "-c", script, str(llama.tree / "gguf-py"), str(path)]
+    return int(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
 
 
 def llama_decode_rate(
