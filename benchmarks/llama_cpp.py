@@ -165,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cores", type=int, default=0, help="pin to this many cores (0: all)")
     parser.add_argument("--formats", default="int4,int8,float32")
+    # Each engine's own; three engines stay loaded (a 1 GiB cache each was OOM-killed beside
+    # other sessions on a 23 GB host). Batch 64 of 16 + 16 tokens needs about 0.5 GB.
+    parser.add_argument("--kv-cache-mb", type=int, default=512)
     parser.add_argument(
         "--llama-no-repack", action="store_true", help="llama.cpp without weight repacking (-nr)"
     )
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             str(model_dir), engine="inprocess", device="cpu", dtype="float32",
             quantization=None if name == "float32" else name, max_num_seqs=max(batches),
             max_num_batched_tokens=max(2048, max(batches) * args.prompt_len),
-            kv_cache_memory=1 << 30, enable_prefix_caching=False,
+            kv_cache_memory=args.kv_cache_mb << 20, enable_prefix_caching=False,
         )  # fmt: skip
         conveyor_decode_rate(engines[name], prompts[:1], 4)  # warm-up: kernels built
     best = {(e, b): 0.0 for e in ["llama.cpp Q4_0", *engines] for b in batches}
