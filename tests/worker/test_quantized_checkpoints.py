@@ -251,6 +251,30 @@ def test_expert_variants_conveyor_does_not_run_are_refused_by_name(
         load_model(source, torch.float32, CPU)
 
 
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [
+        ("compressed-tensors-moe", dict(preset="FP8_DYNAMIC", group=0)),  # per channel
+        ("fp8-moe", dict(block=24)),
+    ],
+)
+def test_fp8_experts_are_multiplied_out_to_what_the_checkpoint_means(
+    tiny_moe_model_dirs, kind, options
+):
+    model_dir = ensure_quantized(tiny_moe_model_dirs["qwen3_moe"], kind, **options)
+    if kind == "fp8-moe":
+        reference = reference_weights(model_dir)
+    else:  # compressed-tensors' own decompression
+        reference = compressed_tensors_dequantized(model_dir)
+    experts = load_model(model_dir, torch.float32, CPU).model.layers[1].mlp.experts
+    assert experts.quant_scheme is None and experts.gate_up_proj.dtype == torch.float32
+    prefix = "model.layers.1.mlp.experts"
+    for e in range(8):
+        parts = [reference[f"{prefix}.{e}.{p}_proj.weight"] for p in ("gate", "up", "down")]
+        assert torch.equal(experts.gate_up_proj[e], torch.cat(parts[:2]))
+        assert torch.equal(experts.down_proj[e], parts[2])
+
+
 def test_fp8_experts_with_static_input_scales_are_refused(tiny_moe_model_dirs, tmp_path):
     source = ensure_quantized(tiny_moe_model_dirs["qwen3_moe"], "fp8-moe")
     model_dir = _edited_copy(source, tmp_path / "m", {"activation_scheme": "static"})
