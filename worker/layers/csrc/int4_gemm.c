@@ -15,9 +15,10 @@
  * Per group the tile sums x * (u - z) in registers, then adds acc * s. A decode step reads each
  * code once: half of int8's bytes, an eighth of float32's.
  *
- * At dozens of rows and more, unpacking every code once per 6-row tile costs more than a float
- * GEMM's whole matmul, so conveyor_int4_dequantize_t writes W^T in float32 for a matmul library
- * to multiply them by (worker/layers/quantization/int4_kernel.py picks by the row count).
+ * At hundreds of rows (a prefill chunk), unpacking every code once per 6-row tile costs more than
+ * unpacking it once and running a float GEMM, so conveyor_int4_dequantize_t writes W^T in float32
+ * for a matmul library to multiply them by (worker/layers/quantization/int4_kernel.py picks by
+ * the row count).
  *
  * Summation order differs from x @ dequantize(W)^T in float32 (per group, then scaled), so the
  * results differ by float rounding (relative ~K * 2^-24).

@@ -22,6 +22,7 @@ refused by name at load.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from conveyor.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -63,7 +64,9 @@ class QuantizedExpert(nn.Module):
         for layer in (self.gate_up_proj, self.down_proj):
             layer.use_quantized_weights(scheme)
 
-    def project(self, rows, part: int, bias=None):
+    def project(
+        self, rows: torch.Tensor, part: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """rows @ W^T (+ bias) for gate_up (part 0) or down (part 1), without the all-reduce
         a row-parallel layer does: the experts' sum is reduced once for the whole block."""
         return (self.gate_up_proj, self.down_proj)[part].matmul(rows, bias)
