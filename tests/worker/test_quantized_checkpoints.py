@@ -275,6 +275,21 @@ def test_fp8_experts_are_multiplied_out_to_what_the_checkpoint_means(
         assert torch.equal(experts.down_proj[e], parts[2])
 
 
+def test_mixtral_4bit_experts_load_under_its_names(tiny_moe_model_dirs):
+    # block_sparse_moe.experts.E.w1 / w3 / w2 land in expert E's gate_up and down linears.
+    model_dir = ensure_quantized(tiny_moe_model_dirs["mixtral"], "gptq")
+    reference = reference_weights(model_dir)
+    experts = load_model(model_dir, torch.float32, CPU).model.layers[1].mlp.experts
+    x = torch.randn(3, 64)
+    prefix = "model.layers.1.block_sparse_moe.experts"
+    for e in (0, 7):
+        w1, w2, w3 = (reference[f"{prefix}.{e}.{w}.weight"] for w in ("w1", "w2", "w3"))
+        assert experts.quantized_expert(e).gate_up_proj.quant.panels is not None
+        torch.testing.assert_close(experts.project(x, e, 0), x @ torch.cat([w1, w3]).T)
+        h = torch.randn(3, w2.shape[1])
+        torch.testing.assert_close(experts.project(h, e, 1), h @ w2.T)
+
+
 def test_fp8_experts_with_static_input_scales_are_refused(tiny_moe_model_dirs, tmp_path):
     source = ensure_quantized(tiny_moe_model_dirs["qwen3_moe"], "fp8-moe")
     model_dir = _edited_copy(source, tmp_path / "m", {"activation_scheme": "static"})
