@@ -22,6 +22,9 @@ COMMANDS: CommandTable = {
     "quantized-decode": Command(
         "benchmarks.quantized_decode", "batch-1 decode, float32 against int8 and int4, CPU"
     ),
+    "llama-cpp": Command(
+        "benchmarks.llama_cpp", "decode beside llama.cpp's Q4_0: int4, int8, float32, CPU"
+    ),
     "wire": Command("benchmarks.wire", "bytes per step of the engine -> worker diff"),
     "scheduler": Command("benchmarks.scheduler", "the scheduler's cost per step, no model"),
     "step-budget": Command("benchmarks.step_budget", "what a TBT SLO adds to schedule(), no model"),

@@ -35,7 +35,8 @@ def _close(out, x, weight, bias=None):
     assert bool((error <= bound).all()), f"max error {error.max():.3g}"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 6, 7, 13, 96, 97, 200])
+# From GEMM_MIN_ROWS (256) rows the weight is written in float32 and multiplied by torch.
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 13, 96, 97, 200, 256, 301])
 @pytest.mark.parametrize(
     ("out_features", "in_features", "group_size"),
     [(64, 64, 32), (17, 64, 64), (130, 256, 128), (300, 128, 32), (8, 96, 96)],
@@ -66,6 +67,17 @@ def test_panels_keep_the_codes_at_four_bits_and_give_them_back():
     assert panels.codes.nbytes == -(-100 // width) * width * 128 // 2  # two codes per byte
     back = panels.unpacked()
     assert all(torch.equal(a, b) for a, b in zip(back, (codes, scales, zeros)))
+
+
+@pytest.mark.parametrize(("out_features", "group_size"), [(17, 32), (130, 64), (300, 128)])
+def test_the_float_weight_written_for_many_rows_is_the_dequantized_one(out_features, group_size):
+    generator = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, 256, generator=generator)
+    codes, scales, _ = quantize_int4(weight, group_size)
+    zeros = torch.randint(0, 17, scales.shape, generator=generator).float()
+    panels = Int4Panels(load_int4_gemm(), codes, scales, zeros, group_size)
+    expected = _dequantized(codes, scales, zeros, group_size)
+    assert torch.equal(panels.dequantized_t(), expected.T)  # (u - z) * s, exactly
 
 
 def test_quantize_int4_is_within_half_a_step():

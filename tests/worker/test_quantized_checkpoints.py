@@ -236,7 +236,85 @@ def test_a_quantized_module_we_run_in_float_is_refused(qwen3, tmp_path):
         load_model(model_dir, torch.float32, CPU)
 
 
-def test_quantized_experts_are_refused_by_name(tiny_moe_model_dirs, tmp_path):
-    source = ensure_quantized(tiny_moe_model_dirs["qwen3_moe"], "gptq")
-    with pytest.raises(ModelLoadError, match="quantized mixture-of-experts experts conveyor does"):
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(desc_act=True), r"quantized experts \(int4 group 32 act-order\): act-order"),
+        (dict(bits=8), r"quantized experts \(int8 group 32\): conveyor runs 4-bit integer or FP8"),
+    ],
+)
+def test_expert_variants_conveyor_does_not_run_are_refused_by_name(
+    tiny_moe_model_dirs, options, message
+):
+    source = ensure_quantized(tiny_moe_model_dirs["qwen3_moe"], "gptq", **options)
+    with pytest.raises(ModelLoadError, match=message):
         load_model(source, torch.float32, CPU)
+
+
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [
+        ("compressed-tensors-moe", dict(preset="FP8_DYNAMIC", group=0)),  # per channel
+        ("fp8-moe", dict(block=24)),
+    ],
+)
+def test_fp8_experts_are_multiplied_out_to_what_the_checkpoint_means(
+    tiny_moe_model_dirs, kind, options
+):
+    model_dir = ensure_quantized(tiny_moe_model_dirs["qwen3_moe"], kind, **options)
+    if kind == "fp8-moe":
+        reference = reference_weights(model_dir)
+    else:  # compressed-tensors' own decompression
+        reference = compressed_tensors_dequantized(model_dir)
+    experts = load_model(model_dir, torch.float32, CPU).model.layers[1].mlp.experts
+    assert experts.quant_scheme is None and experts.gate_up_proj.dtype == torch.float32
+    prefix = "model.layers.1.mlp.experts"
+    for e in range(8):
+        parts = [reference[f"{prefix}.{e}.{p}_proj.weight"] for p in ("gate", "up", "down")]
+        assert torch.equal(experts.gate_up_proj[e], torch.cat(parts[:2]))
+        assert torch.equal(experts.down_proj[e], parts[2])
+
+
+def test_mixtral_4bit_experts_load_under_its_names(tiny_moe_model_dirs):
+    # block_sparse_moe.experts.E.w1 / w3 / w2 land in expert E's gate_up and down linears.
+    model_dir = ensure_quantized(tiny_moe_model_dirs["mixtral"], "gptq")
+    reference = reference_weights(model_dir)
+    experts = load_model(model_dir, torch.float32, CPU).model.layers[1].mlp.experts
+    x = torch.randn(3, 64)
+    prefix = "model.layers.1.block_sparse_moe.experts"
+    for e in (0, 7):
+        w1, w2, w3 = (reference[f"{prefix}.{e}.{w}.weight"] for w in ("w1", "w2", "w3"))
+        assert experts.quantized_expert(e).gate_up_proj.quant.panels is not None
+        torch.testing.assert_close(experts.project(x, e, 0), x @ torch.cat([w1, w3]).T)
+        h = torch.randn(3, w2.shape[1])
+        torch.testing.assert_close(experts.project(h, e, 1), h @ w2.T)
+
+
+def test_fp8_experts_with_static_input_scales_are_refused(tiny_moe_model_dirs, tmp_path):
+    source = ensure_quantized(tiny_moe_model_dirs["qwen3_moe"], "fp8-moe")
+    model_dir = _edited_copy(source, tmp_path / "m", {"activation_scheme": "static"})
+    with pytest.raises(ModelLoadError, match="static input scales on FP8 experts"):
+        load_model(model_dir, torch.float32, CPU)
+
+
+def test_4bit_experts_split_across_ranks_as_float_experts_do(tiny_moe_model_dirs):
+    # Each rank's experts hold their share of every expert's intermediate features: [gate_r;
+    # up_r] rows and down's columns (whole groups of 16), their partial down sums add up.
+    model_dir = ensure_quantized(
+        tiny_moe_model_dirs["qwen3_moe"], "compressed-tensors-moe", preset="W4A16", group=16
+    )
+    experts = [
+        load_model(model_dir, torch.float32, CPU, tp_rank=r, tp_size=s).model.layers[1].mlp.experts
+        for r, s in ((0, 1), (0, 2), (1, 2))
+    ]
+    assert all(e.quantized_expert(0).down_proj.quant.panels is not None for e in experts)
+    x, h = torch.randn(3, 64), torch.randn(3, 32)
+    for expert in (0, 7):
+        gate, up = experts[0].project(x, expert, 0).chunk(2, -1)
+        halves = [e.project(x, expert, 0).chunk(2, -1) for e in experts[1:]]
+        torch.testing.assert_close(torch.cat([g for g, _ in halves], -1), gate)
+        torch.testing.assert_close(torch.cat([u for _, u in halves], -1), up)
+        partial = [
+            e.project(h[:, 16 * r : 16 * (r + 1)], expert, 1) for r, e in enumerate(experts[1:])
+        ]
+        torch.testing.assert_close(sum(partial), experts[0].project(h, expert, 1))

@@ -7,7 +7,9 @@ gate/up matmul, SiLU-and-mul and one down matmul over its contiguous run of rows
 rows go back to their tokens. Experts nobody picked cost nothing. On CPU in float32 each
 expert's matrices also get the oneDNN-packed copy the dense layers keep for small batches; with
 ``--quantization int8`` each expert's matrices are int8 instead (``quantize_int8``), which matters
-most here: a decode step reads the weights of every expert its tokens picked.
+most here: a decode step reads the weights of every expert its tokens picked. A quantized
+checkpoint's experts (``use_quantized_weights``) load as one quantized linear pair per expert;
+quantization/experts.py says which schemes run and how.
 Of the five ways ``python -m benchmarks moe`` times on CPU, this one with packed weights was the
 fastest at 1-1,024 tokens: every expert over every token costs E/k times the arithmetic, and
 gathering each token's expert weights copies k weight sets per token (3-36x slower).
@@ -28,6 +30,8 @@ from conveyor.worker.layers.gemm import linear, pack_weight
 from conveyor.worker.layers.int8_linear import Int8Weight
 from conveyor.worker.layers.linear import ReplicatedLinear
 from conveyor.worker.layers.parallel import all_reduce, divide
+from conveyor.worker.layers.quantization.experts import QuantizedExpert, check_expert_scheme
+from conveyor.worker.layers.quantization.scheme import FLOAT8, LinearScheme
 
 # Which part of which expert a checkpoint tensor fills: (expert index, "gate" | "up" | "down").
 ExpertShardId = tuple[int, str]
@@ -62,7 +66,8 @@ class MoEExperts(nn.Module):
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.tp_rank = tp_rank
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.full_intermediate_size = intermediate_size
         self.intermediate_size = divide(intermediate_size, tp_size)  # this rank's share
         size = self.intermediate_size
         # [gate_r; up_r] per expert, as MergedColumnParallelLinear lays out a dense MLP.
@@ -79,10 +84,37 @@ class MoEExperts(nn.Module):
         self.packed_weights: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
         # Each expert's (gate_up, down) in int8 once ``quantize_int8`` ran.
         self.int8: list[tuple[Int8Weight, Int8Weight]] | None = None
+        # A quantized checkpoint's scheme, once ``use_quantized_weights`` ran: each expert's
+        # linears are then the children "0", "1", ... (QuantizedExpert).
+        self.quant_scheme: LinearScheme | None = None
+
+    def use_quantized_weights(self, scheme: LinearScheme) -> None:
+        """Load a quantized checkpoint's experts: one QuantizedExpert per expert, named by its
+        index as the checkpoint names it; the float stacks stay as shapes on the meta device
+        (FP8 experts get them back, multiplied out, after loading)."""
+        check_expert_scheme(scheme)
+        hidden_size = self.down_proj.shape[1]
+        for e in range(self.num_experts):
+            expert = QuantizedExpert(
+                scheme, hidden_size, self.full_intermediate_size, self.tp_rank, self.tp_size
+            )
+            self.add_module(str(e), expert)
+        self.quant_scheme = scheme
+        for name in ("gate_up_proj", "down_proj"):
+            param = getattr(self, name)
+            del self._parameters[name]
+            setattr(self, name, torch.empty(param.shape, dtype=param.dtype, device="meta"))
+
+    def quantized_expert(self, expert: int) -> QuantizedExpert:
+        return self.get_submodule(str(expert))  # type: ignore[return-value]
 
     def process_weights_after_loading(self) -> None:
         if self.int8 is not None:
             return
+        if self.quant_scheme is not None and self.quant_scheme.weights.kind != FLOAT8:
+            return  # each expert's linears move into the 4-bit kernel's layout themselves
+        if self.quant_scheme is not None:
+            self._multiply_out_fp8_experts()
         packed = [
             (pack_weight(self.gate_up_proj[e]), pack_weight(self.down_proj[e]))
             for e in range(self.num_experts)
@@ -105,10 +137,28 @@ class MoEExperts(nn.Module):
             meta.weight_loader = self.weight_loader  # type: ignore[attr-defined]
             setattr(self, name, meta)
 
+    def _multiply_out_fp8_experts(self) -> None:
+        """FP8 experts -> float stacks in the model's dtype, the checkpoint layout released."""
+        dtype = self.gate_up_proj.dtype  # the model's, kept on the meta stand-in
+        stacks = []
+        for part in (0, 1):
+            linears = [
+                (self.quantized_expert(e).gate_up_proj, self.quantized_expert(e).down_proj)[part]
+                for e in range(self.num_experts)
+            ]
+            stacks.append(torch.stack([layer.quant.dequantized(dtype) for layer in linears]))
+        for e in range(self.num_experts):
+            delattr(self, str(e))
+        self.quant_scheme = None
+        self.gate_up_proj = nn.Parameter(stacks[0], requires_grad=False)
+        self.down_proj = nn.Parameter(stacks[1], requires_grad=False)
+
     def project(
         self, rows: torch.Tensor, expert: int, part: int, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """rows @ W^T (+ bias) for one expert's gate_up (part 0) or down (part 1) matrix."""
+        if self.quant_scheme is not None:
+            return self.quantized_expert(expert).project(rows, part, bias)
         if self.int8 is not None:
             return self.int8[expert][part].linear(rows, with_bias=False, add=bias)
         weight = (self.gate_up_proj, self.down_proj)[part][expert]

@@ -30,6 +30,7 @@ STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
     ("gate_up_proj", "up_proj", 1),
 )
 ShardId = str | int | tuple[int, str] | None
+GATE_UP_SHARDS = {"gate": 0, "up": 1}
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ MIXTRAL_EXPERTS = ExpertNaming("block_sparse_moe", "w1", "w3", "w2")
 EXPERT_PARAMS = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
 _EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 _EXPERT_PARAM = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# A quantized checkpoint's expert tensor once translated (``<expert>.<part>.quant.codes``): it
+# lands in that expert's own quantized linears, not in the float stacks.
+_QUANTIZED_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.quant\.")
 
 
 def load_checkpoint(
@@ -121,6 +125,15 @@ def param_name_of(name: str) -> tuple[str, ShardId]:
     """A checkpoint tensor's name -> (our parameter's name, the shard id of its part)."""
     # Mixtral's sparse block is "block_sparse_moe"; ours is "mlp" in every family.
     name = name.replace(f".{MIXTRAL_EXPERTS.block}.", ".mlp.")
+    match = _QUANTIZED_EXPERT_TENSOR.search(name)
+    if match is not None:
+        for naming in (QWEN_MOE_EXPERTS, MIXTRAL_EXPERTS):
+            part = naming.part_of(match[2])
+            if part is not None:
+                param = "down_proj" if part == "down" else "gate_up_proj"
+                shard_id = None if part == "down" else GATE_UP_SHARDS[part]
+                before, after = name[: match.start()], name[match.end() :]
+                return f"{before}.experts.{match[1]}.{param}.quant.{after}", shard_id
     match = _EXPERT_TENSOR.search(name)
     if match is not None:
         for naming in (QWEN_MOE_EXPERTS, MIXTRAL_EXPERTS):

@@ -15,6 +15,11 @@
  * Per group the tile sums x * (u - z) in registers, then adds acc * s. A decode step reads each
  * code once: half of int8's bytes, an eighth of float32's.
  *
+ * At hundreds of rows (a prefill chunk), unpacking every code once per 6-row tile costs more than
+ * unpacking it once and running a float GEMM, so conveyor_int4_dequantize_t writes W^T in float32
+ * for a matmul library to multiply them by (worker/layers/quantization/int4_kernel.py picks by
+ * the row count).
+ *
  * Summation order differs from x @ dequantize(W)^T in float32 (per group, then scaled), so the
  * results differ by float rounding (relative ~K * 2^-24).
  */
@@ -23,7 +28,7 @@
 #include <string.h>
 
 
-#define CONVEYOR_INT4_GEMM_ABI_VERSION 3
+#define CONVEYOR_INT4_GEMM_ABI_VERSION 4
 
 #if defined(__AVX512F__)
 #define VL 16
@@ -163,6 +168,52 @@ int conveyor_int4_linear(const float *x, int64_t x_stride, int64_t m_size, int64
                 float *o = out + (r0 + r) * out_stride + n0;
                 for (int n = 0; n < width; n++)
                     o[n] = total[r * PANEL + n] + (bias ? bias[n0 + n] : 0.0f);
+            }
+        }
+    }
+    return 0;
+}
+
+/* out [K, N] = W^T in float32, (u - z) * s per weight, from the same panels: vectors of VL
+ * columns, the conversion of the matmul above, stored instead of multiplied. */
+int conveyor_int4_dequantize_t(const uint32_t *packed, const float *scale,
+                               const float *zero_offset, int64_t n_size, int64_t k_size,
+                               int64_t group_size, float *out, int num_threads) {
+    if (k_size <= 0 || n_size <= 0 || num_threads < 1 || group_size <= 0 ||
+        k_size % group_size || group_size % CODES_PER_WORD)
+        return -1;
+    const int64_t num_groups = k_size / group_size;
+    const int64_t num_panels = (n_size + PANEL - 1) / PANEL;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+    for (int64_t p = 0; p < num_panels; p++) {
+        const uint32_t *panel = packed + p * (k_size / CODES_PER_WORD) * PANEL;
+        const int64_t n0 = p * PANEL;
+        const int width = n_size - n0 < PANEL ? (int)(n_size - n0) : PANEL;
+        for (int64_t g = 0; g < num_groups; g++) {
+            vf zoff[NV], sc[NV];
+            for (int j = 0; j < NV; j++) {
+                zoff[j] = loadf(zero_offset + (p * num_groups + g) * PANEL + j * VL);
+                sc[j] = loadf(scale + (p * num_groups + g) * PANEL + j * VL);
+            }
+            const int64_t o_end = (g + 1) * group_size / CODES_PER_WORD;
+            for (int64_t o = g * group_size / CODES_PER_WORD; o < o_end; o++) {
+                vi word[NV];
+                for (int j = 0; j < NV; j++) word[j] = loadi(panel + o * PANEL + j * VL);
+                for (int s = 0; s < CODES_PER_WORD; s++) {
+                    float *row = out + (o * CODES_PER_WORD + s) * n_size + n0;
+                    for (int j = 0; j < NV; j++) {
+                        const vf w =
+                            ((vf)(((word[j] >> (4 * s)) & 0x0F) | MAGIC_BITS) - zoff[j]) * sc[j];
+                        if (width == PANEL) {
+                            storef(row + j * VL, w);
+                        } else {
+                            float lanes[VL];
+                            storef(lanes, w);
+                            for (int c = j * VL; c < width && c < (j + 1) * VL; c++)
+                                row[c] = lanes[c - j * VL];
+                        }
+                    }
+                }
             }
         }
     }

@@ -4,8 +4,9 @@ Runs in worker processes. Which checkpoint modules are quantized is read from th
 (a module is quantized when it has one of the format's marker tensors), so a format's ignore
 list and per-module choices need no second reading. Each of our column- and row-parallel linears
 whose checkpoint modules (q/k/v, gate/up fused) are quantized gets a ``QuantizedWeights`` child
-in place of its float weight; every quantized module must land in one, so a quantized LM head,
-router or mixture-of-experts expert is refused by name instead of loading wrong.
+in place of its float weight, and every mixture-of-experts block whose experts are quantized
+loads them as quantized linears per expert (experts.py); every quantized module must land in
+one, so a quantized LM head or router is refused by name instead of loading wrong.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def quantized_modules(fmt: CheckpointFormat, tensor_names: Iterable[str]) -> set
 def prepare_model(model: nn.Module, fmt: CheckpointFormat, quantized: set[str]) -> int:
     """Give every linear whose checkpoint modules are quantized its quantized weights; the
     number of linears changed."""
+    from conveyor.worker.layers.fused_moe import MoEExperts
     from conveyor.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 
     if not quantized:
@@ -40,10 +42,15 @@ def prepare_model(model: nn.Module, fmt: CheckpointFormat, quantized: set[str]) 
         )
     covered: set[str] = set()
     count = 0
-    for name, layer in model.named_modules():
-        if not isinstance(layer, ColumnParallelLinear | RowParallelLinear):
+    # A snapshot: the experts' quantized linears made below are not visited again.
+    for name, layer in list(model.named_modules()):
+        if isinstance(layer, MoEExperts):
+            params = (f"{name}.gate_up_proj", f"{name}.down_proj")
+        elif isinstance(layer, ColumnParallelLinear | RowParallelLinear):
+            params = (f"{name}.weight",)
+        else:
             continue
-        parts = [n.removesuffix(".weight") for n in model.checkpoint_names(f"{name}.weight")]
+        parts = [n.removesuffix(".weight") for p in params for n in model.checkpoint_names(p)]
         hits = [p for p in parts if p in quantized]
         if not hits:
             continue
