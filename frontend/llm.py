@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from conveyor.frontend.engine_args import engine_args_from_kwargs
 from conveyor.frontend.engine_client import InProcessEngineClient, MPEngineClient
 from conveyor.frontend.input_processor import Choice, InputProcessor
+from conveyor.frontend.model_source import resolve_adapter
 from conveyor.frontend.output_processor import OutputProcessor, ProcessedOutputs
 from conveyor.frontend.outputs import RequestOutput, prompt_position_logprobs
 from conveyor.frontend.tokenizer import load_tokenizer
@@ -190,11 +191,15 @@ class LLM:
             if len(loras) != num_prompts:
                 raise ValueError(f"got {len(loras)} LoRA requests for {num_prompts} prompts")
         lora_config = self.config.lora
+        resolved: dict[LoRARequest, LoRARequest] = {}
         for lora in {lora for lora in loras if lora is not None}:
             if lora_config is None:
                 raise ValueError("a LoRA request needs an engine made with enable_lora=True")
-            read_adapter(lora.lora_path, self.config.model.model, lora_config.max_lora_rank)
-        return loras
+            # A Hugging Face id: its cached (or downloaded) snapshot, as vLLM takes them.
+            folder = resolve_adapter(lora.lora_path)
+            read_adapter(folder, self.config.model.model, lora_config.max_lora_rank)
+            resolved[lora] = LoRARequest(lora.lora_name, lora.lora_int_id, folder)
+        return [None if lora is None else resolved[lora] for lora in loras]
 
     def _submit(self, choices: list[Choice]) -> None:
         # One message: the whole batch is in the engine before its first step.

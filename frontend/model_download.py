@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from conveyor.frontend.model_source import (
+    ADAPTER_FILES,
     INDEX_FILE,
     SERVING_FILES,
     TOP_LEVEL_ONLY,
@@ -45,6 +46,22 @@ from conveyor.runtime.processes import DOWNLOAD_MODULE
 
 # Named, not __name__: this module runs as __main__.
 logger = logging.getLogger("conveyor.frontend.model_download")
+
+
+def fetch_adapter(model: str, revision: str | None, cache_dir: str) -> str:
+    """A PEFT LoRA adapter's two files (``ADAPTER_FILES``) into ``cache_dir``; the snapshot."""
+    from huggingface_hub import snapshot_download
+
+    path = snapshot_download(
+        model, revision=revision, cache_dir=cache_dir, allow_patterns=list(ADAPTER_FILES)
+    )
+    missing = [name for name in ADAPTER_FILES if not (Path(path) / name).is_file()]
+    if missing:
+        raise ModelDownloadError(
+            f"{model} (revision {revision or 'main'}) has no {' or '.join(missing)}: not a PEFT "
+            "LoRA adapter"
+        )
+    return path
 
 
 def fetch(model: str, revision: str | None, cache_dir: str, weights: bool = True) -> str:
@@ -156,6 +173,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--revision", default=None, help="a branch, tag or commit (default main)")
     parser.add_argument("--cache-dir", required=True, help="the Hugging Face cache to fill")
     parser.add_argument("--no-weights", action="store_true", help="a tokenizer: no weights")
+    parser.add_argument("--adapter", action="store_true", help="a PEFT LoRA adapter's files")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when it dies")
     return parser.parse_args(argv)
 
@@ -170,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     tie_to_parent(args.parent_pid)
     start = time.monotonic()
     try:
-        path = fetch(args.model, args.revision, args.cache_dir, weights=not args.no_weights)
+        if args.adapter:
+            path = fetch_adapter(args.model, args.revision, args.cache_dir)
+        else:
+            path = fetch(args.model, args.revision, args.cache_dir, weights=not args.no_weights)
     except Exception as error:  # every failure is reported to the caller, as a sentence
         if isinstance(error, ModelDownloadError):
             message = str(error)

@@ -23,6 +23,7 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
 from conveyor.protocol.config import ConfigError
+from conveyor.protocol.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError
 from conveyor.runtime.processes import DOWNLOAD_MODULE, describe_exit, python_command, terminate
 from conveyor.runtime.signals import signals_held
 
@@ -45,6 +46,8 @@ SERVING_FILES = (
     "chat_template.json",
     INDEX_FILE,
 )
+# A PEFT LoRA adapter's files (``--lora-modules``, the run-time route, ``LLM``'s lora_request).
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 # Any of these makes a folder a tokenizer's (``--tokenizer``, which needs no weights).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Files in subfolders are never the checkpoint conveyor loads (gpt-oss's original/, say).
@@ -137,6 +140,42 @@ def resolve_model(
     return download_model(model, revision, cache, weights)
 
 
+def resolve_adapter(path: str, download_dir: str | None = None) -> str:
+    """A LoRA adapter's local folder, as vLLM takes them: ``path`` itself if it is a directory
+    (made absolute), else a Hugging Face id's snapshot in the cache holding its
+    ``ADAPTER_FILES``, downloaded (those two files alone) unless ``HF_HUB_OFFLINE`` is set. A
+    path that is neither is returned as it is, for ``read_adapter`` to say what is missing.
+
+    AdapterError when an id is neither cached nor downloadable, saying why. Blocks while it
+    downloads: an event loop calls it from a thread.
+    """
+    folder = Path(path).expanduser()
+    if folder.is_dir() or not looks_like_repo_id(path):
+        return os.path.abspath(folder)
+    cache = Path(download_dir).expanduser() if download_dir else hub_cache_dir()
+    try:
+        cached: str | None = snapshot_download(
+            path, cache_dir=cache, local_files_only=True, allow_patterns=list(ADAPTER_FILES)
+        )
+    except HFValidationError:
+        return os.path.abspath(folder)
+    except (LocalEntryNotFoundError, OSError):
+        cached = None
+    if cached is not None and all((Path(cached) / name).is_file() for name in ADAPTER_FILES):
+        return str(cached)
+    if hub_offline():
+        raise AdapterError(
+            f"LoRA adapter {path!r} is not a folder and not in the Hugging Face cache (looked "
+            f"for {cache / ('models--' + path.replace('/', '--'))}); HF_HUB_OFFLINE is set, so "
+            f"nothing is downloaded: unset it, or run `hf download {path}` where the Hub can be "
+            "reached and copy that cache here, or pass the adapter's folder"
+        )
+    try:
+        return download_model(path, None, cache, weights=False, adapter=True)
+    except ModelDownloadError as error:
+        raise AdapterError(f"LoRA adapter {path!r}: {error}") from None
+
+
 def _cached_snapshot(
     model: str, revision: str | None, cache: Path, weights: bool
 ) -> tuple[str | None, list[str]]:
@@ -174,7 +213,13 @@ def _offline_message(model: str, revision: str | None, cache: Path, missing: lis
     )
 
 
-def download_model(model: str, revision: str | None, cache_dir: Path, weights: bool = True) -> str:
+def download_model(
+    model: str,
+    revision: str | None,
+    cache_dir: Path,
+    weights: bool = True,
+    adapter: bool = False,
+) -> str:
     """``model``'s snapshot folder in ``cache_dir``, downloaded by a child process
     (``model_download``, in its own session: a terminal's Ctrl-C reaches this process alone);
     ModelDownloadError saying why where it cannot be. A signal or an exception here (Ctrl-C,
@@ -185,7 +230,11 @@ def download_model(model: str, revision: str | None, cache_dir: Path, weights: b
     logger.info(
         "%s is not in the Hugging Face cache: downloading its %s (revision %s) from %s into %s",
         model,
-        "config, tokenizer and safetensors" if weights else "tokenizer",
+        "LoRA adapter"
+        if adapter
+        else "config, tokenizer and safetensors"
+        if weights
+        else "tokenizer",
         revision or "main",
         endpoint,
         cache_dir,
@@ -193,7 +242,9 @@ def download_model(model: str, revision: str | None, cache_dir: Path, weights: b
     args = [model, "--cache-dir", str(cache_dir), "--parent-pid", str(os.getpid())]
     if revision is not None:
         args += ["--revision", revision]
-    if not weights:
+    if adapter:
+        args.append("--adapter")
+    elif not weights:
         args.append("--no-weights")
     command = python_command(DOWNLOAD_MODULE, args)
     child: subprocess.Popen[bytes] | None = None

@@ -339,7 +339,10 @@ def _lora_registry(
 async def load_lora_route(request: Request) -> Response:
     state = _serving(request)
     body = await read_request(request, LoadLoRAAdapterRequest)
-    return PlainTextResponse(load_adapter(_registry(state), body))
+    registry = _registry(state)
+    # In a thread: an adapter named by its Hugging Face id may be downloaded first, and the
+    # event loop serves every other stream meanwhile.
+    return PlainTextResponse(await asyncio.to_thread(load_adapter, registry, body))
 
 
 async def unload_lora_route(request: Request) -> Response:

@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 
 import msgspec
 
+from conveyor.frontend.model_source import resolve_adapter
 from conveyor.frontend.server.errors import ApiError, bad_request
 from conveyor.protocol import EngineConfig
 from conveyor.protocol.lora import AdapterError, LoRARequest, read_adapter
@@ -99,24 +101,29 @@ class LoRARegistry:
     # An adapter's own parent name (vLLM's base_model_name of --lora-modules' JSON form).
     parents: dict[str, str] = field(default_factory=dict)
     _next_id: int = 1
+    # The run-time route adds from a thread (a Hugging Face id may download).
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def parent_of(self, name: str) -> str:
         return self.parents.get(name, self.parent)
 
     def add(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
-        """Check the adapter and serve it; AdapterError says why it cannot be."""
+        """Check the adapter and serve it; AdapterError says why it cannot be. ``path``: a
+        folder, or a Hugging Face id (from the cache, else downloaded: this call blocks)."""
         lora = self.config.lora
         if lora is None:
             raise AdapterError("this server serves no LoRA adapters (start it with --enable-lora)")
         if not name:
             raise AdapterError("an adapter needs a name")
-        read_adapter(path, self.config.model.model, lora.max_lora_rank)
-        request = LoRARequest(name, self._next_id, os.path.abspath(path))
-        self._next_id += 1
-        self.adapters[name] = request
-        self.parents.pop(name, None)
-        if base_model_name:
-            self.parents[name] = base_model_name
+        folder = resolve_adapter(path)
+        read_adapter(folder, self.config.model.model, lora.max_lora_rank)
+        with self._lock:
+            request = LoRARequest(name, self._next_id, folder)
+            self._next_id += 1
+            self.adapters[name] = request
+            self.parents.pop(name, None)
+            if base_model_name:
+                self.parents[name] = base_model_name
         return request
 
     def get(self, model: str | None) -> LoRARequest | None:

@@ -217,3 +217,43 @@ def test_serve_downloads_once_before_the_engine_starts(hub, tmp_path):
     text = log.read_text()
     assert text.index("downloaded acme/tiny") < text.index("started engine_core")
     assert all(len(hub.gets(name)) == 1 for name in _fetched(hub))
+
+
+def test_a_lora_adapter_by_id_is_downloaded_with_its_two_files_and_served(
+    hub, tmp_path, tiny_model_dir, monkeypatch
+):
+    """vLLM takes `--lora-modules name=org/adapter`: the adapter's two files are fetched (not the
+    README beside them), then the cache serves it offline; an id that is no adapter is refused
+    saying so, before anything runs."""
+    from benchmarks.fixtures.lora_maker import make_adapter
+    from conveyor.frontend.model_source import resolve_adapter
+    from conveyor.frontend.server.lora_modules import LoRARegistry
+    from conveyor.protocol.lora import AdapterError
+
+    folder = make_adapter(tiny_model_dir, tmp_path / "made", 8, ["q_proj", "v_proj"], 5)
+    files = model_files(folder)  # PEFT's save writes a README.md beside the two
+    assert "README.md" in files
+    hub.add_repo("acme/tiny-lora", files, {"main": MAIN})
+    path = resolve_adapter("acme/tiny-lora")
+    assert path == str(_snapshot(tmp_path / "hub", MAIN, "acme--tiny-lora"))
+    adapter_files = {"adapter_config.json", "adapter_model.safetensors"}
+    assert {p.name for p in Path(path).iterdir()} == adapter_files == _fetched(hub)
+    assert all((Path(path) / name).read_bytes() == files[name] for name in adapter_files)
+
+    hub.requests.clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = EngineArgs(
+        model=str(tiny_model_dir), kv_cache_memory=16 << 20, enable_lora=True, max_lora_rank=8
+    ).create_engine_config()
+    registry = LoRARegistry(config, "tiny")
+    assert registry.add("mine", "acme/tiny-lora").lora_path == path  # checked, from the cache
+    assert hub.requests == []
+    with pytest.raises(AdapterError, match="HF_HUB_OFFLINE is set"):
+        resolve_adapter("acme/absent-lora")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with pytest.raises(AdapterError, match="no adapter_config.json"):
+        registry.add("model", "acme/tiny")  # a model, not an adapter
+    with pytest.raises(AdapterError, match="not found"):
+        registry.add("absent", "acme/absent-lora")
+    assert set(registry.adapters) == {"mine"}
