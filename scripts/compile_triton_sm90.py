@@ -7,7 +7,8 @@ compiler: a kernel it takes can still fail to compile, or ask for more shared me
 has, and that would show only on a GPU machine. Triton's own compiler and the ptxas it bundles
 build the same kernels for ``GPUTarget("cuda", 90, 32)`` here: the attention kernel in each dtype
 with the decode, split-K, prompt and long-chunk shapes, windows, soft-caps and sinks; its merge
-and cache-write kernels; the token ops in bfloat16, float16 and float32. One line per variant
+and cache-write kernels; the token ops and the LoRA correction's two kernels in bfloat16, float16
+and float32. One line per variant
 (with ``--json``, one JSON object); exit status 1 if any failed. Must run without
 TRITON_INTERPRET=1, which makes the kernels interpreted functions.
 """
@@ -112,6 +113,22 @@ def variants():
             {"SIZE": 3072, "BLOCK": 1024},
             {},
         )
+    # The LoRA correction (worker/lora/triton_lora.py): slots of rank 64 over a fused qkv.
+    from conveyor.worker.lora import triton_lora
+    from conveyor.worker.lora import triton_lora_kernels as lora
+
+    for dtype in ("bf16", "fp16", "fp32"):
+        data = "*" + dtype
+        signature = {"x_ptr": data, "a_ptr": data, "slots_ptr": "*i32", "out_ptr": "*fp32"}
+        signature |= dict.fromkeys(["stride_x", "stride_as", "stride_ak", "stride_o"], "i32")
+        signature |= {"K": "i32", "W": "i32"}
+        constexprs = {"BLOCK_K": triton_lora.BLOCK_K, "BLOCK_W": 256}
+        yield f"lora_shrink ({dtype})", lora.shrink, signature, constexprs, {}
+        signature = {"shrunk_ptr": "*fp32", "b_ptr": data, "slots_ptr": "*i32", "out_ptr": data}
+        signature |= dict.fromkeys(["stride_s", "stride_bs", "stride_bw", "stride_o"], "i32")
+        signature |= {"N": "i32", "W": "i32"}
+        constexprs = {"BLOCK_W": 256, "BLOCK_N": triton_lora.BLOCK_N}
+        yield f"lora_expand ({dtype})", lora.expand, signature, constexprs, {}
 
 
 def compile_for_sm90(kernel, signature: dict, constexprs: dict, options: dict) -> int:

@@ -12,8 +12,8 @@ transposed views ran 20-70x slower on CPU (MKL, 4 rows x rank 32 x 3,072 outputs
 
 The base linear runs once over the whole step; ``add_to`` then adds ``x A^T B^T`` to the rows of
 each slot in the step: on CPU in one call of the grouped kernel (worker/lora/kernel.py) for all
-the step's adapters, elsewhere (or where it cannot be built) a torch loop over the step's
-adapters, never over requests. ``StepGroups`` sorts the step's tokens by slot once per step;
+the step's adapters, on CUDA in two Triton launches (worker/lora/triton_lora.py), elsewhere (or
+where neither can run) a torch loop over the step's adapters, never over requests. ``StepGroups`` sorts the step's tokens by slot once per step;
 every layer reuses it. The model runner orders the step's requests by slot first
 (``LoRAManager.begin_step``), so the runs are slices of the flat stream and no layer gathers or
 scatters; tokens in any other order still work (the kernel reads and writes them in place, the
@@ -37,6 +37,7 @@ from conveyor.worker.layers.linear import (
     RowParallelLinear,
     ShardId,
 )
+from conveyor.worker.lora import triton_lora
 from conveyor.worker.lora.kernel import DTYPES, LoRAKernel, kernel_for
 
 
@@ -45,7 +46,9 @@ class StepGroups:
 
     ``perm`` maps a run's rows back to the flat stream (None when the LoRA tokens already lie in
     slot order in one contiguous range, then ``offset`` places the runs and no gather is needed).
-    ``segment_array`` holds the runs as int64 ``[runs, 3]`` for the grouped kernel.
+    ``segment_array`` holds the runs as int64 ``[runs, 3]`` for the grouped kernel;
+    ``token_slots`` every token's slot (-1: the base model) as int32 on a CUDA step's device,
+    for the Triton kernels (worker/lora/triton_lora.py), None elsewhere.
     """
 
     def __init__(self) -> None:
@@ -54,6 +57,7 @@ class StepGroups:
         self.perm: torch.Tensor | None = None
         self.offset = 0
         self.num_tokens = 0
+        self.token_slots: torch.Tensor | None = None
 
     def set_tokens(self, token_slots: np.ndarray, device: torch.device) -> None:
         """``token_slots[t]``: the slot of token t of the flat stream, -1 for the base model."""
@@ -74,11 +78,15 @@ class StepGroups:
             self.perm = torch.from_numpy(order.astype(np.int64)).to(device)
         self.segments = segments
         self.segment_array = np.array(segments, dtype=np.int64).reshape(-1, 3)
+        if torch.device(device).type == "cuda":
+            slots32 = np.ascontiguousarray(token_slots, dtype=np.int32)
+            self.token_slots = torch.from_numpy(slots32).to(device, non_blocking=True)
 
     def clear(self) -> None:
         self.segments = []
         self.segment_array = np.zeros((0, 3), dtype=np.int64)
         self.perm = None
+        self.token_slots = None
 
 
 class LoRASlots:
@@ -159,6 +167,15 @@ class LoRASlots:
                 x, out, groups.perm, groups.offset, groups.segment_array,
                 self.a_t, self.b, self.ranks, self.part_cols,
             )  # fmt: skip
+            return out
+        if (
+            groups.token_slots is not None
+            and x.is_cuda
+            and x.stride(1) == 1
+            and out.stride(1) == 1
+            and triton_lora.triton_lora_enabled()
+            and triton_lora.add(x, out, groups.token_slots, self.a_t, self.b)
+        ):
             return out
         return self.add_with_torch(x, out)
 
