@@ -215,6 +215,27 @@ def allocate_kv_caches(
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
+def attach_kv_caches(
+    layers: list,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+) -> None:
+    """Give every attention layer (the target model's, or a draft model's) its cache tensor of
+    ``num_blocks`` blocks and the backend that reads it; the first layer's KV heads and head
+    dim size them all."""
+    first = layers[0]
+    caches = allocate_kv_caches(
+        len(layers), num_blocks, block_size, first.num_kv_heads, first.head_dim, dtype, device,
+        backend,
+    )  # fmt: skip
+    for layer, cache in zip(layers, caches):
+        layer.kv_cache = cache
+        layer.backend = backend
+
+
 def _format_bytes(num_bytes: float) -> str:
     if abs(num_bytes) >= 1 << 30:
         return f"{num_bytes / (1 << 30):.2f} GiB"

@@ -39,7 +39,7 @@ from conveyor.worker.input_batch import InputBatch
 from conveyor.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     CudaMemory,
-    allocate_kv_caches,
+    attach_kv_caches,
     claim_cuda_memory,
     gpu_memory_utilization,
     kv_bytes_per_block,
@@ -299,20 +299,10 @@ class ModelRunner:
         return self.model.kv_sliding_window()
 
     def initialize_cache(self, num_blocks: int) -> None:
-        first = self.attention_layers[0]
-        caches = allocate_kv_caches(
-            len(self.attention_layers),
-            num_blocks,
-            self.block_size,
-            first.num_kv_heads,
-            first.head_dim,
-            self.kv_dtype,
-            self.device,
+        attach_kv_caches(
+            self.attention_layers, num_blocks, self.block_size, self.kv_dtype, self.device,
             self.backend,
-        )
-        for layer, cache in zip(self.attention_layers, caches):
-            layer.kv_cache = cache
-            layer.backend = self.backend
+        )  # fmt: skip
         if self._draft() is not None:
             self._draft().initialize_cache(num_blocks)  # type: ignore[union-attr]
         self.num_blocks = num_blocks

@@ -44,7 +44,7 @@ from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadat
 from conveyor.worker.attention.metadata_builder import step_layout
 from conveyor.worker.device_buffers import array_to_device
 from conveyor.worker.input_batch import InputBatch
-from conveyor.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block
+from conveyor.worker.kv_cache import attach_kv_caches, kv_bytes_per_block
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import race
 from conveyor.worker.sampling_metadata import _effective_temperature
@@ -99,20 +99,10 @@ class DraftModelProposer:
         )
 
     def initialize_cache(self, num_blocks: int) -> None:
-        first = self.attention_layers[0]
-        caches = allocate_kv_caches(
-            len(self.attention_layers),
-            num_blocks,
-            self.block_size,
-            first.num_kv_heads,
-            first.head_dim,
-            self.kv_dtype,
-            self.device,
+        attach_kv_caches(
+            self.attention_layers, num_blocks, self.block_size, self.kv_dtype, self.device,
             self.backend,
-        )
-        for layer, cache in zip(self.attention_layers, caches):
-            layer.kv_cache = cache
-            layer.backend = self.backend
+        )  # fmt: skip
         self.block_keys = DraftBlockKeys(num_blocks, self.block_size)
 
     def release(self) -> None:
