@@ -216,26 +216,14 @@ def test_draft_model_proposals_are_its_greedy_continuation_through_accepts_rejec
     The catch-up runs in chunks (a token budget of 8 for prompts of 21 and 13 tokens), two
     rows batched in every forward."""
     from conveyor.protocol.speculative import SpeculativeConfig
-    from conveyor.worker.attention.selector import select_backend
     from conveyor.worker.input_batch import InputBatch
-    from conveyor.worker.spec_decode.draft_model import DraftModelProposer
     from conveyor.worker.spec_decode.spec_step import _append
 
-    k, cpu = 3, torch.device("cpu")
+    k = 3
     config = SpeculativeConfig(
         method="draft_model", model=str(tiny_model_dir), **{"num_speculative_tokens": k}
     )
-    proposer = DraftModelProposer(
-        config,
-        max_model_len=128,
-        max_num_tokens=8,
-        block_size=4,
-        vocab_size=2048,
-        device=cpu,
-        dtype=torch.float32,
-        kv_dtype=torch.float32,
-        make_backend=lambda sinks: select_backend(cpu, 4, "torch"),
-    )
+    proposer = _cpu_draft_proposer(config, max_num_tokens=8)
     proposer.initialize_cache(64)
     hf = hf_model(tiny_model_dir)
 
@@ -301,27 +289,14 @@ def test_a_draft_models_worker_pauses_exactly_when_the_engine_drops_its_drafts(
     from conveyor.engine_core.request import Request, RequestStatus
     from conveyor.engine_core.spec_decode import SpecDecodeScheduling
     from conveyor.protocol.speculative import SpeculativeConfig
-    from conveyor.worker.attention.selector import select_backend
     from conveyor.worker.input_batch import InputBatch
-    from conveyor.worker.spec_decode.draft_model import DraftModelProposer
     from conveyor.worker.spec_decode.spec_step import SpecDecoder, _append
 
-    cpu = torch.device("cpu")
     config = SpeculativeConfig(method="draft_model", model=str(tiny_model_dir))
     decoder = SpecDecoder(
         config,
         128,
-        lambda: DraftModelProposer(
-            config,
-            max_model_len=128,
-            max_num_tokens=64,
-            block_size=4,
-            vocab_size=2048,
-            device=cpu,
-            dtype=torch.float32,
-            kv_dtype=torch.float32,
-            make_backend=lambda sinks: select_backend(cpu, 4, "torch"),
-        ),
+        lambda: _cpu_draft_proposer(config, max_num_tokens=64),
     )
     decoder.draft.initialize_cache(40)
     batch = InputBatch(max_num_seqs=1, max_model_len=128, max_blocks_per_req=32)
@@ -367,3 +342,23 @@ def test_a_draft_models_worker_pauses_exactly_when_the_engine_drops_its_drafts(
         False,
         False,
     ]
+
+
+def _cpu_draft_proposer(config, max_num_tokens: int):
+    """A draft model proposer for the tiny model on CPU: 128 positions, blocks of 4 tokens,
+    float32, the torch attention backend."""
+    from conveyor.worker.attention.selector import select_backend
+    from conveyor.worker.spec_decode.draft_model import DraftModelProposer
+
+    cpu = torch.device("cpu")
+    return DraftModelProposer(
+        config,
+        max_model_len=128,
+        max_num_tokens=max_num_tokens,
+        block_size=4,
+        vocab_size=2048,
+        device=cpu,
+        dtype=torch.float32,
+        kv_dtype=torch.float32,
+        make_backend=lambda sinks: select_backend(cpu, 4, "torch"),
+    )
