@@ -80,6 +80,12 @@ def _reference(arch: str, tiny_model_dirs, tmp_path_factory) -> LoRAReference:
     return _REFERENCES[arch]
 
 
+# The engine of the mixed batches: three adapters of ranks up to 64 in one step, float32.
+MIXED = dict(
+    dtype="float32", block_size=BLOCK_SIZE, enable_lora=True, max_loras=3, max_lora_rank=64
+)
+
+
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def reference(request, tiny_model_dirs, tmp_path_factory) -> LoRAReference:
     return _reference(request.param, tiny_model_dirs, tmp_path_factory)
@@ -93,16 +99,9 @@ def qwen3_reference(tiny_model_dirs, tmp_path_factory) -> LoRAReference:
 @pytest.fixture(scope="module")
 def llm(reference):
     engine = LLM(
-        str(reference.model_dir),
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        enable_lora=True,
-        max_loras=3,
-        max_lora_rank=64,
-        max_num_batched_tokens=32,
-        max_num_seqs=8,
+        str(reference.model_dir), **MIXED, max_num_batched_tokens=32, max_num_seqs=8,
         kv_cache_memory=32 << 20,
-    )
+    )  # fmt: skip
     try:
         yield engine
     finally:
@@ -173,16 +172,9 @@ def test_two_tensor_parallel_ranks_match_peft(qwen3_reference):
     batch on two ranks gives PEFT's tokens, as one rank does."""
     reference = qwen3_reference
     with LLM(
-        str(reference.model_dir),
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        enable_lora=True,
-        max_loras=3,
-        max_lora_rank=64,
-        max_num_batched_tokens=32,
-        tensor_parallel_size=2,
+        str(reference.model_dir), **MIXED, max_num_batched_tokens=32, tensor_parallel_size=2,
         kv_cache_memory=32 << 20,
-    ) as llm:
+    ) as llm:  # fmt: skip
         _run(llm, reference, list(range(len(PLAN))), PLAN)
 
 
@@ -253,8 +245,7 @@ def test_speculative_decoding_under_adapters_matches_peft(qwen3_reference):
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
             "prompt_lookup_min": 2}  # fmt: skip
     with LLM(
-        str(qwen3_reference.model_dir), dtype="float32", block_size=BLOCK_SIZE, enable_lora=True,
-        max_loras=3, max_lora_rank=64, max_num_seqs=8, kv_cache_memory=32 << 20,
+        str(qwen3_reference.model_dir), **MIXED, max_num_seqs=8, kv_cache_memory=32 << 20,
         speculative_config=spec,
     ) as llm:  # fmt: skip
         outputs = llm.generate(
