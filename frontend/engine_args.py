@@ -734,7 +734,8 @@ def add_lora_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
         "--enable-lora",
         action="store_true",
         default=d.enable_lora,
-        help="serve LoRA adapters (PEFT folders) beside the base model, mixed in every batch",
+        help="serve LoRA adapters (PEFT folders or Hugging Face ids) beside the base model, "
+        "mixed in every batch",
     )
     group.add_argument(
         "--max-loras",

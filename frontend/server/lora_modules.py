@@ -61,7 +61,8 @@ def add_lora_module_args(parser: argparse._ActionsContainer) -> None:
         type=parse_lora_module,
         default=None,
         metavar="NAME=PATH",
-        help="LoRA adapters served from the start (with --enable-lora), each name=path or "
+        help="LoRA adapters served from the start (with --enable-lora), each name=path (a folder "
+        "or a Hugging Face id) or "
         'vLLM\'s JSON {"name": ..., "path": ..., "base_model_name": ...}; a request\'s model '
         "names one",
     )

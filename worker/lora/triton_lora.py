@@ -83,7 +83,7 @@ def add(
             x.stride(0), a_t.stride(0), a_t.stride(1), shrunk.stride(0), in_features, width,
             BLOCK_K=BLOCK_K, BLOCK_W=width_block(width),
         )  # fmt: skip
-        grid = (num_tokens, triton_cdiv(out_features, BLOCK_N))
+        grid = (num_tokens, -(-out_features // BLOCK_N))
         kernels.expand[grid](
             shrunk, b, token_slots, out,
             shrunk.stride(0), b.stride(0), b.stride(1), out.stride(0), out_features, width,
@@ -94,7 +94,3 @@ def add(
         logger.warning("the Triton LoRA kernels failed (%s); using the torch loop", failure)
         return False
     return True
-
-
-def triton_cdiv(n: int, d: int) -> int:
-    return -(-n // d)
