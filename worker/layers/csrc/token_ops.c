@@ -134,7 +134,8 @@ EXP_NONPOSITIVE(vf16, vi16, 16)
  * 16 lanes (AVX-512) and 8 (every host, and the 8-wide tail of a 16-lane loop): every lane rounds
  * where the torch ops round, whatever its width (flushing float32 subnormals to zero where the
  * CPU's own conversion does: vector_math.h's _ftz forms). A value both stored and used again is
- * narrowed once and widened back (exact). BF: the suffix of the bf16 helpers, V: of the vector ops. */
+ * narrowed once and widened back (exact). BF: the suffix of the bf16 helpers, V: of the vector
+ * ops. */
 #define BF16_STEPS(VF, BITS, BF, V)                                                                \
     /* s = bf16(x + added) stored to sum (or x alone); returns acc + s^2 */                        \
     static inline VF bf16_sum_step##BF(const uint16_t *x, const uint16_t *added, uint16_t *sum,    \
@@ -208,12 +209,13 @@ int conveyor_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16
 #if defined(__AVX512F__)
         vf16 wide = splat16(0.0f);
         for (; i + 16 <= size; i += 16)
-            wide = bf16_sum_step_16(row + i, added ? added + i : NULL, sum_row + i, wide);
+            wide = bf16_sum_step_16(row + i, added ? added + i : NULL, added ? sum_row + i : NULL,
+                                    wide);
         sum_of_squares = hsum16(wide);
 #endif
         vf8 acc = splat(0.0f);
         for (; i < size; i += LANES)
-            acc = bf16_sum_step(row + i, added ? added + i : NULL, sum_row + i, acc);
+            acc = bf16_sum_step(row + i, added ? added + i : NULL, added ? sum_row + i : NULL, acc);
         sum_of_squares += hsum(acc);
         const float scale = 1.0f / sqrtf(sum_of_squares / (float)size + eps);
         i = 0;
