@@ -132,6 +132,7 @@ class ClientIO:
         # clients' silence. Half the timeout: a client last heard one heartbeat before a
         # shorter gap still has time to be heard after it (clients beat four times a timeout).
         self._stall_limit_s = max(heartbeat_timeout_s / 2, 5 * _POLL_MS / 1000)
+        self._last_ran = time.monotonic()
         self._outgoing: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
@@ -187,11 +188,11 @@ class ClientIO:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
-        next_expiry_check = last_round = time.monotonic()
+        next_expiry_check = self._last_ran = time.monotonic()
         try:
             while True:
                 events = dict(poller.poll(_POLL_MS))
-                last_round = self._forgive_own_stall(last_round)
+                self._forgive_own_stall()
                 if self._router in events:
                     self._receive_some()
                 if self._wake_read in events and not self._send_queued():
@@ -205,19 +206,22 @@ class ClientIO:
         finally:
             self._close_socket()
 
-    def _forgive_own_stall(self, last_round: float) -> float:
-        """Give every client a whole timeout again if this thread has not run since
-        ``last_round`` for longer than the stall limit; returns this round's time."""
+    def _forgive_own_stall(self) -> None:
+        """Give every client a whole timeout again if this thread has not run for longer than
+        the stall limit since it last looked. It looks before each frame and before each sweep
+        for silent clients, not once a round: a stop can land anywhere in a round, and the
+        frames read after it (a Goodbye, a heartbeat) must not be handled, nor clients
+        dropped, before the stall is known."""
         now = time.monotonic()
-        if now - last_round > self._stall_limit_s and len(self.registry):
+        if now - self._last_ran > self._stall_limit_s and len(self.registry):
             logger.warning(
                 "the engine did not run for %.1f s (stopped or starved): no client could be "
                 "heard meanwhile; each gets %g s from now",
-                now - last_round,
+                now - self._last_ran,
                 self.registry.heartbeat_timeout_s,
             )
             self.registry.hear_all()
-        return now
+        self._last_ran = now
 
     def _close_socket(self) -> None:
         self._router.close(linger=_LINGER_MS)
@@ -230,6 +234,7 @@ class ClientIO:
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
+            self._forgive_own_stall()
             if len(frames) != 2:
                 self._drop(frames[0], f"{len(frames) - 1} payload frames instead of 1")
                 continue
@@ -324,6 +329,9 @@ class ClientIO:
             )
 
     def _drop_silent_clients(self) -> None:
+        # Stopped earlier in this round, the thread must not drop a client for a silence it
+        # could not have heard.
+        self._forgive_own_stall()
         for client in self.registry.detach_silent():
             logger.warning(
                 "client %d silent for over %.1f s: aborting its requests",
