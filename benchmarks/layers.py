@@ -19,8 +19,8 @@ Sections:
           call on the next of enough copies of the weight (4x the last-level cache in int8,
           16x in float32) that it comes from memory, as in a forward pass of a model larger
           than the caches.
-  small   every linear shape and the LM head at one and two rows (a decode step of one or two
-          requests), weights from memory (each call on the next of enough copies of the weight
+  small   every linear shape and the LM head at one to eight rows (a decode step of a few
+          requests, or of one with its speculative positions), weights from memory (each call on the next of enough copies of the weight
           to fill 16x the last-level cache): oneDNN's packed weight against the compiled
           ``small_linear`` the layers use there. At one row a weight's float32 bytes are twice its
           GFLOP, so GB/s read = 2x the GFLOP/s printed.
@@ -213,7 +213,7 @@ def bench_small_linears(config, rows: list[int], budget_s: float) -> None:
     # A virtual machine may report its host's whole L3 (hundreds of MiB): 2 GiB of copies at most.
     budget_bytes = min(16 * cache_bytes, 2 << 30)
     print(
-        f"\n== one and two rows (weights from memory: copies of up to 16x the "
+        f"\n== one to {SMALL_LINEAR_MAX_ROWS} rows (weights from memory: copies of up to 16x the "
         f"{cache_bytes >> 20} MiB cache, {budget_bytes >> 20} MiB at most) =="
     )
     for name, (k, n) in linear_shapes(config).items():
@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rows",
         default=None,
-        help="comma-separated row counts (default 1,16,64,256,2048; the small section: 1,2, and "
+        help="comma-separated row counts (default 1,16,64,256,2048; the small section: 1-8, and "
         "it takes no other)",
     )
     parser.add_argument(

@@ -346,7 +346,7 @@ def float32_sum_bound(x, weight, bias):
 # are not a whole number of 16- or 8-float vectors.
 @pytest.mark.parametrize("out_features,in_features", [(1, 3), (7, 16), (13, 40), (1024, 512),
                                                       (517, 1536), (8192, 64)])  # fmt: skip
-@pytest.mark.parametrize("num_rows", [1, 2])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 7, 8])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 def test_small_linear_is_the_float64_product_within_float32_roundings(
     ops, out_features, in_features, num_rows, with_bias
@@ -364,14 +364,16 @@ def test_small_linear_is_the_float64_product_within_float32_roundings(
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=in_features * 2e-7)
 
 
-def test_small_linear_gives_each_row_the_same_bits_alone_in_a_pair_and_on_any_thread_count(ops):
-    # Every output is summed in one order: a request's numbers do not depend on whether a second
-    # request shares its step, nor on how many threads ran it. 1,003 outputs: the last three go
-    # through the one-row-at-a-time loop, and where each thread's run starts moves with the count.
-    weight, x = torch.randn(1003, 520), torch.randn(2, 520)
-    pair = ops.small_linear(x, weight, None)
-    assert torch.equal(ops.small_linear(x[:1], weight, None), pair[:1])
-    assert torch.equal(ops.small_linear(x[1:], weight, None), pair[1:])
+def test_small_linear_gives_each_row_the_same_bits_in_any_company_and_on_any_thread_count(ops):
+    # Every output is summed in one order: a request's numbers do not depend on which requests
+    # (or its own speculative positions) share its step, nor on how many threads ran it. 1,003
+    # outputs: the last three (or seven) go through the one-row-at-a-time loop, and where each
+    # thread's run starts moves with the count.
+    weight, x = torch.randn(1003, 520), torch.randn(8, 520)
+    alone = torch.cat([ops.small_linear(x[i : i + 1], weight, None) for i in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(ops.small_linear(x[:rows], weight, None), alone[:rows]), rows
+    pair = alone[:2]
     for threads in (1, 2, 3, 16, 64):
         out = torch.empty(2, 1003)
         status = ops._small_linear(
@@ -381,10 +383,11 @@ def test_small_linear_gives_each_row_the_same_bits_alone_in_a_pair_and_on_any_th
         assert status == 0 and torch.equal(out, pair), threads
 
 
-def test_small_linear_takes_one_or_two_dense_float32_rows_only():
+def test_small_linear_takes_one_to_eight_dense_float32_rows_only():
     x, weight, bias = torch.randn(2, 64), torch.randn(32, 64), torch.randn(32)
     assert TokenOps.takes_linear(x, weight, bias) and TokenOps.takes_linear(x[:1], weight, None)
-    assert not TokenOps.takes_linear(torch.randn(3, 64), weight, bias)  # oneDNN's from 3 rows
+    assert TokenOps.takes_linear(torch.randn(8, 64), weight, bias)
+    assert not TokenOps.takes_linear(torch.randn(9, 64), weight, bias)  # oneDNN's from 9 rows
     assert not TokenOps.takes_linear(x[:0], weight, bias)
     assert not TokenOps.takes_linear(x.bfloat16(), weight.bfloat16(), None)
     assert not TokenOps.takes_linear(torch.randn(64, 2).t(), weight, bias)  # columns not dense
@@ -415,23 +418,31 @@ def test_small_batches_take_the_small_linear_and_larger_ones_the_packed_weight(o
         return original(self, *args)
 
     monkeypatch.setattr(TokenOps, "small_linear", counting)
-    for num_rows in (1, 2, 3, 64):
+    for num_rows in (1, 2, 8, 9, 64):
         x = torch.randn(num_rows, 128, generator=generator)
         error = (linear(x, weight, bias, packed).double() - float64_linear(x, weight, bias)).abs()
         # Any summation order of 129 float32 terms stays within 129 roundings of the sum of their
         # magnitudes (these sums reach ~40: a bound in absolute terms alone failed now and then).
         assert (error <= float32_sum_bound(x, weight, bias)).all(), error.max()
-    assert calls == [1, 2]
+    assert calls == [1, 2, 8]
+    # Three rows and more of a weight too large to stay in cache: the packed weight.
+    from conveyor.worker.layers.gemm import SMALL_LINEAR_WIDE_MAX_ELEMENTS
+
+    large = torch.randn(SMALL_LINEAR_WIDE_MAX_ELEMENTS // 128 + 1, 128, generator=generator)
+    for num_rows in (2, 3):
+        linear(torch.randn(num_rows, 128, generator=generator), large, None, pack_weight(large))
+    assert calls == [1, 2, 8, 2]
+    del calls[3:]
     # A build without OpenMP would stream on one thread: the packed weight serves two.
     monkeypatch.setattr(ops, "threaded", False)
     if torch.get_num_threads() > 1:
         linear(torch.randn(1, 128), weight, bias, packed)
-        assert calls == [1, 2]
+        assert calls == [1, 2, 8]
     monkeypatch.setattr(ops, "threaded", True)
     # Without the library (no compiler, CONVEYOR_CPU_KERNEL=0) the packed weight serves them.
     monkeypatch.setattr("conveyor.worker.layers.gemm.load_token_ops", lambda: None)
     linear(torch.randn(1, 128), weight, bias, packed)
-    assert calls == [1, 2]
+    assert calls == [1, 2, 8]
 
 
 def test_conveyor_small_linear_off_keeps_the_packed_weight_and_other_values_are_refused(

@@ -1,6 +1,6 @@
 """Compiled token-wise ops for float32 and bfloat16 on CPU (``csrc/token_ops.c``): the residual
 add fused into the RMSNorm that follows it, the q/k head norm fused with the rotation, silu * up,
-and in float32 the linears of one or two rows (``small_linear``, which worker/layers/gemm.py
+and in float32 the linears of one to eight rows (``small_linear``, which worker/layers/gemm.py
 dispatches to).
 
 Runs in worker processes. Built and cached like the attention kernel (``worker.native``); where
@@ -30,7 +30,7 @@ SOURCE_PATH = Path(__file__).parent / "csrc" / "token_ops.c"
 # The attention kernel's vector helpers, which the source includes.
 VECTOR_MATH_PATH = Path(__file__).parent.parent / "attention" / "csrc" / "vector_math.h"
 # Must match CONVEYOR_TOKEN_OPS_ABI_VERSION in the source.
-ABI_VERSION = 5
+ABI_VERSION = 6
 # What the ops take: float32, and bfloat16 rounded where the torch ops round.
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -53,10 +53,12 @@ _SMALL_LINEAR_ARGTYPES = [
     _ptr, _i64, _i64, _ptr,  # weight [out, in], out, in, bias (or NULL)
     _ptr, _i64, _i32,  # y and its row stride, threads
 ]  # fmt: skip
-# The most rows the compiled linear takes. At one and two rows it streams the weight faster than
-# oneDNN's packed copy; from three on the packed copy is as fast or faster. Must not exceed
-# SMALL_LINEAR_MAX_ROWS in the source.
-SMALL_LINEAR_MAX_ROWS = 2
+# The most rows the compiled linear takes. At one and two rows it streams the weight ~1.2x as
+# fast as oneDNN's packed copy, at three to eight as fast or faster (all rows against each weight
+# vector at once; `bench`/Qwen3-0.6B shapes, and 2-3x at the default model's tiny ones, where
+# oneDNN's call costs more than the product), and a row's bits never depend on the rows beside
+# it. Must not exceed SMALL_LINEAR_MAX_ROWS in the source.
+SMALL_LINEAR_MAX_ROWS = 8
 # Off (0, false, no, off) keeps oneDNN's packed weight for one and two rows too.
 SMALL_LINEAR_ENV = "CONVEYOR_SMALL_LINEAR"
 
@@ -294,7 +296,7 @@ class TokenOps:
 
 @functools.cache
 def small_linear_enabled() -> bool:
-    """Whether linears of one or two rows take ``small_linear``: CONVEYOR_SMALL_LINEAR (a value
+    """Whether linears of one to eight rows take ``small_linear``: CONVEYOR_SMALL_LINEAR (a value
     that is neither on nor off is refused; the CPU model runner asks at start-up)."""
     from conveyor.worker.kv_cache import (
         switch_from_env,  # imported here: kv_cache imports the layers

@@ -15,8 +15,10 @@ shapes), so bfloat16 takes it for every batch.
 
 A float32 linear of one or two rows (a decode step of one or two requests) goes to the compiled
 token ops' ``small_linear`` instead, where they are built: it streams the plain weight at ~1.2x
-the packed copy's speed there (one or two requests decode 1.07-1.2x as fast end to end);
-``CONVEYOR_SMALL_LINEAR=0`` keeps the packed copy for them.
+the packed copy's speed there (one or two requests decode 1.07-1.2x as fast end to end). So do
+three to eight rows (a few requests, or one request with its speculative positions) where the
+weight is small enough to be in cache (SMALL_LINEAR_WIDE_MAX_ELEMENTS): there oneDNN's call
+costs more than the product. ``CONVEYOR_SMALL_LINEAR=0`` keeps the packed copy for them all.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ from conveyor.worker.layers.cpu_ops import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Three to eight rows take ``small_linear`` only for a weight of at most this many elements
+# (1 MiB of float32: one core's L2 holds it), where a step finds it in cache and oneDNN's call
+# costs more than the product (the default model's linears: 1.1-2x per call). A larger weight
+# streams from memory, where oneDNN's packed layout is faster from three rows on (1.1-1.3x on
+# the `bench` model's qkv, gate_up and LM head; `python -m benchmarks layers --section small`).
+SMALL_LINEAR_WIDE_MAX_ELEMENTS = 1 << 18
 
 # The most rows that go through the packed weight. From bench_layers on a 2-core AVX2 EPYC with
 # 2 threads: packed wins by 5-80% at 16-64 rows (the LM head most), is even at 256 (the head still
@@ -80,7 +89,12 @@ def linear(
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., in] -> [..., out]; ``packed`` is ``pack_weight(weight)`` or None."""
-    if x.dim() == 2 and x.shape[0] <= SMALL_LINEAR_MAX_ROWS and x.dtype == torch.float32:
+    if (
+        x.dim() == 2
+        and x.shape[0] <= SMALL_LINEAR_MAX_ROWS
+        and x.dtype == torch.float32
+        and (x.shape[0] <= 2 or weight.numel() <= SMALL_LINEAR_WIDE_MAX_ELEMENTS)
+    ):
         ops = load_token_ops() if x.is_cpu else None
         if (
             ops is not None

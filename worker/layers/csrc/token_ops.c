@@ -20,7 +20,7 @@
 
 #include "../../attention/csrc/vector_math.h"
 
-#define CONVEYOR_TOKEN_OPS_ABI_VERSION 5
+#define CONVEYOR_TOKEN_OPS_ABI_VERSION 6
 /* Below this many elements the OpenMP fork costs more than the second thread saves (a decode
  * batch of a few rows). */
 #define PARALLEL_MIN_ELEMENTS 16384
@@ -478,7 +478,8 @@ int conveyor_silu_and_mul_bf16(const uint16_t *x, int64_t x_stride, int64_t num_
     return 0;
 }
 
-/* ---- y = x W^T + b for one or two rows (a decode step of one or two requests) ----
+/* ---- y = x W^T + b for one to eight rows (a decode step of a few requests, or one request's
+ * row with its speculative positions) ----
  *
  * At so few rows a linear reads each weight once for one or two multiply-adds: it is bound by
  * how fast the weight streams from memory, not by arithmetic. Each thread streams its own
@@ -504,8 +505,14 @@ typedef vf8 vrow;
 #define ROW_LANES LANES
 static inline float sum_lanes(vrow v) { return hsum(v); }
 #endif
-#define SMALL_LINEAR_MAX_ROWS 2
+#define SMALL_LINEAR_MAX_ROWS 8
+/* One and two rows: eight weight rows at a time (16 accumulators at two rows). Three to eight
+ * rows (a decode step's row with its speculative positions, a few requests): all rows at once
+ * against four weight rows (three from seven rows on), each weight vector loaded once for every
+ * row, so the weight streams from memory once whatever the row count. */
+#define PAIR_ROWS 2
 #define WEIGHT_GROUP 8
+#define WIDE_MAX_GROUP 4
 /* Below this many weight elements one thread streams the whole weight faster than two can be
  * started (a few microseconds of OpenMP fork and join). */
 #define SMALL_LINEAR_PARALLEL_MIN 65536
@@ -524,6 +531,23 @@ static inline float finish_output(vrow acc, const float *w_row, const float *x_r
     return bias ? sum + bias[n] : sum;
 }
 
+/* The last few outputs (fewer than a group), one weight row at a time. */
+static inline void small_linear_last_outputs(const float *x, int64_t x_stride, int rows,
+                                             const float *w, int64_t in, const float *bias,
+                                             float *y, int64_t y_stride, int64_t n, int64_t n1) {
+    const int64_t vector_end = in - in % ROW_LANES;
+    for (; n < n1; n++) {
+        const float *w_row = w + n * in;
+        for (int m = 0; m < rows; m++) {
+            const float *x_row = x + m * x_stride;
+            vrow acc = (vrow){0};
+            for (int64_t k = 0; k < vector_end; k += ROW_LANES)
+                acc += load_lanes(w_row + k) * load_lanes(x_row + k);
+            y[m * y_stride + n] = finish_output(acc, w_row, x_row, vector_end, in, bias, n);
+        }
+    }
+}
+
 /* Outputs n0 .. n1-1 of ROWS input rows (a constant where it is called, so each count gets its
  * own unrolled loop). */
 static inline __attribute__((always_inline)) void small_linear_outputs(
@@ -533,7 +557,7 @@ static inline __attribute__((always_inline)) void small_linear_outputs(
     int64_t n = n0;
     for (; n + WEIGHT_GROUP <= n1; n += WEIGHT_GROUP) {
         const float *group = w + n * in;
-        vrow acc[SMALL_LINEAR_MAX_ROWS][WEIGHT_GROUP];
+        vrow acc[PAIR_ROWS][WEIGHT_GROUP];
         for (int m = 0; m < rows; m++)
             for (int g = 0; g < WEIGHT_GROUP; g++) acc[m][g] = (vrow){0};
         for (int64_t k = 0; k < vector_end; k += ROW_LANES) {
@@ -550,16 +574,36 @@ static inline __attribute__((always_inline)) void small_linear_outputs(
                                                         x + m * x_stride, vector_end, in, bias,
                                                         n + g);
     }
-    for (; n < n1; n++) { /* the last few outputs, one weight row at a time */
-        const float *w_row = w + n * in;
-        for (int m = 0; m < rows; m++) {
-            const float *x_row = x + m * x_stride;
-            vrow acc = (vrow){0};
-            for (int64_t k = 0; k < vector_end; k += ROW_LANES)
-                acc += load_lanes(w_row + k) * load_lanes(x_row + k);
-            y[m * y_stride + n] = finish_output(acc, w_row, x_row, vector_end, in, bias, n);
+    small_linear_last_outputs(x, x_stride, rows, w, in, bias, y, y_stride, n, n1);
+}
+
+/* Outputs n0 .. n1-1 of ROWS input rows, GROUP weight rows at a time (both constants where it
+ * is called): ROWS x GROUP accumulators, GROUP weights and one input in the 32 vector registers. */
+static inline __attribute__((always_inline)) void small_linear_outputs_wide(
+    const float *x, int64_t x_stride, const int rows, const int group_rows, const float *w,
+    int64_t in, const float *bias, float *y, int64_t y_stride, int64_t n0, int64_t n1) {
+    const int64_t vector_end = in - in % ROW_LANES;
+    int64_t n = n0;
+    for (; n + group_rows <= n1; n += group_rows) {
+        const float *group = w + n * in;
+        vrow acc[SMALL_LINEAR_MAX_ROWS][WIDE_MAX_GROUP];
+        for (int m = 0; m < rows; m++)
+            for (int g = 0; g < group_rows; g++) acc[m][g] = (vrow){0};
+        for (int64_t k = 0; k < vector_end; k += ROW_LANES) {
+            vrow weights[WIDE_MAX_GROUP];
+            for (int g = 0; g < group_rows; g++) weights[g] = load_lanes(group + g * in + k);
+            for (int m = 0; m < rows; m++) {
+                vrow input = load_lanes(x + m * x_stride + k);
+                for (int g = 0; g < group_rows; g++) acc[m][g] += weights[g] * input;
+            }
         }
+        for (int m = 0; m < rows; m++)
+            for (int g = 0; g < group_rows; g++)
+                y[m * y_stride + n + g] = finish_output(acc[m][g], group + g * in,
+                                                        x + m * x_stride, vector_end, in, bias,
+                                                        n + g);
     }
+    small_linear_last_outputs(x, x_stride, rows, w, in, bias, y, y_stride, n, n1);
 }
 
 /* y[m] = x[m] W^T (+ bias) for m < rows <= SMALL_LINEAR_MAX_ROWS; W is [out, in], dense. */
@@ -584,8 +628,15 @@ int conveyor_small_linear(const float *x, int64_t x_stride, int64_t rows, const 
         if (n0 < n1) {
             if (rows == 1)
                 small_linear_outputs(x, x_stride, 1, w, in, bias, y, y_stride, n0, n1);
-            else
+            else if (rows == 2)
                 small_linear_outputs(x, x_stride, 2, w, in, bias, y, y_stride, n0, n1);
+            else
+                switch (rows) {
+#define WIDE(R, G)                                                                              \
+    case R: small_linear_outputs_wide(x, x_stride, R, G, w, in, bias, y, y_stride, n0, n1); break;
+                    WIDE(3, 4) WIDE(4, 4) WIDE(5, 4) WIDE(6, 4) WIDE(7, 3) WIDE(8, 3)
+#undef WIDE
+                }
         }
     }
     return 0;
