@@ -13,10 +13,12 @@ transposed views ran 20-70x slower on CPU (MKL, 4 rows x rank 32 x 3,072 outputs
 The base linear runs once over the whole step; ``add_to`` then adds ``x A^T B^T`` to the rows of
 each slot in the step: on CPU in one call of the grouped kernel (worker/lora/kernel.py) for all
 the step's adapters, on CUDA in two Triton launches (worker/lora/triton_lora.py), elsewhere (or
-where neither can run) a torch loop over the step's adapters, never over requests. ``StepGroups`` sorts the step's tokens by slot once per step;
-every layer reuses it. The model runner orders the step's requests by slot first
-(``LoRAManager.begin_step``), so the runs are slices of the flat stream and no layer gathers or
-scatters; tokens in any other order still work (the kernel reads and writes them in place, the
+where neither can run) a torch loop over the step's adapters, never over requests. While the
+runner captures CUDA graphs, every call takes the Triton launches on all its rows
+(``add_for_graph``), since a replayed graph cannot skip a layer for a step without adapters.
+``StepGroups`` sorts the step's tokens by slot once per step; every layer reuses it. The model
+runner orders the step's requests by slot first (``LoRAManager.begin_step``), so the runs are
+slices of the flat stream and no layer gathers or scatters; tokens in any other order still work (the kernel reads and writes them in place, the
 loop gathers them into slot order and adds them back).
 
 Tensor parallelism shards the slots like the layer: a column-parallel layer keeps the whole A
@@ -30,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from conveyor.worker.device_buffers import StagingBuffer, StepUploads
 from conveyor.worker.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -49,15 +52,33 @@ class StepGroups:
     ``segment_array`` holds the runs as int64 ``[runs, 3]`` for the grouped kernel;
     ``token_slots`` every token's slot (-1: the base model) as int32 on a CUDA step's device,
     for the Triton kernels (worker/lora/triton_lora.py), None elsewhere.
+
+    With ``max_num_tokens`` (the runner's, on CUDA) the slots live in ``slot_buffer``, a
+    persistent int32 buffer whose device address never changes: a CUDA graph's input. Each
+    step fills it with one asynchronous host-to-device copy, the step's slots then -1 over
+    every row an earlier step wrote, so a graph's padding rows (and a shorter step after a
+    longer one) read -1 and get nothing added; ``token_slots`` is then its first rows.
+    ``capturing`` is set while the runner captures graphs: every adapted layer then launches
+    its kernels on all its rows (``LoRASlots.add_to``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_num_tokens: int = 0, device: torch.device | str = "cpu") -> None:
         self.segments: list[tuple[int, int, int]] = []
         self.segment_array = np.zeros((0, 3), dtype=np.int64)
         self.perm: torch.Tensor | None = None
         self.offset = 0
         self.num_tokens = 0
         self.token_slots: torch.Tensor | None = None
+        self.capturing = False
+        self.slot_buffer: StagingBuffer | None = None
+        if max_num_tokens > 0:
+            device = torch.device(device)
+            self.slot_buffer = StagingBuffer(max_num_tokens, torch.int32, device)
+            self.slot_buffer.host_np[:] = -1
+            self.slot_buffer.device_tensor.fill_(-1)
+            self._uploads = StepUploads(device)
+        # Rows of the slot buffer from 0 on that may still hold an earlier step's slots.
+        self._num_written = 0
 
     def set_tokens(self, token_slots: np.ndarray, device: torch.device) -> None:
         """``token_slots[t]``: the slot of token t of the flat stream, -1 for the base model."""
@@ -78,15 +99,42 @@ class StepGroups:
             self.perm = torch.from_numpy(order.astype(np.int64)).to(device)
         self.segments = segments
         self.segment_array = np.array(segments, dtype=np.int64).reshape(-1, 3)
-        if torch.device(device).type == "cuda":
+        if self.slot_buffer is not None:
+            self.token_slots = self._fill_slot_buffer(token_slots)
+        elif torch.device(device).type == "cuda":
             slots32 = np.ascontiguousarray(token_slots, dtype=np.int32)
             self.token_slots = torch.from_numpy(slots32).to(device, non_blocking=True)
 
     def clear(self) -> None:
+        """A step of the base model alone (no slot buffer row reads other than -1)."""
         self.segments = []
         self.segment_array = np.zeros((0, 3), dtype=np.int64)
         self.perm = None
         self.token_slots = None
+        if self.slot_buffer is not None:
+            self._fill_slot_buffer(np.zeros(0, dtype=np.int32))
+
+    def _fill_slot_buffer(self, token_slots: np.ndarray) -> torch.Tensor:
+        """The step's slots in the buffer's first rows and -1 over the rest an earlier step
+        wrote, in one copy; the device rows of the step."""
+        buffer = self.slot_buffer
+        assert buffer is not None
+        count = len(token_slots)
+        if count > len(buffer.host_np):
+            raise RuntimeError(
+                f"a step of {count} tokens over the LoRA slot buffer's {len(buffer.host_np)}"
+            )
+        reach = max(count, self._num_written)
+        if reach:
+            values = np.full(reach, -1, dtype=np.int32)
+            values[:count] = token_slots
+            # The host half is rewritten: the previous step's copy out of it must have run
+            # (in a steady decode loop it has: that step waited for its sampled tokens).
+            self._uploads.wait()
+            buffer.stage(values)
+            self._uploads.uploaded()
+        self._num_written = count
+        return buffer.device_tensor[:count]
 
 
 class LoRASlots:
@@ -156,6 +204,8 @@ class LoRASlots:
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the base layer's output for input ``x``) plus each token's correction."""
         groups = self.groups
+        if groups.capturing:
+            return self.add_for_graph(x, out)
         if not groups.segments:
             return out
         if x.shape[0] != groups.num_tokens:
@@ -178,6 +228,30 @@ class LoRASlots:
         ):
             return out
         return self.add_with_torch(x, out)
+
+    def add_for_graph(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``add_to`` as a CUDA graph records it: both Triton launches over all of ``x``'s rows
+        (a padded decode step's), each reading its slot from the slot buffer, whatever the
+        step being captured holds; launches and shapes depend on the row count alone, and
+        nothing waits on the device. Refused where the kernels cannot run: a graph without
+        them would replay the base model for every token (the runner then runs eagerly)."""
+        buffer = self.groups.slot_buffer
+        reason = triton_lora.unavailable_reason()
+        if buffer is None or reason is not None:
+            raise RuntimeError(
+                "LoRA under CUDA graphs needs the Triton LoRA kernels and the slot buffer: "
+                + (reason or "this step's groups have no slot buffer")
+            )
+        num_rows = x.shape[0]
+        if num_rows > len(buffer.device_tensor):
+            raise RuntimeError(
+                f"a graph of {num_rows} rows over the LoRA slot buffer's "
+                f"{len(buffer.device_tensor)}"
+            )
+        slots = buffer.device_tensor[:num_rows]
+        if not triton_lora.add(x, out, slots, self.a_t, self.b):
+            raise RuntimeError(f"the Triton LoRA kernels failed ({triton_lora.failure})")
+        return out
 
     def add_with_torch(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``add_to`` as two matmuls per adapter in the step (the kernel's reference)."""
