@@ -62,10 +62,10 @@ class LoRAManager:
         self.model_dir = model_dir
         self.device = device
         dtype = model_dtype if config.lora_dtype == "auto" else LORA_DTYPES[config.lora_dtype]
-        # On CUDA the tokens' slots go in a buffer of the largest step (``max_num_tokens``),
-        # made now, before any graph is captured on its address; the CPU reads segments only.
-        cuda = torch.device(device).type == "cuda"
-        self.groups = StepGroups(max_num_tokens if cuda else 0, device)
+        # The tokens' slots go in a buffer of the largest step (``max_num_tokens``), made now,
+        # before any CUDA graph is captured on its address (the CPU's kernel reads segments,
+        # but a CPU runner keeps the same buffer: its tests stand in for graphs).
+        self.groups = StepGroups(max_num_tokens, device)
         self.layers: dict[tuple[int, str], LoRASlots] = {}
         for name, module in model.named_modules():
             match = _ADAPTABLE.match(name)
