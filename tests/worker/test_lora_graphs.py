@@ -205,6 +205,31 @@ def test_graphs_with_lora_where_the_triton_lora_kernels_run(lora_runner, monkeyp
     assert not lora_runner._graphs_wanted()
 
 
+def test_a_capture_the_lora_kernels_cannot_join_leaves_decode_steps_eager(
+    lora_runner, monkeypatch, caplog
+):
+    import conveyor.worker.model_runner as model_runner
+
+    groups = lora_runner.lora.groups
+    slots = next(iter(lora_runner.lora.layers.values()))
+    seen = []
+
+    def capture(model, input_ids, positions, sizes, block_size):
+        # As the capture's first LoRA layer does, on a GPU whose Triton cannot build the kernels.
+        seen.append(groups.capturing)
+        slots.add_to(torch.zeros(2, slots.a_t.shape[1]), torch.zeros(2, slots.b.shape[2]))
+
+    monkeypatch.setattr(lora_runner, "_graphs_wanted", lambda: True)
+    monkeypatch.setattr(lora_runner, "_settled_reserved_bytes", lambda: 0)
+    monkeypatch.setattr(model_runner, "capture_decode_graphs", capture)
+    monkeypatch.setattr(triton_lora, "failure", "RuntimeError: no kernel image")
+    with caplog.at_level(logging.WARNING, logger="conveyor.worker.model_runner"):
+        assert lora_runner.capture_cuda_graphs() == 0
+    assert lora_runner.decode_graphs is None
+    assert seen == [True] and not groups.capturing  # the layers' eager paths are back
+    assert "run eagerly" in caplog.text and "no kernel image" in caplog.text
+
+
 class LoRAForwardOnFixedBuffers(ForwardOnFixedBuffers):
     """A whole-forward graph's stand-in on CPU with LoRA: the forward a capture records (every
     adapted layer on its graph path over the padded rows, the slot buffer read as it is)."""
