@@ -1,6 +1,7 @@
 """What only a GPU can check: a decode step that never waits on the device, CUDA graphs against
-eager (with LoRA adapters too), CUDA against CPU, flash-attn against the torch backend at head_dim 128, memory profiling
-with a 16k prompt on the torch path, and tensor parallelism over NCCL.
+eager (with LoRA adapters too), CUDA against CPU, flash-attn against the torch backend at
+head_dim 128, memory profiling with a 16k prompt on the torch path, and tensor parallelism over
+NCCL.
 
 Skipped unless the run asks for the GPU (CONVEYOR_TEST_DEVICE=cuda, tests/devices.py) on a machine
 that has one; ``python -m benchmarks gpu-check`` runs them. The head_dim-128 tests use the random model with

@@ -18,8 +18,9 @@ runner captures CUDA graphs, every call takes the Triton launches on all its row
 (``add_for_graph``), since a replayed graph cannot skip a layer for a step without adapters.
 ``StepGroups`` sorts the step's tokens by slot once per step; every layer reuses it. The model
 runner orders the step's requests by slot first (``LoRAManager.begin_step``), so the runs are
-slices of the flat stream and no layer gathers or scatters; tokens in any other order still work (the kernel reads and writes them in place, the
-loop gathers them into slot order and adds them back).
+slices of the flat stream and no layer gathers or scatters; tokens in any other order still
+work (the kernel reads and writes them in place, the loop gathers them into slot order and adds
+them back).
 
 Tensor parallelism shards the slots like the layer: a column-parallel layer keeps the whole A
 and this rank's output rows of B (sliced by the layer's own weight loader); a row-parallel layer
@@ -50,13 +51,14 @@ class StepGroups:
     ``perm`` maps a run's rows back to the flat stream (None when the LoRA tokens already lie in
     slot order in one contiguous range, then ``offset`` places the runs and no gather is needed).
     ``segment_array`` holds the runs as int64 ``[runs, 3]`` for the grouped kernel;
-    ``token_slots`` every token's slot (-1: the base model) as int32 on a CUDA step's device,
-    for the Triton kernels (worker/lora/triton_lora.py), None elsewhere.
+    ``token_slots`` every token's slot (-1: the base model) as int32 on the step's device, for
+    the Triton kernels (worker/lora/triton_lora.py); None in a step without adapters, and on
+    CPU without a slot buffer.
 
-    With ``max_num_tokens`` (the runner's, on CUDA) the slots live in ``slot_buffer``, a
+    With ``max_num_tokens`` (the runner's largest step) the slots live in ``slot_buffer``, a
     persistent int32 buffer whose device address never changes: a CUDA graph's input. Each
-    step fills it with one asynchronous host-to-device copy, the step's slots then -1 over
-    every row an earlier step wrote, so a graph's padding rows (and a shorter step after a
+    step fills it with one asynchronous host-to-device copy (no sync), the step's slots then -1
+    over every row an earlier step wrote, so a graph's padding rows (and a shorter step after a
     longer one) read -1 and get nothing added; ``token_slots`` is then its first rows.
     ``capturing`` is set while the runner captures graphs: every adapted layer then launches
     its kernels on all its rows (``LoRASlots.add_to``).
@@ -70,13 +72,13 @@ class StepGroups:
         self.num_tokens = 0
         self.token_slots: torch.Tensor | None = None
         self.capturing = False
+        device = torch.device(device)
         self.slot_buffer: StagingBuffer | None = None
         if max_num_tokens > 0:
-            device = torch.device(device)
             self.slot_buffer = StagingBuffer(max_num_tokens, torch.int32, device)
             self.slot_buffer.host_np[:] = -1
             self.slot_buffer.device_tensor.fill_(-1)
-            self._uploads = StepUploads(device)
+        self._uploads = StepUploads(device)
         # Rows of the slot buffer from 0 on that may still hold an earlier step's slots.
         self._num_written = 0
 
