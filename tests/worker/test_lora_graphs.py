@@ -23,7 +23,8 @@ from conveyor.worker.attention import triton_backend
 from conveyor.worker.attention.triton_backend import triton_unusable_reason
 from conveyor.worker.cuda_graphs import DecodeGraphs
 from conveyor.worker.lora import triton_lora
-from conveyor.worker.lora.slots import LoRASlots, StepGroups
+from conveyor.worker.lora.slots import LoRASlots
+from conveyor.worker.lora.step_groups import StepGroups
 from conveyor.worker.model_runner import ModelRunner
 from tests.devices import TEST_DEVICE
 from tests.worker.test_cuda_graphs import ForwardOnFixedBuffers

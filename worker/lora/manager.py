@@ -34,7 +34,8 @@ from conveyor.protocol.lora import (
     read_adapter,
 )
 from conveyor.worker.layers.linear import LinearBase
-from conveyor.worker.lora.slots import LoRASlots, StepGroups
+from conveyor.worker.lora.slots import LoRASlots
+from conveyor.worker.lora.step_groups import StepGroups
 
 logger = logging.getLogger(__name__)
 
