@@ -18,10 +18,14 @@ step costs over one adapter.
 ``--compare-loop`` starts a second engine whose workers run the torch loop over the step's
 adapters (``CONVEYOR_LORA_KERNEL=0``) instead of the grouped kernel, and interleaves its batches
 with the first's round by round: ``kernel/loop``, the ratio of the two engines' median rates,
-is the kernel's gain in one machine state. Usage::
+is the kernel's gain in one machine state. ``--compare-eager`` (CUDA only: the CPU never
+captures graphs) likewise starts an engine with ``enforce_eager`` beside the first, whose decode
+steps replay CUDA graphs with the adapters' Triton kernels inside: ``graphs/eager`` is what the
+graphs gain on LoRA batches (the ratio of median rates, as ``kernel/loop``). Usage::
 
     python -m benchmarks lora [--model DIR] [--dtype float32] [--engine mp] [--num-requests 64]
-        [--output-len 64] [--rank 16] [--adapters 1 4 16] [--rounds 3] [--compare-loop] [--json]
+        [--output-len 64] [--rank 16] [--adapters 1 4 16] [--rounds 3] [--compare-loop]
+        [--compare-eager] [--json]
 """
 
 from __future__ import annotations
@@ -45,8 +49,10 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 _VARIANTS = {
-    "kernel": "in one grouped kernel call per layer (on CPU, where it builds)",
+    "kernel": "in one grouped kernel call per layer on CPU (where it builds), two Triton "
+    "launches on CUDA (decode steps in CUDA graphs)",
     "loop": "in a torch loop, two matmuls per adapter per layer (CONVEYOR_LORA_KERNEL=0)",
+    "eager": "in the kernels, every step eager (enforce_eager: no CUDA graphs)",
 }
 
 
@@ -69,14 +75,15 @@ def make_adapters(model: str, folder: Path, count: int, rank: int) -> list[Path]
     ]
 
 
-def _start_engine(model: str, args: argparse.Namespace, trace: Path, kernel: bool) -> Any:
-    """An engine for the batches; ``kernel`` False: its workers run the torch loop (the variable
-    is read when the worker processes start, so it is set around the start only)."""
+def _start_engine(model: str, args: argparse.Namespace, trace: Path, variant: str) -> Any:
+    """An engine for the batches; ``loop``: its workers run the torch loop (the variable is
+    read when the worker processes start, so it is set around the start only); ``eager``: no
+    CUDA graphs."""
     from conveyor.frontend import LLM
     from conveyor.worker.lora.kernel import KERNEL_ENV, kernel_enabled
 
     before = os.environ.get(KERNEL_ENV)
-    os.environ[KERNEL_ENV] = "1" if kernel else "0"
+    os.environ[KERNEL_ENV] = "0" if variant == "loop" else "1"
     kernel_enabled.cache_clear()  # an in-process worker reads it in this process
     try:
         return LLM(
@@ -90,6 +97,7 @@ def _start_engine(model: str, args: argparse.Namespace, trace: Path, kernel: boo
             max_lora_rank=args.rank,
             enable_prefix_caching=False,
             trace_steps=str(trace),
+            enforce_eager=variant == "eager",
         )
     finally:
         if before is None:
@@ -110,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     paths = make_adapters(model, work, most, args.rank)
     adapters = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
     rng = random.Random(0)
-    variants = ["kernel", "loop"] if args.compare_loop else ["kernel"]
+    variants = ["kernel"] + ["loop"] * args.compare_loop + ["eager"] * args.compare_eager
     traces = {variant: work / f"steps-{variant}.jsonl" for variant in variants}
     engines: dict[str, Any] = {}
     batches: dict[str, list[LoRARequest | None]] = {"base": [None] * args.num_requests}
@@ -120,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     steps: dict[tuple[str, str], list[float]] = {}
     try:
         for variant in variants:
-            engines[variant] = _start_engine(model, args, traces[variant], variant == "kernel")
+            engines[variant] = _start_engine(model, args, traces[variant], variant)
         vocab_size = engines["kernel"].config.model.vocab_size
         greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
@@ -157,11 +165,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             llm.shutdown()
         shutil.rmtree(work, ignore_errors=True)
     results = {variant: _summary(rates, steps, variant, batches, args) for variant in variants}
-    if args.compare_loop:
-        for name, row in results["kernel"].items():
-            row["kernel_vs_loop"] = (
-                row["output_tok_per_s"] / results["loop"][name]["output_tok_per_s"]
-            )
+    for other, key in (("loop", "kernel_vs_loop"), ("eager", "graphs_vs_eager")):
+        if other in results:
+            for name, row in results["kernel"].items():
+                row[key] = row["output_tok_per_s"] / results[other][name]["output_tok_per_s"]
     return {
         "machine": machine_info(),
         "config": {
@@ -199,6 +206,16 @@ def _summary(
     }
 
 
+# The ratios of the first engine's rates to another's in the same rounds, and their columns.
+_RATIOS = {"kernel_vs_loop": "kernel/loop", "graphs_vs_eager": "graphs/eager"}
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks lora", description=__doc__)
     parser.add_argument("--model", type=Path, help="model directory (default: the bench model)")
@@ -220,19 +237,27 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run an engine on the torch loop (CONVEYOR_LORA_KERNEL=0), interleaved",
     )
+    parser.add_argument(
+        "--compare-eager",
+        action="store_true",
+        help="CUDA only: also run an engine with enforce_eager (no CUDA graphs), interleaved",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
+    if args.compare_eager and not _has_cuda():
+        parser.error("--compare-eager needs a CUDA device: the CPU never captures CUDA graphs")
     report = run(args)
     if print_report_start(report, args.json):
         return 0
     for variant, rows in report["results"].items():
         print(f"{variant}: the step's adapters {_VARIANTS[variant]}")
+        ratios = [key for key in _RATIOS if key in rows["base"]]
         print(
             f"{'batch':<9} {'out tok/s':>10} {'vs base':>8} {'step p50':>10} {'vs fewest':>10}"
-            + (f" {'kernel/loop':>12}" if "kernel_vs_loop" in rows["base"] else "")
+            + "".join(f" {_RATIOS[key]:>14}" for key in ratios)
         )
         for name, row in rows.items():
-            gain = f" {row['kernel_vs_loop']:>11.2f}x" if "kernel_vs_loop" in row else ""
+            gain = "".join(f" {row[key]:>13.2f}x" for key in ratios)
             print(
                 f"{name:<9} {row['output_tok_per_s']:>10.0f} {row['vs_base']:>7.2f}x"
                 f" {row['step_p50_ms']:>8.1f}ms {row['step_p50_vs_fewest']:>9.2f}x{gain}"

@@ -73,7 +73,8 @@ def measure(args: argparse.Namespace, num_adapters: int) -> dict[str, float]:
     import numpy as np
     import torch
 
-    from conveyor.worker.lora.slots import LoRASlots, StepGroups
+    from conveyor.worker.lora.slots import LoRASlots
+    from conveyor.worker.lora.step_groups import StepGroups
 
     dtype = getattr(torch, args.dtype)
     flush = torch.zeros(FLUSH_BYTES // 4)

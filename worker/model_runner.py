@@ -11,6 +11,7 @@ forward is launched, and the sampled tokens come down through an event (worker/d
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -48,7 +49,7 @@ from conveyor.worker.kv_cache import (
 )
 from conveyor.worker.layers.cpu_ops import small_linear_enabled
 from conveyor.worker.loader import load_model, resolve_dtype
-from conveyor.worker.lora import LoRAManager
+from conveyor.worker.lora import LoRAManager, triton_lora
 from conveyor.worker.memory_profile import profile_num_blocks
 from conveyor.worker.native import warn_if_torch_runs_above_the_isa
 from conveyor.worker.prompt_logprobs import (
@@ -97,7 +98,16 @@ class ModelRunner:
         # LoRA slots in every adaptable layer (--enable-lora); None: the base model only.
         self.lora: LoRAManager | None = None
         if config.lora is not None:
-            self.lora = LoRAManager(self.model, config.lora, config.model.model, self.dtype, device)
+            # Made before the memory profile captures graphs: the slots and the slot buffer
+            # (a graph input) keep the addresses the graphs bake in.
+            self.lora = LoRAManager(
+                self.model,
+                config.lora,
+                config.model.model,
+                self.dtype,
+                device,
+                max_num_tokens=config.scheduler.max_num_batched_tokens,
+            )
         self.vocab_size = config.model.vocab_size
         self.attention_layers = self.model.attention_layers()
         needs_sinks = any(layer.sinks is not None for layer in self.attention_layers)
@@ -222,13 +232,14 @@ class ModelRunner:
         reserved = self._settled_reserved_bytes()
         start = time.perf_counter()
         try:
-            self.decode_graphs = capture_decode_graphs(
-                self.model,
-                self.inputs.input_ids.device_tensor,
-                self.inputs.positions.device_tensor,
-                sizes,
-                self.block_size,
-            )
+            with self._lora_capture():
+                self.decode_graphs = capture_decode_graphs(
+                    self.model,
+                    self.inputs.input_ids.device_tensor,
+                    self.inputs.positions.device_tensor,
+                    sizes,
+                    self.block_size,
+                )
         except Exception as error:  # capture refuses ops that sync; eager still works
             logger.warning(
                 "CUDA graphs off, decode steps run eagerly: capturing the model failed (%s: %s)",
@@ -249,8 +260,24 @@ class ModelRunner:
         return kept
 
     def _graphs_wanted(self) -> bool:
-        # LoRA steps group tokens by adapter on the host each step: no graph replays that.
-        return self.device.type == "cuda" and not self.config.enforce_eager and self.lora is None
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return False
+        if self.lora is not None:
+            # A graph holds the LoRA layers' Triton launches, reading each token's slot from
+            # the slot buffer; the torch loop groups tokens on the host each step instead.
+            reason = triton_lora.unavailable_reason()
+            if reason is not None:
+                logger.warning(
+                    "CUDA graphs off, decode steps run eagerly: LoRA under graphs needs the "
+                    "Triton LoRA kernels, and %s",
+                    reason,
+                )
+                return False
+        return True
+
+    def _lora_capture(self) -> contextlib.AbstractContextManager:
+        """Around a graph capture: LoRA layers launch their kernels on every row."""
+        return self.lora.capturing() if self.lora is not None else contextlib.nullcontext()
 
     def _measure_whole_decode_graphs(self, sizes: list[int]) -> int | None:
         """Capture the whole-forward graphs on a one-block stand-in cache (a padded step reads
@@ -279,13 +306,14 @@ class ModelRunner:
         return kept if captured else None
 
     def _whole_graphs_on_bound_cache(self, sizes: list[int]) -> DecodeGraphs:
-        return capture_whole_decode_graphs(
-            self.model,
-            self.inputs.input_ids.device_tensor,
-            self.inputs.positions.device_tensor,
-            sizes,
-            self.inputs.graph_metadata,
-        )
+        with self._lora_capture():
+            return capture_whole_decode_graphs(
+                self.model,
+                self.inputs.input_ids.device_tensor,
+                self.inputs.positions.device_tensor,
+                sizes,
+                self.inputs.graph_metadata,
+            )
 
     def _settled_reserved_bytes(self) -> int:
         """The device bytes torch's allocator holds once queued work is done and its cache is
@@ -495,9 +523,10 @@ class ModelRunner:
             self._grammars.prepare(grammar)
 
     def _forward(self, inputs: StepInputs, lora_step: bool = False) -> torch.Tensor:
-        """Hidden states of the tokens that sample: a graph replay when one fits, else eager."""
-        if lora_step:
-            return self._forward_all_rows(inputs, inputs.logits_indices)
+        """Hidden states of the tokens that sample: a graph replay when one fits, else eager.
+
+        A replay computes every row, as a LoRA step needs (its layers' slots were filled for
+        the whole stream by ``LoRAManager.begin_step``, padding rows -1)."""
         graphs = self.decode_graphs
         num_tokens = inputs.num_tokens
         if graphs is not None and inputs.decode_only and graphs.padded_size(num_tokens):
@@ -505,6 +534,8 @@ class ModelRunner:
             if inputs.every_token_samples:
                 return hidden
             return hidden.index_select(0, inputs.logits_indices)
+        if lora_step:
+            return self._forward_all_rows(inputs, inputs.logits_indices)
         # Only the sampled rows leave the last layer: the rest only had to fill the KV cache.
         return self.model.forward(
             inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices

@@ -26,6 +26,14 @@ def test_lora_report_compares_the_kernel_and_the_loop(tiny_model_dir, capsys):
             assert ("kernel_vs_loop" in row) == (variant == "kernel")
 
 
+def test_lora_compare_eager_is_refused_without_cuda(tiny_model_dir, capsys):
+    # The CPU never captures graphs: an "eager" engine beside it would measure nothing.
+    with pytest.raises(SystemExit) as exit_info:
+        lora.main(["--model", str(tiny_model_dir), "--compare-eager"])
+    assert exit_info.value.code == 2
+    assert "--compare-eager needs a CUDA device" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_lora_kernel_report_has_every_way_and_the_slot_fills(capsys):
     assert lora_kernel.main(["--repeats", "1", "--json"]) == 0

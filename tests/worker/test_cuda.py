@@ -1,6 +1,7 @@
 """What only a GPU can check: a decode step that never waits on the device, CUDA graphs against
-eager, CUDA against CPU, flash-attn against the torch backend at head_dim 128, memory profiling
-with a 16k prompt on the torch path, and tensor parallelism over NCCL.
+eager (with LoRA adapters too), CUDA against CPU, flash-attn against the torch backend at
+head_dim 128, memory profiling with a 16k prompt on the torch path, and tensor parallelism over
+NCCL.
 
 Skipped unless the run asks for the GPU (CONVEYOR_TEST_DEVICE=cuda, tests/devices.py) on a machine
 that has one; ``python -m benchmarks gpu-check`` runs them. The head_dim-128 tests use the random model with
@@ -17,6 +18,7 @@ from conveyor.frontend import LLM
 from conveyor.frontend.engine_args import EngineArgs
 from conveyor.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from conveyor.protocol.config import ConfigError
+from conveyor.protocol.lora import LoRALoad, LoRARequest
 from conveyor.worker.attention.flash_attn_backend import FlashAttnBackend, flash_attn_import_error
 from conveyor.worker.attention.metadata_builder import build_attention_metadata
 from conveyor.worker.attention.torch_backend import TorchAttentionBackend
@@ -46,12 +48,13 @@ def _prompts(num: int, vocab: int = 2000, seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, vocab, int(rng.integers(5, 60))).tolist() for _ in range(num)]
 
 
-def _generate(model_dir, prompts, **engine_args) -> list:
+def _generate(model_dir, prompts, lora_request=None, **engine_args) -> list:
     engine_args.setdefault("kv_cache_memory", 64 << 20)
     if engine_args["device"] == "cuda":  # a CPU engine refuses a GPU memory share
         engine_args.setdefault("gpu_memory_utilization", 0.3)
     with LLM(str(model_dir), engine="inprocess", seed=0, **engine_args) as llm:
-        return [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora_request)
+        return [o.outputs[0] for o in outputs]
 
 
 def _first_difference(a, b) -> int:
@@ -155,6 +158,89 @@ def test_graphs_and_enforce_eager_give_the_same_tokens(tiny_model_dir):
             tiny_model_dir, prompts, device="cuda", dtype="float32", enforce_eager=True
         )
         assert [g.token_ids for g in graphs] == [e.token_ids for e in eager]
+
+
+# Two PEFT adapters of the tiny model (benchmarks/fixtures/lora_maker.py) and the engine that
+# serves them beside the base model.
+LORA_ENGINE = dict(enable_lora=True, max_loras=2, max_lora_rank=16)
+
+
+@pytest.fixture(scope="module")
+def lora_adapters(tiny_model_dir, tmp_path_factory) -> list:
+    pytest.importorskip("peft")
+    from benchmarks.fixtures.lora_maker import make_adapter
+
+    folder = tmp_path_factory.mktemp("lora")
+    return [
+        make_adapter(tiny_model_dir, folder / "a", 8, ["q_proj", "v_proj", "down_proj"], 1),
+        make_adapter(tiny_model_dir, folder / "b", 16, ["k_proj", "o_proj", "up_proj"], 2),
+    ]
+
+
+def test_lora_graphs_and_enforce_eager_give_the_same_tokens(tiny_model_dir, lora_adapters):
+    # Every batch mixes both adapters and the base model; 5 and 11 requests are padded up to a
+    # captured size, and the batch shrinks as requests of different lengths end.
+    choices = [None] + [LoRARequest(f"l{i}", i + 1, str(p)) for i, p in enumerate(lora_adapters)]
+    for num in (5, 11):
+        prompts = _prompts(num, seed=num)
+        loras = [choices[i % 3] for i in range(num)]
+        runs = [
+            _generate(
+                tiny_model_dir,
+                prompts,
+                loras,
+                device="cuda",
+                dtype="float32",
+                enforce_eager=eager,
+                **LORA_ENGINE,
+            )  # fmt: skip
+            for eager in (False, True)
+        ]
+        _assert_same_tokens_but_near_ties(*runs)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_a_steady_lora_decode_step_never_synchronises_with_the_device(
+    make_runner, tiny_model_dir, lora_adapters, enforce_eager
+):
+    runner = make_runner(
+        tiny_model_dir, dtype="float32", enforce_eager=enforce_eager, **LORA_ENGINE
+    )
+    # Graphs with LoRA: the Triton LoRA kernels run on this GPU.
+    assert (runner.decode_graphs is None) == enforce_eager
+    lora_ids = [0, 1, 2, 1, 0, 2]
+    prompts = _prompts(len(lora_ids))
+    new = [
+        NewRequestData(i, prompt, GREEDY, list(range(1 + 4 * i, 5 + 4 * i)), 0, len(prompt), lid)
+        for i, (prompt, lid) in enumerate(zip(prompts, lora_ids))
+    ]
+    loads = [LoRALoad(slot, slot + 1, str(path)) for slot, path in enumerate(lora_adapters)]
+    runner.execute_model(SchedulerOutput(1, new, lora_loads=loads))
+    lengths = [len(p) for p in prompts]
+    replays = []
+    if runner.decode_graphs is not None:
+        run = runner.decode_graphs.run
+        runner.decode_graphs.run = lambda n, metadata: replays.append(n) or run(n, metadata)
+
+    def decode(step: int):
+        cached = CachedRequestData(
+            req_ids=list(range(len(lora_ids))),
+            new_block_ids=[[] for _ in lora_ids],
+            num_computed_tokens=[n + step - 2 for n in lengths],
+            num_scheduled_tokens=[1] * len(lora_ids),
+            resumed_token_ids={},
+        )
+        return runner.execute_model(SchedulerOutput(step, scheduled_cached_reqs=cached))
+
+    for step in (2, 3):
+        decode(step)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = decode(4)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(out.sampled_token_ids) == len(lora_ids)
+    assert replays == ([] if enforce_eager else [len(lora_ids)] * 3)  # every decode replayed
 
 
 def test_cuda_float32_tokens_equal_cpu_float32_tokens(tiny_model_dir):

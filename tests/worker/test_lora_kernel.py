@@ -19,7 +19,8 @@ from conveyor.worker.layers.linear import (
     RowParallelLinear,
 )
 from conveyor.worker.lora.kernel import KERNEL_ENV, kernel_enabled, load_lora_kernel
-from conveyor.worker.lora.slots import LoRASlots, StepGroups
+from conveyor.worker.lora.slots import LoRASlots
+from conveyor.worker.lora.step_groups import StepGroups
 from tests.env_switches import assert_refused, switch_set
 
 pytestmark = pytest.mark.skipif(load_lora_kernel() is None, reason="no C compiler for the kernel")

@@ -17,7 +17,8 @@ from conveyor.worker.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from conveyor.worker.lora.slots import LoRASlots, StepGroups
+from conveyor.worker.lora.slots import LoRASlots
+from conveyor.worker.lora.step_groups import StepGroups
 
 HIDDEN, HEAD_DIM, HEADS, KV_HEADS, INTER = 32, 8, 4, 2, 48
 MAX_RANK, NUM_SLOTS = 8, 3

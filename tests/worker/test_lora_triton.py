@@ -15,7 +15,7 @@ import torch
 
 from conveyor.worker.attention.triton_backend import triton_import_error
 from conveyor.worker.lora import triton_lora
-from conveyor.worker.lora.slots import StepGroups
+from conveyor.worker.lora.step_groups import StepGroups
 from tests.devices import TEST_DEVICE
 
 pytestmark = [

@@ -13,9 +13,11 @@ those layers is served without code of its own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +34,8 @@ from conveyor.protocol.lora import (
     read_adapter,
 )
 from conveyor.worker.layers.linear import LinearBase
-from conveyor.worker.lora.slots import LoRASlots, StepGroups
+from conveyor.worker.lora.slots import LoRASlots
+from conveyor.worker.lora.step_groups import StepGroups
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +57,16 @@ class LoRAManager:
         model_dir: str,
         model_dtype: torch.dtype,
         device: torch.device,
+        max_num_tokens: int = 0,
     ) -> None:
         self.config = config
         self.model_dir = model_dir
         self.device = device
         dtype = model_dtype if config.lora_dtype == "auto" else LORA_DTYPES[config.lora_dtype]
-        self.groups = StepGroups()
+        # The tokens' slots go in a buffer of the largest step (``max_num_tokens``), made now,
+        # before any CUDA graph is captured on its address (the CPU's kernel reads segments,
+        # but a CPU runner keeps the same buffer: its tests stand in for graphs).
+        self.groups = StepGroups(max_num_tokens, device)
         self.layers: dict[tuple[int, str], LoRASlots] = {}
         for name, module in model.named_modules():
             match = _ADAPTABLE.match(name)
@@ -125,6 +132,17 @@ class LoRAManager:
         while len(self._host) > self.config.num_cpu_loras:
             self._host.popitem(last=False)
         return weights
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """While CUDA graphs are captured (and warmed up): every adapted layer launches the
+        Triton kernels on all its rows, reading the slot buffer."""
+        self.groups.clear()  # the captures' warm-ups read every row: the base model's -1
+        self.groups.capturing = True
+        try:
+            yield
+        finally:
+            self.groups.capturing = False
 
     def begin_step(
         self, rows: np.ndarray, row_lora_ids: list[int], num_scheduled: np.ndarray

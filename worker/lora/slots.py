@@ -1,4 +1,4 @@
-"""One adapted linear layer's LoRA slots, and the step's tokens grouped by slot.
+"""One adapted linear layer's LoRA slots, and how they add each token's correction.
 
 Runs in worker processes. Every adapted layer holds, for each of ``max_loras`` slots, A stored
 transposed, ``[in, parts * max_rank]``, and B stored transposed, ``[parts * max_rank, out]``
@@ -13,8 +13,11 @@ transposed views ran 20-70x slower on CPU (MKL, 4 rows x rank 32 x 3,072 outputs
 The base linear runs once over the whole step; ``add_to`` then adds ``x A^T B^T`` to the rows of
 each slot in the step: on CPU in one call of the grouped kernel (worker/lora/kernel.py) for all
 the step's adapters, on CUDA in two Triton launches (worker/lora/triton_lora.py), elsewhere (or
-where neither can run) a torch loop over the step's adapters, never over requests. ``StepGroups`` sorts the step's tokens by slot once per step;
-every layer reuses it. The model runner orders the step's requests by slot first
+where neither can run) a torch loop over the step's adapters, never over requests. While the
+runner captures CUDA graphs, every call takes the Triton launches on all its rows
+(``add_for_graph``), since a replayed graph cannot skip a layer for a step without adapters.
+``StepGroups`` (step_groups.py) sorts the step's tokens by slot once per step; every layer
+reuses it. The model runner orders the step's requests by slot first
 (``LoRAManager.begin_step``), so the runs are slices of the flat stream and no layer gathers or
 scatters; tokens in any other order still work (the kernel reads and writes them in place, the
 loop gathers them into slot order and adds them back).
@@ -39,54 +42,7 @@ from conveyor.worker.layers.linear import (
 )
 from conveyor.worker.lora import triton_lora
 from conveyor.worker.lora.kernel import DTYPES, LoRAKernel, kernel_for
-
-
-class StepGroups:
-    """The step's LoRA tokens sorted by slot: contiguous runs ``(slot, start, end)``.
-
-    ``perm`` maps a run's rows back to the flat stream (None when the LoRA tokens already lie in
-    slot order in one contiguous range, then ``offset`` places the runs and no gather is needed).
-    ``segment_array`` holds the runs as int64 ``[runs, 3]`` for the grouped kernel;
-    ``token_slots`` every token's slot (-1: the base model) as int32 on a CUDA step's device,
-    for the Triton kernels (worker/lora/triton_lora.py), None elsewhere.
-    """
-
-    def __init__(self) -> None:
-        self.segments: list[tuple[int, int, int]] = []
-        self.segment_array = np.zeros((0, 3), dtype=np.int64)
-        self.perm: torch.Tensor | None = None
-        self.offset = 0
-        self.num_tokens = 0
-        self.token_slots: torch.Tensor | None = None
-
-    def set_tokens(self, token_slots: np.ndarray, device: torch.device) -> None:
-        """``token_slots[t]``: the slot of token t of the flat stream, -1 for the base model."""
-        self.num_tokens = len(token_slots)
-        lora_tokens = np.flatnonzero(token_slots >= 0)
-        self.perm, self.offset = None, 0
-        if len(lora_tokens) == 0:
-            self.clear()
-            return
-        order = lora_tokens[np.argsort(token_slots[lora_tokens], kind="stable")]
-        slots = token_slots[order]
-        cuts = (np.flatnonzero(np.diff(slots)) + 1).tolist()
-        starts, ends = [0, *cuts], [*cuts, len(order)]
-        segments = [(int(slots[s]), s, e) for s, e in zip(starts, ends)]
-        if order[-1] - order[0] == len(order) - 1 and np.all(np.diff(order) == 1):
-            self.offset = int(order[0])
-        else:
-            self.perm = torch.from_numpy(order.astype(np.int64)).to(device)
-        self.segments = segments
-        self.segment_array = np.array(segments, dtype=np.int64).reshape(-1, 3)
-        if torch.device(device).type == "cuda":
-            slots32 = np.ascontiguousarray(token_slots, dtype=np.int32)
-            self.token_slots = torch.from_numpy(slots32).to(device, non_blocking=True)
-
-    def clear(self) -> None:
-        self.segments = []
-        self.segment_array = np.zeros((0, 3), dtype=np.int64)
-        self.perm = None
-        self.token_slots = None
+from conveyor.worker.lora.step_groups import StepGroups
 
 
 class LoRASlots:
@@ -156,6 +112,8 @@ class LoRASlots:
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the base layer's output for input ``x``) plus each token's correction."""
         groups = self.groups
+        if groups.capturing:
+            return self.add_for_graph(x, out)
         if not groups.segments:
             return out
         if x.shape[0] != groups.num_tokens:
@@ -178,6 +136,30 @@ class LoRASlots:
         ):
             return out
         return self.add_with_torch(x, out)
+
+    def add_for_graph(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``add_to`` as a CUDA graph records it: both Triton launches over all of ``x``'s rows
+        (a padded decode step's), each reading its slot from the slot buffer, whatever the
+        step being captured holds; launches and shapes depend on the row count alone, and
+        nothing waits on the device. Refused where the kernels cannot run: a graph without
+        them would replay the base model for every token (the runner then runs eagerly)."""
+        buffer = self.groups.slot_buffer
+        reason = triton_lora.unavailable_reason()
+        if buffer is None or reason is not None:
+            raise RuntimeError(
+                "LoRA under CUDA graphs needs the Triton LoRA kernels and the slot buffer: "
+                + (reason or "this step's groups have no slot buffer")
+            )
+        num_rows = x.shape[0]
+        if num_rows > len(buffer.device_tensor):
+            raise RuntimeError(
+                f"a graph of {num_rows} rows over the LoRA slot buffer's "
+                f"{len(buffer.device_tensor)}"
+            )
+        slots = buffer.device_tensor[:num_rows]
+        if not triton_lora.add(x, out, slots, self.a_t, self.b):
+            raise RuntimeError(f"the Triton LoRA kernels failed ({triton_lora.failure})")
+        return out
 
     def add_with_torch(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``add_to`` as two matmuls per adapter in the step (the kernel's reference)."""

@@ -15,6 +15,13 @@ A token reads its slot's weights alone, so a step of many adapters reads each ad
 once per token of it: what a decode step (one token a request) wants; a long LoRA prompt reads
 them once per token too (the CPU's grouped kernel tiles rows instead). The layer keeps its torch
 loop where Triton is missing or ``CONVEYOR_LORA_KERNEL=0``, and after a launch that raised.
+
+Under a CUDA graph every adapted layer launches both kernels on the graph's padded row count,
+whatever the step's adapters (a replay runs no Python to skip them), reading the slots from the
+persistent buffer ``StepGroups.slot_buffer``; padding rows and base-model rows hold -1 there and
+get nothing added. ``shrunk`` is allocated inside ``add``: under capture that allocation comes
+from the graph's private memory pool, so every replay finds it at the same address, and the
+memory is counted with the graph's; nothing here reads a device value on the host.
 The CPU tests run these kernels in Triton's interpreter against the loop
 (tests/worker/test_lora_triton.py); scripts/compile_triton_sm90.py compiles them for sm_90.
 """
@@ -46,10 +53,22 @@ def _kernels():
 def triton_lora_enabled() -> bool:
     """Whether CUDA LoRA layers take these kernels: Triton imports, CONVEYOR_LORA_KERNEL does
     not turn the LoRA kernels off, and no launch has raised."""
-    from conveyor.worker.attention.triton_backend import triton_import_error
-    from conveyor.worker.lora.kernel import kernel_enabled
+    return unavailable_reason() is None
 
-    return failure is None and kernel_enabled() and triton_import_error() is None
+
+def unavailable_reason() -> str | None:
+    """Why CUDA LoRA layers cannot take these kernels (None: they can), for the log."""
+    from conveyor.worker.attention.triton_backend import triton_import_error
+    from conveyor.worker.lora.kernel import KERNEL_ENV, kernel_enabled
+
+    if failure is not None:
+        return f"a launch failed ({failure})"
+    if not kernel_enabled():
+        return f"{KERNEL_ENV} turns the LoRA kernels off"
+    import_error = triton_import_error()
+    if import_error is not None:
+        return f"triton does not import ({import_error})"
+    return None
 
 
 def width_block(width: int) -> int:
