@@ -100,8 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compare-spec",
         action="store_true",
         help="speculative decoding on a copying workload (a source file, then its first lines "
-        "again): output tok/s without and with --speculative-config (default ngram, k=4) and "
-        "the acceptance rate at each --batch-sizes, interleaved --repeats times",
+        "again): output tok/s without and with --speculative-config (default ngram, k=5 over "
+        "4-grams) and the acceptance rate at each --batch-sizes, interleaved --repeats times",
     )
     parser.add_argument("--batch-sizes", default="1,4,16,64", help="for --compare-spec")
     parser.add_argument(

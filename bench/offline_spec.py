@@ -4,7 +4,7 @@ on a copying workload, and the drafts' acceptance rate, at several batch sizes.
 The copying workload: each prompt is a real source file's text (the engine's own, so every
 installation has them) followed by its first lines again, so the model's greedy continuation
 copies the file on. The two engines (one without speculation, one with ``--speculative-config``,
-default ngram k=4 with the off-switch out of the way) run the same prompts, interleaved
+default vLLM's documented ngram example, k=5 over 4-grams, with the off-switch out of the way) run the same prompts, interleaved
 ``--repeats`` times, at each ``--batch-sizes`` value: same-run ratios, robust to a shared host.
 With a draft model, a third engine runs the draft alone on the same prompts, interleaved with
 the others: its cost per token relative to the target's (plain tok/s / draft tok/s) is what
@@ -24,11 +24,11 @@ from conveyor.bench.machine import Timing, machine_info
 from conveyor.frontend import LLM
 from conveyor.protocol import SamplingParams
 
+# vLLM's documented n-gram example (k = 5, 4-grams: prompt_lookup_min follows the max).
 DEFAULT_SPEC = {
     "method": "ngram",
-    "num_speculative_tokens": 4,
+    "num_speculative_tokens": 5,
     "prompt_lookup_max": 4,
-    "prompt_lookup_min": 2,
     # Speculate at every batch size: the point is to measure where it stops paying.
     "disable_by_batch_size": 1 << 20,
 }

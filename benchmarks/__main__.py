@@ -66,6 +66,9 @@ COMMANDS: CommandTable = {
     "make-model": Command(
         "benchmarks.fixtures.make_model", "a random-weight test model in Hugging Face format"
     ),
+    "make-draft-pair": Command(
+        "benchmarks.fixtures.draft_pair", "a weight-bound target the default model drafts for"
+    ),
     "fake-server": Command(
         "conveyor.bench.loadgen.fake_server", "an OpenAI-compatible server with set delays"
     ),

@@ -34,6 +34,8 @@ _NGRAM_ONLY_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 # A draft model that costs about what the target does loses at every batch size, which no
 # threshold fixes. Not yet measured where a GPU step stops being weight-bound.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# ngram's lookup lengths when the config names neither (vLLM's).
+DEFAULT_PROMPT_LOOKUP = 5
 # The longest a request whose drafts keep failing goes without them (its steps): the engine core
 # schedules none meanwhile, and a draft model's worker proposes none.
 MAX_BACKOFF_STEPS = 32
@@ -43,9 +45,10 @@ class SpeculativeConfig(msgspec.Struct, frozen=True):
     method: str = "ngram"
     # Draft tokens proposed per request per step (k): a step verifies 1 + k positions.
     num_speculative_tokens: int = 4
-    # ngram: the longest and shortest suffix of the request's tokens looked up in its history.
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    # ngram: the longest and shortest suffix of the request's tokens looked up in its history
+    # (vLLM's defaults: 5 and 5 when neither is given, one given stands for both).
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     # No drafts in a step when more requests than this run (vLLM's key, conveyor's rule:
     # counted at each step, not only for new requests).
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
@@ -89,6 +92,17 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
             f"--speculative-config: method {method!r} is not implemented; conveyor has "
             f"{', '.join(SPEC_METHODS)}"
         )
+    if method == "ngram":
+        # As vLLM reads them: one length given stands for the other too, so the same JSON looks
+        # up the same n-grams in both engines.
+        shortest, longest = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        value = {
+            **value,
+            "prompt_lookup_min": shortest if shortest is not None else longest,
+            "prompt_lookup_max": longest if longest is not None else shortest,
+        }
+        if shortest is None and longest is None:
+            value["prompt_lookup_min"] = value["prompt_lookup_max"] = DEFAULT_PROMPT_LOOKUP
     try:
         config = msgspec.convert(value, SpeculativeConfig)
     except msgspec.ValidationError as error:

@@ -121,3 +121,37 @@ def test_phase_times_needs_the_in_process_engine(capsys):
         bench.parse_args(["--phase-times"])
     assert exit_info.value.code == 2
     assert "--phase-times needs --engine inprocess" in capsys.readouterr().err
+
+
+def _compare_spec_report(capsys, extra: list[str]) -> dict:
+    argv = ["--compare-spec", "--engine", "inprocess", "--batch-sizes", "1,2"]
+    argv += ["--spec-max-tokens", "12", "--repeats", "1", "--json", *extra]
+    assert bench.main(argv) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_compare_spec_reports_each_batch_size_with_its_acceptance(capsys):
+    report = _compare_spec_report(capsys, [])
+    # vLLM's documented example, looked up as vLLM reads it: 4-grams only.
+    assert report["speculative_config"]["num_speculative_tokens"] == 5
+    assert [row["batch"] for row in report["results"]] == [1, 2]
+    for row in report["results"]:
+        assert row["plain_tok_s"] > 0 and row["spec_tok_s"] > 0
+        assert row["ratio"] == pytest.approx(row["spec_tok_s"] / row["plain_tok_s"], abs=1e-3)
+        assert 0.0 <= row["acceptance"] <= 1.0
+        assert "draft_cost" not in row
+
+
+def test_compare_spec_with_a_draft_model_reports_its_cost(capsys):
+    # The default model drafting for itself: every draft agrees, whatever it costs.
+    spec = json.dumps({"model": str(bench_default_model()), "num_speculative_tokens": 3})
+    report = _compare_spec_report(capsys, ["--speculative-config", spec])
+    for row in report["results"]:
+        assert row["acceptance"] > 0.9
+        assert row["draft_cost"] > 0
+
+
+def bench_default_model():
+    from conveyor.frontend.engine_args import DEFAULT_MODEL_DIR
+
+    return DEFAULT_MODEL_DIR

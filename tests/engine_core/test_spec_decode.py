@@ -297,6 +297,17 @@ def test_speculative_config_parsing_refuses_what_it_does_not_do() -> None:
         num_speculative_tokens=5, prompt_lookup_max=3, prompt_lookup_min=1
     )
     assert parse_speculative_config(None) is None
+    # vLLM's lookup lengths: 5 and 5 when neither is given, one given stands for both (the
+    # documented example '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max":
+    # 4}' looks up 4-grams only, in both engines).
+    for given, lengths in [
+        ({}, (5, 5)),
+        ({"prompt_lookup_max": 4}, (4, 4)),
+        ({"prompt_lookup_min": 3}, (3, 3)),
+        ({"prompt_lookup_min": 2, "prompt_lookup_max": 6}, (2, 6)),
+    ]:
+        parsed = parse_speculative_config({"method": "ngram", **given})
+        assert (parsed.prompt_lookup_min, parsed.prompt_lookup_max) == lengths, given
     # vLLM's inference: a model without a method is a draft model.
     draft = parse_speculative_config('{"model": "/m", "num_speculative_tokens": 3}')
     assert (draft.method, draft.model, draft.num_lookahead_tokens) == ("draft_model", "/m", 3)

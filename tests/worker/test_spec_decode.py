@@ -34,6 +34,41 @@ def test_ngram_takes_the_longest_recurring_suffix_and_its_first_occurrence() -> 
     assert propose_ngram(np.array([5]), 3, 1, 3) == []
 
 
+def _propose_by_every_window(tokens, k, min_n, max_n):
+    """The lookup written the slow, obvious way: each suffix length, longest first, against
+    every earlier window."""
+    tokens = list(tokens)
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        if n <= 0:
+            break
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_ngram_lookup_is_the_every_window_search_on_random_token_runs():
+    rng = np.random.default_rng(7)
+    for trial in range(3000):
+        # Few distinct tokens and repeated pieces: many partial matches of every length.
+        length = int(rng.integers(1, 60))
+        tokens = rng.integers(0, int(rng.integers(1, 6)), length)
+        if trial % 3 == 0 and length > 8:
+            piece = tokens[: length // 3]
+            tokens = np.concatenate([tokens, piece])
+        min_n = int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 7))
+        k = int(rng.integers(1, 6))
+        expected = _propose_by_every_window(tokens, k, min_n, max_n)
+        assert propose_ngram(tokens, k, min_n, max_n) == expected, (
+            tokens.tolist(),
+            k,
+            min_n,
+            max_n,
+        )
+
+
 def _metadata(params: list[SamplingParams]):
     return make_sampling_metadata(
         params, {}, [[] for _ in params], [[] for _ in params], VOCAB, torch.device("cpu")

@@ -9,7 +9,6 @@ the quoted passage did, so the draft is often right, and a lookup costs no model
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
@@ -17,15 +16,22 @@ def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[in
     suffix of ``tokens`` (1-D ints); [] when no suffix of ``min_n`` tokens or more recurs.
 
     The first occurrence rather than the latest: in a copy, the latest is usually inside the
-    text being written, whose continuation is what is being guessed. O(len(tokens) * n) numpy
-    work per length tried; no Python loop over tokens.
+    text being written, whose continuation is what is being guessed.
+
+    The search is a byte-string search of the suffix's bytes in the earlier tokens' bytes
+    (a hit must start on a token's first byte): C-speed substring search, a few microseconds on
+    a 900-token copy prompt where comparing every window with numpy took ~28.
     """
-    num_tokens = len(tokens)
-    for n in range(min(max_n, num_tokens - 1), min_n - 1, -1):
-        # Windows starting at 0 .. num_tokens - n - 1: every n-gram but the suffix itself.
-        windows = sliding_window_view(tokens[:-1], n)
-        matches = np.flatnonzero((windows == tokens[num_tokens - n :]).all(axis=1))
-        if matches.size:
-            start = int(matches[0]) + n
+    longest = min(max_n, len(tokens) - 1)
+    width = tokens.itemsize
+    data = tokens.tobytes()
+    earlier = data[:-width]  # a match must end before the suffix's own last token
+    for n in range(longest, max(min_n, 1) - 1, -1):
+        suffix = data[len(data) - n * width :]
+        at = earlier.find(suffix)
+        while at >= 0 and at % width:
+            at = earlier.find(suffix, at + 1)
+        if at >= 0:
+            start = at // width + n
             return tokens[start : start + k].tolist()
     return []
