@@ -132,9 +132,7 @@ def make_plan(weights: QuantizedWeights, fp8_matmul: bool | None = None) -> Kern
         block_k, group = BLOCK_KS[0], 0
     activation_tiles = a is None or a.strategy != "group" or a.group_size % block_k == 0
     if fp8_matmul is None:
-        fp8_matmul = device.type == "cuda" and (
-            torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
-        )
+        fp8_matmul = device.type == "cuda" and _fp8_matmul_works(device)
     parts = _static_parts(weights) if a is not None and not a.dynamic else ()
     # _scaled_mm multiplies FP8 with one scale per operand (ours apply after): per-row weight
     # scales, per-token or per-tensor activations, and every matrix side a multiple of 16.
@@ -159,6 +157,23 @@ def make_plan(weights: QuantizedWeights, fp8_matmul: bool | None = None) -> Kern
         static_parts=parts,
         one=torch.ones((), dtype=torch.float32, device=device) if scaled_mm else None,
     )
+
+
+@functools.cache
+def _fp8_matmul_works(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies FP8 on ``device`` as we call it (one row, a
+    float32 output): tried once at load, so that a torch or GPU without it is found before any
+    CUDA graph is captured, where a failure could not fall back."""
+    if torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
+        return False
+    one = torch.ones((), dtype=torch.float32, device=device)
+    codes = torch.zeros(16, 16, device=device).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(codes[:1], codes.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    except RuntimeError as error:
+        logger.warning("torch._scaled_mm fails here (%s); FP8 x FP8 takes the Triton kernel", error)
+        return False
+    return True
 
 
 def _static_parts(weights: QuantizedWeights) -> tuple[StaticPart, ...]:
@@ -233,10 +248,11 @@ def _matmul(
 
 def tile_for(num_rows: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, warps) by the step's row count: a decode's few rows in one 16-row
-    tile with narrow column blocks (more programs over a memory-bound matrix), a prompt
-    chunk's thousands in 128 x 128 tiles that reuse each weight tile over many rows."""
+    tile with narrow column blocks (a 4,096-wide matrix gives 128 programs, about one per SM
+    of an H100/H200, for a step that only streams the weights), a prompt chunk's thousands in
+    128 x 128 tiles that reuse each weight tile over many rows. Chosen, not yet measured."""
     if num_rows <= 16:
-        return 16, 64, 4
+        return 16, 32, 4
     if num_rows <= 64:
         return 64, 64, 4
     return 128, 128, 8
