@@ -294,3 +294,60 @@ def test_an_empty_step_launches_nothing():
         quant, triton_quant.make_plan(quant), _input(0, 128, torch.float32), None
     )
     assert out.shape == (0, 64)
+
+
+# ------------------------------------------------------------------ in the engine
+
+# Tiny Qwen3 checkpoints (benchmarks/fixtures/quantized_maker.py) whose linears take the
+# kernel's paths: act-order with zeros, int8 activations per token, FP8 with the checkpoint's
+# static input scales through _scaled_mm. Activation-quantized ones compare at the parity tests'
+# tolerance (a rounding boundary flips on one side only: tests/frontend/test_parity_quantized.py).
+ENGINE_CASES = [
+    ("gptq-act-order", "gptq", dict(sym=False, desc_act=True), 1e-4),
+    ("ct-w8a8", "compressed-tensors", dict(preset="W8A8", group=0), 0.5),
+    ("ct-fp8-static", "compressed-tensors", dict(preset="FP8", group=0), 0.5),
+]
+
+
+def _engine_tokens(model_dir, prompts):
+    from conveyor.frontend import LLM
+    from conveyor.protocol import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    with LLM(
+        str(model_dir), engine="inprocess", device="cpu", dtype="float32", seed=0,
+        kv_cache_memory=16 << 20,
+    ) as llm:  # fmt: skip
+        return [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU engine with the kernels planned")
+@pytest.mark.parametrize("case", ENGINE_CASES, ids=[c[0] for c in ENGINE_CASES])
+def test_an_engine_with_the_kernels_gives_the_torch_paths_tokens(case, tiny_model_dir, monkeypatch):
+    from benchmarks.fixtures.quantized_maker import ensure_quantized
+
+    _, kind, options, tolerance = case
+    model_dir = ensure_quantized(tiny_model_dir, kind, **options)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 2000, (n,), generator=generator).tolist() for n in (7, 19, 33)]
+    reference = _engine_tokens(model_dir, prompts)
+    launches = []
+    linear = triton_quant.linear
+    monkeypatch.setattr(triton_quant, "linear", lambda *a: launches.append(1) or linear(*a))
+
+    def plan_instead(quant):  # the kernels' plan in place of the CPU's own 4-bit kernel
+        quant.kernel_plan = triton_quant.make_plan(quant, fp8_matmul=True)
+
+    monkeypatch.setattr(QuantizedWeights, "process_weights_after_loading", plan_instead)
+    ours = _engine_tokens(model_dir, prompts)
+    assert launches and triton_quant.failure is None and triton_quant.scaled_mm_failure is None
+    for prompt, a, b in zip(prompts, ours, reference, strict=True):
+        same = next((p for p, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        for p in range(len(a.token_ids) if same is None else same):
+            token = a.token_ids[p]
+            assert abs(a.logprobs[p][token] - b.logprobs[p][token]) < tolerance
+        if same is not None:  # a near tie, reported by name
+            top = b.logprobs[same]
+            gap = abs(top[b.token_ids[same]] - top.get(a.token_ids[same], float("-inf")))
+            assert gap < max(tolerance, 1e-3), f"prompt of {len(prompt)}: differs at {same}"
+            print(f"near tie: prompt of {len(prompt)} tokens at {same}, gap {gap:.3g}")
