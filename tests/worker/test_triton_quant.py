@@ -215,6 +215,54 @@ def test_quantized_activations_equal_the_reference_semantics(case, num_rows, dty
         torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=2**-6)
 
 
+ACT_ORDER = [
+    ("w4-zeros", LinearScheme(_int(4, 32, symmetric=False, act_order=True))),
+    ("w8", LinearScheme(_int(8, 64, act_order=True))),
+    ("w4-int8-token", LinearScheme(_int(4, 32, act_order=True), ActivationScheme(INT, "token"))),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+@pytest.mark.parametrize("num_rows", [1, 17])
+@pytest.mark.parametrize("case", ACT_ORDER, ids=[c[0] for c in ACT_ORDER])
+def test_act_order_weights_sorted_by_group_keep_their_meaning(case, num_rows, dtype):
+    scheme = case[1]
+    quant = make_weights(scheme, 96, 256)
+    meaning = quant.dequantized(torch.float64)
+    x = _input(num_rows, 256, dtype)
+    reference = quant.linear(x, None).cpu()  # the torch path, before the features move
+    triton_quant.sort_act_order_groups(quant)
+    assert quant.input_order is not None
+    assert torch.equal(quant.g_idx.cpu().long(), torch.arange(256) // scheme.weights.group_size)
+    assert torch.equal(quant.dequantized(torch.float64), meaning)  # in the checkpoint's order
+    plan = triton_quant.make_plan(quant)
+    assert plan.g_idx is None and plan.input_order is quant.input_order  # tiled, not gathered
+    got = _kernel_linear(quant, x)
+    if scheme.activations is not None:  # the same codes as the torch path
+        rtol, atol = (1e-5, 1e-4) if dtype == torch.float32 else (2**-7, 2**-6)
+        torch.testing.assert_close(got.float(), reference.float(), rtol=rtol, atol=atol)
+        return
+    expected = x.cpu().double() @ meaning.cpu().T
+    # Exact codes through the dot now, even in half precision: only the output's rounding.
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_act_order_groups_that_are_not_whole_runs_stay_gathered():
+    quant = make_weights(LinearScheme(_int(4, 32, act_order=True)), 64, 128)
+    uneven = torch.randint(0, 4, (128,), generator=torch.Generator().manual_seed(3))
+    quant.g_idx.data = uneven.to(torch.int32).to(DEVICE)
+    triton_quant.sort_act_order_groups(quant)
+    assert quant.input_order is None and triton_quant.make_plan(quant).g_idx is not None
+    # Per-group activations are grouped in the input's own order: not sorted either.
+    grouped = ActivationScheme(FLOAT8, "group", True, 32)
+    quant = make_weights(LinearScheme(_int(4, 32, act_order=True), grouped), 64, 128)
+    triton_quant.sort_act_order_groups(quant)
+    assert quant.input_order is None
+    x = _input(3, 128, torch.float32)
+    torch.testing.assert_close(_kernel_linear(quant, x), quant.linear(x, None).cpu())
+
+
 def test_static_input_scales_are_read_into_parts_once_at_load():
     scheme = LinearScheme(INT8_W, ActivationScheme(INT, "tensor", False))
     plan = triton_quant.make_plan(make_weights(scheme, sum(PARTS), 64))
@@ -335,12 +383,19 @@ def test_an_engine_with_the_kernels_gives_the_torch_paths_tokens(case, tiny_mode
     linear = triton_quant.linear
     monkeypatch.setattr(triton_quant, "linear", lambda *a: launches.append(1) or linear(*a))
 
-    def plan_instead(quant):  # the kernels' plan in place of the CPU's own 4-bit kernel
+    sorted_layers = []
+
+    def plan_instead(quant):  # as on CUDA, in place of the CPU's own 4-bit kernel
+        triton_quant.sort_act_order_groups(quant)
+        if quant.input_order is not None:
+            sorted_layers.append(quant)
         quant.kernel_plan = triton_quant.make_plan(quant, fp8_matmul=True)
 
     monkeypatch.setattr(QuantizedWeights, "process_weights_after_loading", plan_instead)
     ours = _engine_tokens(model_dir, prompts)
     assert launches and triton_quant.failure is None and triton_quant.scaled_mm_failure is None
+    if kind == "gptq":  # desc_act's groups are whole runs: sorted, not gathered
+        assert sorted_layers
     for prompt, a, b in zip(prompts, ours, reference, strict=True):
         same = next((p for p, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
         for p in range(len(a.token_ids) if same is None else same):

@@ -11,8 +11,10 @@ device value on the host and its launches depend on shapes alone: it can sit in 
 - Weight-only (W4A16, W8A16, FP8 weights with float activations): when a tile's depth divides
   the group size (or there is one scale per row), the tensor cores multiply the activations by
   the exact ``codes - zero`` and each tile's sum is scaled in float32, so only the activations'
-  own dtype rounds anything; act-order (and groups no tile depth divides) read each feature's
-  group and round the dequantized tile to the activations' dtype.
+  own dtype rounds anything. Act-order weights have their input features sorted by group once
+  at load (``sort_act_order_groups``; each matmul gathers the input in that order) and then run
+  as group-wise ones; groups that are not whole runs, and groups no tile depth divides, read
+  each feature's group and round the dequantized tile to the activations' dtype.
 - Quantized activations (W8A8 int8 or FP8): the activations are rounded to codes exactly as the
   torch path rounds them (activations.py); codes on both sides go through the tensor cores as
   float16 (every int8 and e4m3 value is one), products exact, and the tile's sum takes both
@@ -40,6 +42,7 @@ from conveyor.worker.layers.quantization.activations import (
     quantize,
     quantize_activations,
 )
+from conveyor.worker.layers.quantization.packing import pack_nibbles, unpack_nibbles
 from conveyor.worker.layers.quantization.scheme import FLOAT8
 
 if TYPE_CHECKING:
@@ -101,6 +104,9 @@ class StaticPart:
 class KernelPlan:
     """What every matmul of one quantized linear does, decided once after loading."""
 
+    # int64 [in]: the order the input's features are gathered in (act-order weights sorted by
+    # group: ``sort_act_order_groups``); None: as they come.
+    input_order: torch.Tensor | None
     block_k: int
     # Input features per scale along a tile (in_features: one scale per row); 0 with g_idx.
     group_size: int
@@ -127,7 +133,7 @@ def make_plan(weights: QuantizedWeights, fp8_matmul: bool | None = None) -> Kern
     group = w.group_size or in_features
     block_k = next((b for b in BLOCK_KS if group % b == 0), 0) if w.group_size else BLOCK_KS[0]
     g_idx = None
-    if w.act_order or block_k == 0:
+    if (w.act_order and weights.input_order is None) or block_k == 0:
         g_idx = weights.group_of_each_input().to(device=device, dtype=torch.int32)
         block_k, group = BLOCK_KS[0], 0
     activation_tiles = a is None or a.strategy != "group" or a.group_size % block_k == 0
@@ -148,6 +154,7 @@ def make_plan(weights: QuantizedWeights, fp8_matmul: bool | None = None) -> Kern
         and all(size % 16 == 0 for size in part_sizes)
     )
     return KernelPlan(
+        input_order=weights.input_order,
         block_k=block_k,
         group_size=group,
         g_idx=g_idx,
@@ -176,6 +183,28 @@ def _fp8_matmul_works(device: torch.device) -> bool:
     return True
 
 
+def sort_act_order_groups(weights: QuantizedWeights) -> None:
+    """Reorder act-order weights' input features by group, once, where each group is then a
+    whole run of ``group_size`` features (GPTQ's desc_act always is): the codes' columns and
+    g_idx are permuted in place and ``weights.input_order`` keeps the order, which each matmul
+    gathers the input by. The tiles then hold one group each (one scale per output, the exact
+    codes through the tensor cores) instead of gathering a scale per weight. Not where the
+    activations are quantized per group of features: their groups are the input's own order."""
+    w, a = weights.scheme.weights, weights.scheme.activations
+    if not w.act_order or weights.input_order is not None or (a and a.strategy == "group"):
+        return
+    groups = weights.g_idx.data.long()
+    order = torch.argsort(groups, stable=True)
+    runs = torch.arange(weights.in_features, device=groups.device) // w.group_size
+    if not torch.equal(groups[order], runs):  # groups of other sizes: the kernel gathers
+        return
+    codes = unpack_nibbles(weights.codes.data) if w.bits == 4 else weights.codes.data
+    codes = codes[:, order]
+    weights.codes.data = pack_nibbles(codes) if w.bits == 4 else codes.contiguous()
+    weights.g_idx.data = groups[order].to(torch.int32)
+    weights.input_order = order
+
+
 def _static_parts(weights: QuantizedWeights) -> tuple[StaticPart, ...]:
     """Runs of output rows that share the checkpoint's input scale (q, k and v have one each),
     read on the host once, here, so that no matmul reads them."""
@@ -196,7 +225,9 @@ def linear(
     launch raised."""
     global failure
     rows = x.reshape(-1, weights.in_features)
-    if rows.stride(-1) != 1:
+    if plan.input_order is not None:
+        rows = rows.index_select(1, plan.input_order)  # the codes' feature order
+    elif rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], weights.out_features, dtype=x.dtype, device=x.device)
     try:

@@ -54,6 +54,9 @@ class QuantizedWeights(nn.Module):
         self.panels: Int4Panels | None = None
         # What the CUDA kernels do for each matmul, once ``process_weights_after_loading`` made it.
         self.kernel_plan: triton_quant.KernelPlan | None = None
+        # Act-order weights whose input features the CUDA path sorted by group: feature j of
+        # the codes (and g_idx) is the checkpoint's feature input_order[j]. None: in order.
+        self.input_order: torch.Tensor | None = None
         if w.kind == INT and w.bits == 4:
             if in_features % 2:
                 raise ValueError(f"4-bit weights need an even input size, got {in_features}")
@@ -106,6 +109,8 @@ class QuantizedWeights(nn.Module):
         weights on a CPU into the kernel's layout, releasing the checkpoint layout (the kernel's
         copy is the only one; ``dequantized`` reads it)."""
         if self.panels is None and self.codes.device.type == "cuda":
+            if triton_quant.unavailable_reason() is None:
+                triton_quant.sort_act_order_groups(self)
             self.kernel_plan = triton_quant.make_plan(self)
             return
         w = self.scheme.weights
@@ -141,7 +146,16 @@ class QuantizedWeights(nn.Module):
         return torch.arange(self.in_features) // w.group_size  # a CPU index serves any device
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight [out, in] the checkpoint means, ``(codes - zero) * scale``."""
+        """The weight [out, in] the checkpoint means, ``(codes - zero) * scale``, its input
+        features in the checkpoint's order."""
+        weight = self._dequantized_as_stored(dtype)
+        if self.input_order is None:
+            return weight
+        restored = torch.empty_like(weight)
+        restored[:, self.input_order] = weight
+        return restored
+
+    def _dequantized_as_stored(self, dtype: torch.dtype) -> torch.Tensor:
         w = self.scheme.weights
         groups = self.group_of_each_input()
         if self.panels is not None:
