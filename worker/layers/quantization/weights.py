@@ -105,9 +105,10 @@ class QuantizedWeights(nn.Module):
         param.loaded_once = True  # type: ignore[attr-defined]
 
     def process_weights_after_loading(self) -> None:
-        """On CUDA, plan the Triton kernels' matmuls (triton_quant.py). Move group-wise 4-bit
-        weights on a CPU into the kernel's layout, releasing the checkpoint layout (the kernel's
-        copy is the only one; ``dequantized`` reads it)."""
+        """On CUDA, sort act-order weights' input features by group and plan the Triton
+        kernels' matmuls (triton_quant.py). Move group-wise 4-bit weights on a CPU into the
+        kernel's layout, releasing the checkpoint layout (the kernel's copy is the only one;
+        ``dequantized`` reads it)."""
         if self.panels is None and self.codes.device.type == "cuda":
             if triton_quant.unavailable_reason() is None:
                 triton_quant.sort_act_order_groups(self)
