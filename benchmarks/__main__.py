@@ -25,6 +25,9 @@ COMMANDS: CommandTable = {
     "llama-cpp": Command(
         "benchmarks.llama_cpp", "decode beside llama.cpp's Q4_0: int4, int8, float32, CPU"
     ),
+    "quant-gemm": Command(
+        "benchmarks.quant_gemm", "quantized linears on CUDA: Triton kernel, torch path, bf16"
+    ),
     "wire": Command("benchmarks.wire", "bytes per step of the engine -> worker diff"),
     "scheduler": Command("benchmarks.scheduler", "the scheduler's cost per step, no model"),
     "step-budget": Command("benchmarks.step_budget", "what a TBT SLO adds to schedule(), no model"),

@@ -8,8 +8,8 @@ has, and that would show only on a GPU machine. Triton's own compiler and the pt
 build the same kernels for ``GPUTarget("cuda", 90, 32)`` here: the attention kernel in each dtype
 with the decode, split-K, prompt and long-chunk shapes, windows, soft-caps and sinks; its merge
 and cache-write kernels; the token ops and the LoRA correction's two kernels in bfloat16, float16
-and float32. One line per variant
-(with ``--json``, one JSON object); exit status 1 if any failed. Must run without
+and float32; the quantized linears' GEMM for each weight layout and activation kind. One line
+per variant (with ``--json``, one JSON object); exit status 1 if any failed. Must run without
 TRITON_INTERPRET=1, which makes the kernels interpreted functions.
 """
 
@@ -129,6 +129,47 @@ def variants():
         signature |= {"N": "i32", "W": "i32"}
         constexprs = {"BLOCK_W": 256, "BLOCK_N": triton_lora.BLOCK_N}
         yield f"lora_expand ({dtype})", lora.expand, signature, constexprs, {}
+    yield from _quant_gemm_variants()
+
+
+def _quant_gemm_variants():
+    """The quantized linears' GEMM (worker/layers/quantization/triton_quant.py): each weight
+    layout and activation kind at the decode, middle and prompt tiles ``tile_for`` picks."""
+    from conveyor.worker.layers.quantization import triton_quant
+    from conveyor.worker.layers.quantization import triton_quant_kernels as quant
+
+    # (name, activations, output, bits, fp8 weights, zeros, gather, scaled activations, rows)
+    cases = [
+        ("w4 groups", "bf16", "bf16", 4, False, False, False, False, 1),
+        ("w4 zeros, act-order", "bf16", "bf16", 4, False, True, True, False, 4096),
+        ("w4 zeros", "fp16", "fp16", 4, False, True, False, False, 48),
+        ("w8 per row", "bf16", "bf16", 8, False, False, False, False, 4096),
+        ("fp8 blocks", "bf16", "bf16", 8, True, False, False, False, 4096),
+        ("int8 x int8 codes", "fp16", "bf16", 8, False, False, False, True, 4096),
+        ("fp8 x fp8 codes", "fp16", "fp32", 8, True, False, False, True, 8),
+        ("w4 float32", "fp32", "fp32", 4, False, True, False, False, 4096),
+        ("fp8 float32, act-order tile", "fp32", "fp32", 8, True, False, True, False, 4096),
+    ]
+    for name, x_dtype, out_dtype, bits, float8, zeros, gather, scaled, rows in cases:
+        signature = {"x_ptr": "*" + x_dtype, "x_scales_ptr": "*fp32", "codes_ptr": "*u8"}
+        signature |= {"scales_ptr": "*fp32", "zeros_ptr": "*fp32", "g_idx_ptr": "*i32"}
+        signature |= {"bias_ptr": "*" + out_dtype, "out_ptr": "*" + out_dtype}
+        strides = ["stride_xm", "stride_xsm", "stride_xsg", "stride_cn", "stride_sn"]
+        signature |= dict.fromkeys(["M", "N", "K", *strides, "stride_zn", "stride_om"], "i32")
+        signature |= {"group_size": "i32", "x_group_size": "i32", "zero_point": "fp32"}
+        block_m, block_n, warps = triton_quant.tile_for(rows)
+        constexprs = {"W_BITS": bits, "W_FLOAT8": float8, "HAS_ZEROS": zeros, "GATHER": gather}
+        constexprs |= {"X_SCALED": scaled, "HAS_BIAS": True}
+        constexprs["PRECISION"] = "ieee" if x_dtype == "fp32" else "tf32"
+        constexprs |= {"BLOCK_M": block_m, "BLOCK_N": block_n}
+        constexprs["BLOCK_K"] = triton_quant.BLOCK_KS[0]
+        yield (
+            f"quant_gemm: {name}, {rows} rows ({x_dtype})",
+            quant.quant_gemm,
+            signature,
+            constexprs,
+            {"num_warps": warps},
+        )
 
 
 def compile_for_sm90(kernel, signature: dict, constexprs: dict, options: dict) -> int:

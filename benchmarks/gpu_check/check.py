@@ -52,6 +52,7 @@ CUDA_TEST_FILES = (
     "tests/worker/test_cuda_graphs.py",
     "tests/worker/test_lora_triton.py",
     "tests/worker/test_lora_graphs.py",
+    "tests/worker/test_triton_quant.py",
 )
 CUDA_MARKERS = "cuda or gpu_kernel"
 # The model tests against transformers, run on the GPU (every engine there on CUDA, in float32):

@@ -1,5 +1,6 @@
-"""What only a GPU can check: a decode step that never waits on the device, CUDA graphs against
-eager (with LoRA adapters too), CUDA against CPU, flash-attn against the torch backend at
+"""What only a GPU can check: a decode step that never waits on the device (with LoRA adapters
+and quantized checkpoints too), CUDA graphs against eager (with LoRA adapters too), CUDA against
+CPU (quantized checkpoints too, under graphs and eager), flash-attn against the torch backend at
 head_dim 128, memory profiling with a 16k prompt on the torch path, and tensor parallelism over
 NCCL.
 
@@ -63,14 +64,17 @@ def _first_difference(a, b) -> int:
     )
 
 
-def _assert_same_tokens_but_near_ties(ours: list, theirs: list, tie: float = 1e-3) -> None:
-    """Equal greedy tokens, logprobs within float32 tolerance up to where they differ, and
-    where they do, the two candidates nearly tie."""
+def _assert_same_tokens_but_near_ties(
+    ours: list, theirs: list, tie: float = 1e-3, tolerance: float | None = None
+) -> None:
+    """Equal greedy tokens, logprobs within ``tolerance`` (float32's by default) up to where
+    they differ, and where they do, the two candidates nearly tie."""
+    tolerance = logprob_tolerance("float32") if tolerance is None else tolerance
     for a, b in zip(ours, theirs):
         diverge = _first_difference(a, b)
         for p in range(diverge):
             token = a.token_ids[p]
-            assert abs(a.logprobs[p][token] - b.logprobs[p][token]) < logprob_tolerance("float32")
+            assert abs(a.logprobs[p][token] - b.logprobs[p][token]) < tolerance
         if diverge == len(a.token_ids):
             continue
         top = a.logprobs[diverge]
@@ -106,21 +110,20 @@ def _runner(model_dir, **engine_args) -> ModelRunner:
     return runner
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_a_steady_decode_step_never_synchronises_with_the_device(
-    make_runner, tiny_model_dir, enforce_eager
-):
-    runner = make_runner(tiny_model_dir, dtype="float32", enforce_eager=enforce_eager)
-    assert (runner.decode_graphs is None) == enforce_eager
-    # Every sampling feature on at once: filters, a seed, logprobs, penalties, min_tokens.
-    params = [
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=0.8, top_p=0.9, top_k=50),
-        SamplingParams(temperature=1.0, seed=7, min_p=0.05),
-        SamplingParams(temperature=0.0, logprobs=2),
-        SamplingParams(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.5),
-        SamplingParams(temperature=0.0, max_tokens=64, min_tokens=50, stop_token_ids=[5]),
-    ]
+# Every sampling feature on at once: filters, a seed, logprobs, penalties, min_tokens.
+EVERY_SAMPLING_FEATURE = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=50),
+    SamplingParams(temperature=1.0, seed=7, min_p=0.05),
+    SamplingParams(temperature=0.0, logprobs=2),
+    SamplingParams(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.5),
+    SamplingParams(temperature=0.0, max_tokens=64, min_tokens=50, stop_token_ids=[5]),
+]
+
+
+def _decode_without_synchronising(runner: ModelRunner, params: list[SamplingParams]) -> None:
+    """A prompt step, two decodes that plan and allocate what later ones reuse, then a decode
+    under ``set_sync_debug_mode("error")``: any host sync in it raises."""
     prompts = _prompts(len(params))
     new = [
         NewRequestData(i, prompt, p, list(range(1 + 4 * i, 5 + 4 * i)), 0, len(prompt))
@@ -139,7 +142,7 @@ def test_a_steady_decode_step_never_synchronises_with_the_device(
         )
         return runner.execute_model(SchedulerOutput(step, scheduled_cached_reqs=cached))
 
-    for step in (2, 3):  # the first decodes plan and allocate what later ones reuse
+    for step in (2, 3):
         decode(step)
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -147,6 +150,15 @@ def test_a_steady_decode_step_never_synchronises_with_the_device(
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(out.sampled_token_ids) == len(params)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_a_steady_decode_step_never_synchronises_with_the_device(
+    make_runner, tiny_model_dir, enforce_eager
+):
+    runner = make_runner(tiny_model_dir, dtype="float32", enforce_eager=enforce_eager)
+    assert (runner.decode_graphs is None) == enforce_eager
+    _decode_without_synchronising(runner, EVERY_SAMPLING_FEATURE)
 
 
 def test_graphs_and_enforce_eager_give_the_same_tokens(tiny_model_dir):
@@ -241,6 +253,82 @@ def test_a_steady_lora_decode_step_never_synchronises_with_the_device(
         torch.cuda.set_sync_debug_mode("default")
     assert len(out.sampled_token_ids) == len(lora_ids)
     assert replays == ([] if enforce_eager else [len(lora_ids)] * 3)  # every decode replayed
+
+
+# ------------------------------------------------------------------ quantized checkpoints
+
+# (id, checkpoint format, fixture options, model size): the tiny Qwen3's quantized checkpoints
+# (benchmarks/fixtures/quantized_maker.py), one per path of the CUDA kernels
+# (worker/layers/quantization/triton_quant.py); FP8's 128 x 128 blocks need the "small" model.
+QUANTIZED = [
+    ("gptq-w4-zeros-act-order", "gptq", dict(sym=False, desc_act=True), "tiny"),
+    ("awq-w4-zeros", "awq", {}, "tiny"),
+    ("ct-w4a16-g32", "compressed-tensors", dict(preset="W4A16", group=32), "tiny"),
+    ("ct-w8a16-g32", "compressed-tensors", dict(preset="W8A16", group=32), "tiny"),
+    ("ct-w8a8-int8", "compressed-tensors", dict(preset="W8A8", group=0), "tiny"),
+    ("ct-fp8-static", "compressed-tensors", dict(preset="FP8", group=0), "tiny"),
+    ("ct-fp8-dynamic", "compressed-tensors", dict(preset="FP8_DYNAMIC", group=0), "tiny"),
+    ("fp8-blocks", "fp8", {}, "small"),
+]
+# Quantized activations: a value on a rounding boundary of the int8 or FP8 grid moves a whole
+# step on one device only (attention and norms sum in other orders), and the random models
+# amplify such flips: the tolerance tests/frontend/test_parity_quantized.py takes for them.
+ACTIVATION_TOLERANCE = 0.5
+
+
+@pytest.fixture(scope="module", params=QUANTIZED, ids=[q[0] for q in QUANTIZED])
+def quantized_case(request):
+    from benchmarks.fixtures.model_maker import ensure_model
+    from benchmarks.fixtures.quantized_maker import ensure_quantized
+
+    name, kind, options, size = request.param
+    model_dir = ensure_quantized(ensure_model(size, "qwen3"), kind, **options)
+    activations = name.startswith(("ct-w8a8", "ct-fp8", "fp8"))
+    return model_dir, ACTIVATION_TOLERANCE if activations else None
+
+
+def test_quantized_checkpoints_give_the_cpu_tokens_with_graphs_and_eager(
+    quantized_case, monkeypatch
+):
+    from conveyor.worker.layers.quantization import triton_quant
+
+    model_dir, tolerance = quantized_case
+    tie = 1e-3 if tolerance is None else tolerance
+    launches = []
+    linear = triton_quant.linear
+    monkeypatch.setattr(triton_quant, "linear", lambda *a: launches.append(1) or linear(*a))
+    prompts = _prompts(8)
+    cpu = _generate(model_dir, prompts, device="cpu", dtype="float32")
+    for eager in (False, True):
+        cuda = _generate(model_dir, prompts, device="cuda", dtype="float32", enforce_eager=eager)
+        _assert_same_tokens_but_near_ties(cuda, cpu, tie=tie, tolerance=tolerance)
+    assert launches and triton_quant.failure is None, triton_quant.failure
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize(
+    "kind,options",
+    [
+        ("gptq", dict(sym=False, desc_act=True)),  # act-order: the gathered groups
+        ("compressed-tensors", dict(preset="W8A8", group=0)),  # int8 activations per token
+        ("compressed-tensors", dict(preset="FP8", group=0)),  # static input scales per part
+    ],
+    ids=["gptq-act-order", "w8a8-int8", "fp8-static"],
+)
+def test_a_steady_quantized_decode_step_never_synchronises_with_the_device(
+    make_runner, tiny_model_dir, kind, options, enforce_eager
+):
+    from benchmarks.fixtures.quantized_maker import ensure_quantized
+    from conveyor.worker.layers.quantization import triton_quant
+
+    model_dir = ensure_quantized(tiny_model_dir, kind, **options)
+    runner = make_runner(model_dir, dtype="float32", enforce_eager=enforce_eager)
+    assert (runner.decode_graphs is None) == enforce_eager
+    _decode_without_synchronising(runner, EVERY_SAMPLING_FEATURE)
+    assert triton_quant.failure is None, triton_quant.failure
+    if torch.cuda.get_device_capability() >= triton_quant.FP8_CAPABILITY:
+        # FP8 x FP8 ran through torch._scaled_mm, not the kernel it falls back to.
+        assert triton_quant.scaled_mm_failure is None, triton_quant.scaled_mm_failure
 
 
 def test_cuda_float32_tokens_equal_cpu_float32_tokens(tiny_model_dir):

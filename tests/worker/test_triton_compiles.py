@@ -39,8 +39,10 @@ def test_every_triton_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
         "silu_and_mul",
         "lora_shrink",
         "lora_expand",
+        "quant_gemm",
     }
     assert sum(r["kernel"].startswith("paged_attention") for r in results) == 6
+    assert sum(r["kernel"].startswith("quant_gemm") for r in results) == 9
 
 
 def test_the_compile_check_refuses_the_interpreter():

@@ -4,9 +4,11 @@ Runs in worker processes. ``QuantizedWeights`` is a child module of the linear i
 float weight of; its parameters (``codes``, ``scales``, ``zeros``, ``g_idx``, ``input_scale``;
 scheme.py says what each holds) load through the linear's own tensor-parallel loaders, so a
 fused q/k/v or gate/up layer fills each part's rows and a row-parallel one takes its columns.
-The weights stay at the checkpoint's 4 or 8 bits; each matmul dequantizes them with torch ops
-(the correct path for every format), except that group-wise 4-bit weights on a CPU move into
-the compiled kernel's layout once loaded (int4_kernel.py) and decode reads them there.
+The weights stay at the checkpoint's 4 or 8 bits. On CUDA each matmul is a Triton kernel (or
+``torch._scaled_mm`` for FP8 x FP8) that reads them where they are (triton_quant.py); on a CPU,
+group-wise 4-bit weights move into the compiled kernel's layout once loaded (int4_kernel.py) and
+decode reads them there. Everything else, and wherever a kernel is unavailable, dequantizes with
+torch ops and multiplies in float32: the reference path for every format.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from conveyor.worker.layers.quantization import triton_quant
+from conveyor.worker.layers.quantization.activations import fake_quantize, quantize
 from conveyor.worker.layers.quantization.int4_kernel import (
     Int4Panels,
     kernel_takes_groups,
@@ -24,9 +28,6 @@ from conveyor.worker.layers.quantization.int4_kernel import (
 )
 from conveyor.worker.layers.quantization.packing import unpack_nibbles
 from conveyor.worker.layers.quantization.scheme import FLOAT8, INT, LinearScheme
-
-INT8_MAX = 127.5  # compressed-tensors' symmetric int8 scale: |x| max over half of 255 levels
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
 # (param, loaded tensor, shard id) -> None: the linear's loader for one part of a parameter.
 PartLoader = Callable[[nn.Parameter, torch.Tensor, object], None]
@@ -51,6 +52,11 @@ class QuantizedWeights(nn.Module):
         self._full_rows, self._load_part = full_rows, load_part
         # The compiled kernel's copy, once ``process_weights_after_loading`` made it.
         self.panels: Int4Panels | None = None
+        # What the CUDA kernels do for each matmul, once ``process_weights_after_loading`` made it.
+        self.kernel_plan: triton_quant.KernelPlan | None = None
+        # Act-order weights whose input features the CUDA path sorted by group: feature j of
+        # the codes (and g_idx) is the checkpoint's feature input_order[j]. None: in order.
+        self.input_order: torch.Tensor | None = None
         if w.kind == INT and w.bits == 4:
             if in_features % 2:
                 raise ValueError(f"4-bit weights need an even input size, got {in_features}")
@@ -99,8 +105,15 @@ class QuantizedWeights(nn.Module):
         param.loaded_once = True  # type: ignore[attr-defined]
 
     def process_weights_after_loading(self) -> None:
-        """Move group-wise 4-bit weights on a CPU into the kernel's layout, releasing the
-        checkpoint layout (the kernel's copy is the only one; ``dequantized`` reads it)."""
+        """On CUDA, sort act-order weights' input features by group and plan the Triton
+        kernels' matmuls (triton_quant.py). Move group-wise 4-bit weights on a CPU into the
+        kernel's layout, releasing the checkpoint layout (the kernel's copy is the only one;
+        ``dequantized`` reads it)."""
+        if self.panels is None and self.codes.device.type == "cuda":
+            if triton_quant.unavailable_reason() is None:
+                triton_quant.sort_act_order_groups(self)
+            self.kernel_plan = triton_quant.make_plan(self)
+            return
         w = self.scheme.weights
         group_size = w.group_size or self.in_features
         if (
@@ -134,7 +147,16 @@ class QuantizedWeights(nn.Module):
         return torch.arange(self.in_features) // w.group_size  # a CPU index serves any device
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight [out, in] the checkpoint means, ``(codes - zero) * scale``."""
+        """The weight [out, in] the checkpoint means, ``(codes - zero) * scale``, its input
+        features in the checkpoint's order."""
+        weight = self._dequantized_as_stored(dtype)
+        if self.input_order is None:
+            return weight
+        restored = torch.empty_like(weight)
+        restored[:, self.input_order] = weight
+        return restored
+
+    def _dequantized_as_stored(self, dtype: torch.dtype) -> torch.Tensor:
         w = self.scheme.weights
         groups = self.group_of_each_input()
         if self.panels is not None:
@@ -149,6 +171,10 @@ class QuantizedWeights(nn.Module):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.panels is not None:
             return self.panels.linear(x, bias)
+        if self.kernel_plan is not None and triton_quant.failure is None:
+            out = triton_quant.linear(self, self.kernel_plan, x, bias)
+            if out is not None:
+                return out
         weight = self.dequantized(torch.float32)
         rows = x.reshape(-1, self.in_features).to(torch.float32)
         a = self.scheme.activations
@@ -167,44 +193,12 @@ class QuantizedWeights(nn.Module):
         quantized once per distinct scale and multiplies that part's rows."""
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=rows.device)
         scales = self.input_scale[:, 0]
-        for scale in scales.unique().tolist():
-            mask = scales == scale
-            quantized = _quantize_dequantize(
-                rows, torch.tensor(scale), self.scheme.activations.kind
-            )
+        for value in scales.unique().tolist():
+            mask = scales == value
+            scale = torch.tensor(value)
+            quantized = quantize(rows, scale, self.scheme.activations.kind) * scale
             out[:, mask] = quantized @ weight[mask].T
         return out
 
 
-def fake_quantize(x: torch.Tensor, kind: str, strategy: str, group_size: int = 0) -> torch.Tensor:
-    """x [rows, features] rounded through int8 or FP8 with dynamic symmetric scales (one per
-    row, per tensor, or per ``group_size`` features of a row) and scaled back."""
-    limit = FP8_MAX if kind == FLOAT8 else INT8_MAX
-    if strategy == "token":
-        scale = x.abs().amax(dim=-1, keepdim=True) / limit
-    elif strategy == "tensor":
-        scale = x.abs().amax().reshape(1, 1) / limit
-    elif strategy == "group":
-        rows, features = x.shape
-        padded = nn.functional.pad(x, (0, -features % group_size))
-        grouped = padded.view(rows, padded.shape[1] // group_size, group_size)
-        scale = grouped.abs().amax(dim=-1, keepdim=True) / limit
-        out = _quantize_dequantize(grouped, _nonzero(scale), kind)
-        return out.reshape(rows, padded.shape[1])[:, :features]
-    else:
-        raise ValueError(f"unknown activation strategy {strategy!r}")
-    return _quantize_dequantize(x, _nonzero(scale), kind)
-
-
-def _nonzero(scale: torch.Tensor) -> torch.Tensor:
-    # An all-zero row would divide by zero; any positive scale gives it zeros back.
-    return torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
-
-
-def _quantize_dequantize(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
-    scaled = x / scale
-    if kind == FLOAT8:
-        codes = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
-    else:
-        codes = torch.round(scaled).clamp(-128, 127)
-    return codes * scale
+__all__ = ["QuantizedWeights", "fake_quantize"]
