@@ -121,15 +121,22 @@ EVERY_SAMPLING_FEATURE = [
 ]
 
 
-def _decode_without_synchronising(runner: ModelRunner, params: list[SamplingParams]) -> None:
+def _decode_without_synchronising(
+    runner: ModelRunner,
+    params: list[SamplingParams],
+    lora_ids: list[int] | None = None,
+    lora_loads: list | None = None,
+) -> None:
     """A prompt step, two decodes that plan and allocate what later ones reuse, then a decode
-    under ``set_sync_debug_mode("error")``: any host sync in it raises."""
+    under ``set_sync_debug_mode("error")``: any host sync in it raises. ``lora_ids``: each
+    request's adapter (0: the base model), ``lora_loads`` the slot fills of the prompt step."""
     prompts = _prompts(len(params))
+    lora_ids = lora_ids or [0] * len(params)
     new = [
-        NewRequestData(i, prompt, p, list(range(1 + 4 * i, 5 + 4 * i)), 0, len(prompt))
-        for i, (prompt, p) in enumerate(zip(prompts, params))
+        NewRequestData(i, prompt, p, list(range(1 + 4 * i, 5 + 4 * i)), 0, len(prompt), lid)
+        for i, (prompt, p, lid) in enumerate(zip(prompts, params, lora_ids))
     ]
-    runner.execute_model(SchedulerOutput(1, new))
+    runner.execute_model(SchedulerOutput(1, new, lora_loads=lora_loads or []))
     lengths = [len(p) for p in prompts]
 
     def decode(step: int):
@@ -221,37 +228,12 @@ def test_a_steady_lora_decode_step_never_synchronises_with_the_device(
     # Graphs with LoRA: the Triton LoRA kernels run on this GPU.
     assert (runner.decode_graphs is None) == enforce_eager
     lora_ids = [0, 1, 2, 1, 0, 2]
-    prompts = _prompts(len(lora_ids))
-    new = [
-        NewRequestData(i, prompt, GREEDY, list(range(1 + 4 * i, 5 + 4 * i)), 0, len(prompt), lid)
-        for i, (prompt, lid) in enumerate(zip(prompts, lora_ids))
-    ]
     loads = [LoRALoad(slot, slot + 1, str(path)) for slot, path in enumerate(lora_adapters)]
-    runner.execute_model(SchedulerOutput(1, new, lora_loads=loads))
-    lengths = [len(p) for p in prompts]
     replays = []
     if runner.decode_graphs is not None:
         run = runner.decode_graphs.run
         runner.decode_graphs.run = lambda n, metadata: replays.append(n) or run(n, metadata)
-
-    def decode(step: int):
-        cached = CachedRequestData(
-            req_ids=list(range(len(lora_ids))),
-            new_block_ids=[[] for _ in lora_ids],
-            num_computed_tokens=[n + step - 2 for n in lengths],
-            num_scheduled_tokens=[1] * len(lora_ids),
-            resumed_token_ids={},
-        )
-        return runner.execute_model(SchedulerOutput(step, scheduled_cached_reqs=cached))
-
-    for step in (2, 3):
-        decode(step)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = decode(4)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert len(out.sampled_token_ids) == len(lora_ids)
+    _decode_without_synchronising(runner, [GREEDY] * len(lora_ids), lora_ids, loads)
     assert replays == ([] if enforce_eager else [len(lora_ids)] * 3)  # every decode replayed
 
 
