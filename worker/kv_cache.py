@@ -41,8 +41,10 @@ def gpu_memory_utilization(configured: float | None, device: torch.device) -> fl
     return None
 
 
-# CONVEYOR_KV_HUGE_PAGES=0 keeps the CPU cache on ordinary pages (worker.host_memory).
+# CONVEYOR_KV_HUGE_PAGES=0 keeps the CPU cache on ordinary pages (worker.host_memory), and
+# CONVEYOR_WEIGHT_HUGE_PAGES=0 the CPU weights.
 HUGE_PAGES_ENV = "CONVEYOR_KV_HUGE_PAGES"
+WEIGHT_HUGE_PAGES_ENV = "CONVEYOR_WEIGHT_HUGE_PAGES"
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -53,6 +55,11 @@ def switch_from_env(name: str) -> bool:
     if value not in _ON + _OFF:
         raise ConfigError(f"{name}={os.environ[name]!r}: use one of {', '.join(_ON + _OFF)}")
     return value in _ON
+
+
+def weight_huge_pages_enabled() -> bool:
+    """Whether CPU weights move to huge pages after loading: CONVEYOR_WEIGHT_HUGE_PAGES."""
+    return switch_from_env(WEIGHT_HUGE_PAGES_ENV)
 
 
 def huge_pages_enabled() -> bool:

@@ -36,6 +36,7 @@ from conveyor.worker.cuda_graphs import (
     capture_whole_decode_graphs,
 )
 from conveyor.worker.device_buffers import HostCopier
+from conveyor.worker.host_memory import place_weights_on_huge_pages
 from conveyor.worker.input_batch import InputBatch
 from conveyor.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
@@ -46,6 +47,7 @@ from conveyor.worker.kv_cache import (
     kv_bytes_per_block,
     num_blocks_for_memory,
     resolve_kv_cache_dtype,
+    weight_huge_pages_enabled,
 )
 from conveyor.worker.layers.cpu_ops import small_linear_enabled
 from conveyor.worker.loader import load_model, resolve_dtype
@@ -95,6 +97,9 @@ class ModelRunner:
         self.model = load_model(
             config.model.model, self.dtype, device, tp_rank, tp_size, config.model.quantization
         )
+        if device.type == "cpu" and weight_huge_pages_enabled():
+            # A decode step streams every weight: whole 2 MiB pages for it to stream through.
+            place_weights_on_huge_pages(self.model)
         # LoRA slots in every adaptable layer (--enable-lora); None: the base model only.
         self.lora: LoRAManager | None = None
         if config.lora is not None:

@@ -87,3 +87,48 @@ def test_a_huge_pages_setting_it_does_not_know_is_refused(monkeypatch):
         kv_cache.allocate_kv_caches(
             1, 5, 16, 2, 8, torch.float32, torch.device("cpu"), TorchAttentionBackend()
         )
+
+
+def _one_storage(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def _kernel_copies(model) -> list[torch.Tensor]:
+    return [
+        tensor
+        for module in model.modules()
+        for value in vars(module).values()
+        if hasattr(value, "weight_tensors") and not isinstance(value, torch.nn.Module)
+        for _, _, tensor in value.weight_tensors()
+    ]
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_weights_move_to_one_huge_page_mapping_with_their_values(tiny_model_dirs, quantization):
+    from conveyor.worker.host_memory import place_weights_on_huge_pages
+    from conveyor.worker.loader import load_model
+
+    model = load_model(tiny_model_dirs["qwen3"], torch.float32, "cpu", quantization=quantization)
+    params = dict(model.named_parameters())
+    values = {name: p.detach().clone() for name, p in params.items()}
+    copies = [t.clone() for t in _kernel_copies(model)]
+    assert bool(copies) == (quantization == "int4")
+    tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    # The tiny model fits in the caches: moved only when asked to move any size.
+    assert place_weights_on_huge_pages(model) == 0
+    assert place_weights_on_huge_pages(model, min_bytes=0) > 0
+    # Every parameter and kernel copy is a view of one mapping, holding what it held.
+    moved = [*model.parameters(), *_kernel_copies(model)]
+    assert len(_one_storage(moved)) == 1
+    assert all(torch.equal(p, values[name]) for name, p in model.named_parameters())
+    assert all(torch.equal(a, b) for a, b in zip(_kernel_copies(model), copies))
+    if tied:  # a tied embedding and LM head still share their memory
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_a_weight_huge_pages_setting_it_does_not_know_is_refused(monkeypatch):
+    monkeypatch.setenv("CONVEYOR_WEIGHT_HUGE_PAGES", "sometimes")
+    with pytest.raises(ConfigError, match="CONVEYOR_WEIGHT_HUGE_PAGES"):
+        kv_cache.weight_huge_pages_enabled()
+    monkeypatch.setenv("CONVEYOR_WEIGHT_HUGE_PAGES", "0")
+    assert not kv_cache.weight_huge_pages_enabled()

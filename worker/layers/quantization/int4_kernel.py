@@ -109,6 +109,10 @@ class Int4Panels:
         self.scales = _panel_groups(scales, n_padded, width)
         self.zero_offsets = _panel_groups(zeros + MAGIC, n_padded, width)
 
+    def weight_tensors(self) -> list[tuple[object, str, torch.Tensor]]:
+        """(owner, attribute, tensor) of what a step reads: for moving them to huge pages."""
+        return [(self, name, getattr(self, name)) for name in ("codes", "scales", "zero_offsets")]
+
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes + self.zero_offsets.nbytes
