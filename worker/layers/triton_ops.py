@@ -55,6 +55,15 @@ def use_triton_ops(x: torch.Tensor) -> bool:
     return x.is_cuda and failure is None and triton_ops_enabled()
 
 
+def device_failure(error: Exception) -> bool:
+    """Whether a failed Triton launch must be raised, not answered by a fallback to torch ops:
+    a CUDA error is the device's, not the kernel's build (the next op would fail too), and a
+    graph capture in progress is broken by any failure."""
+    return "CUDA error" in str(error) or (
+        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    )
+
+
 def _launch(name: str, grid: tuple[int, ...], *args, **meta) -> bool:
     """Run kernel ``name``; False (logged once, the kernels off from then on) if it raises, so
     the caller falls back to the torch ops."""
@@ -64,11 +73,7 @@ def _launch(name: str, grid: tuple[int, ...], *args, **meta) -> bool:
 
         getattr(triton_token_kernels, name)[grid](*args, **meta)
     except Exception as error:  # noqa: BLE001 - a kernel that cannot be built or launched
-        # A CUDA error is the device's, not the kernel's build (the next op would fail too),
-        # and a capture in progress is broken by any failure: those are raised as they are.
-        if "CUDA error" in str(error) or (
-            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        ):
+        if device_failure(error):
             raise
         failure = f"{name}: {type(error).__name__}: {error}"
         logger.warning("Triton token ops off, using torch ops: %s", failure)

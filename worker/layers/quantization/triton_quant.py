@@ -44,6 +44,7 @@ from conveyor.worker.layers.quantization.activations import (
 )
 from conveyor.worker.layers.quantization.packing import pack_nibbles, unpack_nibbles
 from conveyor.worker.layers.quantization.scheme import FLOAT8
+from conveyor.worker.layers.triton_ops import device_failure
 
 if TYPE_CHECKING:
     from conveyor.worker.layers.quantization.weights import QuantizedWeights
@@ -234,11 +235,7 @@ def linear(
         if rows.shape[0]:
             _matmul(weights, plan, rows, bias, out)
     except Exception as error:  # noqa: BLE001 - a kernel that cannot be built or launched
-        # A CUDA error is the device's, not the kernel's build (the next op would fail too),
-        # and a capture in progress is broken by any failure: those are raised as they are.
-        if "CUDA error" in str(error) or (
-            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        ):
+        if device_failure(error):
             raise
         failure = f"{type(error).__name__}: {error}"
         logger.warning("quantized kernels off, dequantizing with torch ops: %s", failure)
