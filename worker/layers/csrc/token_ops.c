@@ -509,10 +509,9 @@ static inline float sum_lanes(vrow v) { return hsum(v); }
 /* One and two rows: eight weight rows at a time (16 accumulators at two rows). Three to eight
  * rows (a decode step's row with its speculative positions, a few requests): all rows at once
  * against four weight rows (three from seven rows on), each weight vector loaded once for every
- * row, so the weight streams from memory once whatever the row count. */
-#define PAIR_ROWS 2
+ * row, so the weight streams from memory once whatever the row count. WEIGHT_GROUP is the most
+ * a group holds, and the thread split's unit. */
 #define WEIGHT_GROUP 8
-#define WIDE_MAX_GROUP 4
 /* Below this many weight elements one thread streams the whole weight faster than two can be
  * started (a few microseconds of OpenMP fork and join). */
 #define SMALL_LINEAR_PARALLEL_MIN 65536
@@ -548,49 +547,21 @@ static inline void small_linear_last_outputs(const float *x, int64_t x_stride, i
     }
 }
 
-/* Outputs n0 .. n1-1 of ROWS input rows (a constant where it is called, so each count gets its
- * own unrolled loop). */
-static inline __attribute__((always_inline)) void small_linear_outputs(
-    const float *x, int64_t x_stride, const int rows, const float *w, int64_t in,
-    const float *bias, float *y, int64_t y_stride, int64_t n0, int64_t n1) {
-    const int64_t vector_end = in - in % ROW_LANES;
-    int64_t n = n0;
-    for (; n + WEIGHT_GROUP <= n1; n += WEIGHT_GROUP) {
-        const float *group = w + n * in;
-        vrow acc[PAIR_ROWS][WEIGHT_GROUP];
-        for (int m = 0; m < rows; m++)
-            for (int g = 0; g < WEIGHT_GROUP; g++) acc[m][g] = (vrow){0};
-        for (int64_t k = 0; k < vector_end; k += ROW_LANES) {
-            vrow weights[WEIGHT_GROUP];
-            for (int g = 0; g < WEIGHT_GROUP; g++) weights[g] = load_lanes(group + g * in + k);
-            for (int m = 0; m < rows; m++) {
-                vrow input = load_lanes(x + m * x_stride + k);
-                for (int g = 0; g < WEIGHT_GROUP; g++) acc[m][g] += weights[g] * input;
-            }
-        }
-        for (int m = 0; m < rows; m++)
-            for (int g = 0; g < WEIGHT_GROUP; g++)
-                y[m * y_stride + n + g] = finish_output(acc[m][g], group + g * in,
-                                                        x + m * x_stride, vector_end, in, bias,
-                                                        n + g);
-    }
-    small_linear_last_outputs(x, x_stride, rows, w, in, bias, y, y_stride, n, n1);
-}
-
 /* Outputs n0 .. n1-1 of ROWS input rows, GROUP weight rows at a time (both constants where it
- * is called): ROWS x GROUP accumulators, GROUP weights and one input in the 32 vector registers. */
-static inline __attribute__((always_inline)) void small_linear_outputs_wide(
+ * is called, so each pair gets its own unrolled loop): ROWS x GROUP accumulators, GROUP weights
+ * and one input in the vector registers. */
+static inline __attribute__((always_inline)) void small_linear_outputs(
     const float *x, int64_t x_stride, const int rows, const int group_rows, const float *w,
     int64_t in, const float *bias, float *y, int64_t y_stride, int64_t n0, int64_t n1) {
     const int64_t vector_end = in - in % ROW_LANES;
     int64_t n = n0;
     for (; n + group_rows <= n1; n += group_rows) {
         const float *group = w + n * in;
-        vrow acc[SMALL_LINEAR_MAX_ROWS][WIDE_MAX_GROUP];
+        vrow acc[SMALL_LINEAR_MAX_ROWS][WEIGHT_GROUP];
         for (int m = 0; m < rows; m++)
             for (int g = 0; g < group_rows; g++) acc[m][g] = (vrow){0};
         for (int64_t k = 0; k < vector_end; k += ROW_LANES) {
-            vrow weights[WIDE_MAX_GROUP];
+            vrow weights[WEIGHT_GROUP];
             for (int g = 0; g < group_rows; g++) weights[g] = load_lanes(group + g * in + k);
             for (int m = 0; m < rows; m++) {
                 vrow input = load_lanes(x + m * x_stride + k);
@@ -626,17 +597,13 @@ int conveyor_small_linear(const float *x, int64_t x_stride, int64_t rows, const 
         const int64_t n0 = thread * per_thread;
         const int64_t n1 = n0 + per_thread < out ? n0 + per_thread : out;
         if (n0 < n1) {
-            if (rows == 1)
-                small_linear_outputs(x, x_stride, 1, w, in, bias, y, y_stride, n0, n1);
-            else if (rows == 2)
-                small_linear_outputs(x, x_stride, 2, w, in, bias, y, y_stride, n0, n1);
-            else
-                switch (rows) {
-#define WIDE(R, G)                                                                              \
-    case R: small_linear_outputs_wide(x, x_stride, R, G, w, in, bias, y, y_stride, n0, n1); break;
-                    WIDE(3, 4) WIDE(4, 4) WIDE(5, 4) WIDE(6, 4) WIDE(7, 3) WIDE(8, 3)
-#undef WIDE
-                }
+            switch (rows) {
+#define ROWS(R, G)                                                                              \
+    case R: small_linear_outputs(x, x_stride, R, G, w, in, bias, y, y_stride, n0, n1); break;
+                ROWS(1, 8) ROWS(2, 8) ROWS(3, 4) ROWS(4, 4) ROWS(5, 4) ROWS(6, 4) ROWS(7, 3)
+                ROWS(8, 3)
+#undef ROWS
+            }
         }
     }
     return 0;
