@@ -93,6 +93,12 @@ def kv_bytes_per_block(
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
 
 
+def layers_bytes_per_block(layers: list, block_size: int, dtype: torch.dtype) -> int:
+    """``kv_bytes_per_block`` of a model's attention layers (they share one head shape)."""
+    first = layers[0]
+    return kv_bytes_per_block(len(layers), block_size, first.num_kv_heads, first.head_dim, dtype)
+
+
 def num_blocks_for_memory(memory_bytes: int, bytes_per_block: int) -> int:
     """Blocks that fit in ``memory_bytes``; an error if fewer than two do."""
     num_blocks = max(0, int(memory_bytes)) // bytes_per_block

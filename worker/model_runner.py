@@ -44,7 +44,7 @@ from conveyor.worker.kv_cache import (
     attach_kv_caches,
     claim_cuda_memory,
     gpu_memory_utilization,
-    kv_bytes_per_block,
+    layers_bytes_per_block,
     num_blocks_for_memory,
     resolve_kv_cache_dtype,
     weight_huge_pages_enabled,
@@ -187,15 +187,9 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         """A block's bytes on this rank: the target's K/V and, with a draft model, the draft's
         (it shares the target's block ids: worker/spec_decode/draft_model.py)."""
-        first = self.attention_layers[0]
         draft = self._draft()
-        return kv_bytes_per_block(
-            len(self.attention_layers),
-            self.block_size,
-            first.num_kv_heads,
-            first.head_dim,
-            self.kv_dtype,
-        ) + (draft.bytes_per_block() if draft is not None else 0)
+        own = layers_bytes_per_block(self.attention_layers, self.block_size, self.kv_dtype)
+        return own + (draft.bytes_per_block() if draft is not None else 0)
 
     def _draft(self) -> DraftModelProposer | None:
         return self.spec_decoder.draft if self.spec_decoder is not None else None

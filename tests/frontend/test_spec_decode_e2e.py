@@ -139,10 +139,9 @@ def test_two_tensor_parallel_ranks_give_the_same_greedy_outputs(runs) -> None:
         assert [c[:4] for c in b] == [c[:4] for c in a], f"prompt {i}"
 
 
-@pytest.mark.slow
-def test_seeded_sampling_with_drafts_repeats_through_the_processes() -> None:
-    """Seeded rows draw every acceptance test and resample from their own generator: two
-    engines given the same requests give the same sampled tokens (unseeded rows run beside)."""
+def _seeded_twice(spec: dict, kv_cache_memory: int) -> tuple[list[list[int]], object]:
+    """Two engines given the same seeded requests (an unseeded one runs beside): the seeded
+    rows' sampled tokens, checked equal in both, and the first engine's stats."""
     params = [
         SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=11, ignore_eos=True),
         SamplingParams(temperature=1.0, max_tokens=30, seed=12, n=2, ignore_eos=True),
@@ -150,13 +149,21 @@ def test_seeded_sampling_with_drafts_repeats_through_the_processes() -> None:
     ]
     runs = []
     for _ in range(2):
-        with LLM(kv_cache_memory=_kv_bytes(200), speculative_config=SPEC) as llm:
+        with LLM(kv_cache_memory=kv_cache_memory, speculative_config=spec) as llm:
             outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
             llm.check_all_free()
             runs.append(([c.token_ids for o in outputs[:2] for c in o.outputs], llm.stats))
     (first, stats), (second, _) = runs
     assert first == second
     assert len(first) == 3 and all(len(tokens) == 30 for tokens in first)
+    return first, stats
+
+
+@pytest.mark.slow
+def test_seeded_sampling_with_drafts_repeats_through_the_processes() -> None:
+    """Seeded rows draw every acceptance test and resample from their own generator: two
+    engines given the same requests give the same sampled tokens (unseeded rows run beside)."""
+    _, stats = _seeded_twice(SPEC, _kv_bytes(200))
     assert stats.spec_num_accepted_tokens > 0
 
 
@@ -224,22 +231,8 @@ def test_seeded_sampling_with_an_int4_draft_model_repeats_through_the_processes(
     """Sampled requests verify against the draft's q (the target's int4 copy: close, not equal,
     so most drafts pass min(1, p/q) and some do not); seeded ones draw drafts and tests from
     their own generator, so they repeat."""
-    params = [
-        SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=11, ignore_eos=True),
-        SamplingParams(temperature=1.0, max_tokens=30, seed=12, n=2, ignore_eos=True),
-        SamplingParams(temperature=0.7, max_tokens=30),
-    ]
-    spec = _draft(DEFAULT_MODEL_DIR, quantization="int4")
-    runs = []
-    for _ in range(2):
-        memory = 2 * _kv_bytes(200)  # the target's blocks and its int4 copy's
-        with LLM(kv_cache_memory=memory, speculative_config=spec) as llm:
-            outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
-            llm.check_all_free()
-            runs.append(([c.token_ids for o in outputs[:2] for c in o.outputs], llm.stats))
-    (first, stats), (second, _) = runs
-    assert first == second
-    assert len(first) == 3 and all(len(tokens) == 30 for tokens in first)
+    # The target's blocks and its int4 copy's.
+    _, stats = _seeded_twice(_draft(DEFAULT_MODEL_DIR, quantization="int4"), 2 * _kv_bytes(200))
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
 
 

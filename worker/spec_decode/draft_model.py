@@ -44,7 +44,7 @@ from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadat
 from conveyor.worker.attention.metadata_builder import step_layout
 from conveyor.worker.device_buffers import array_to_device
 from conveyor.worker.input_batch import InputBatch
-from conveyor.worker.kv_cache import attach_kv_caches, kv_bytes_per_block
+from conveyor.worker.kv_cache import attach_kv_caches, layers_bytes_per_block
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import race
 from conveyor.worker.sampling_metadata import _effective_temperature
@@ -89,14 +89,7 @@ class DraftModelProposer:
     # ------------------------------------------------------------------ KV cache
 
     def bytes_per_block(self) -> int:
-        first = self.attention_layers[0]
-        return kv_bytes_per_block(
-            len(self.attention_layers),
-            self.block_size,
-            first.num_kv_heads,
-            first.head_dim,
-            self.kv_dtype,
-        )
+        return layers_bytes_per_block(self.attention_layers, self.block_size, self.kv_dtype)
 
     def initialize_cache(self, num_blocks: int) -> None:
         attach_kv_caches(
