@@ -29,6 +29,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -86,10 +87,12 @@ int conveyor_int4_vector_widening(void) {
 }
 
 /* total[r] += (sum over the group's k of x[r][k] * (u[k] - z)) * s, for ROWS rows; words:
- * the group's [k_count / 8][PANEL] code words, zero_offset: 2^23 + z per column. */
+ * the group's [k_count / 8][PANEL] code words, zero_offset: 2^23 + z per column; group_sum
+ * (AVX-512 builds): row r's sum of x over the group at group_sum[r * sum_stride]. */
 static inline __attribute__((always_inline)) void rows_group(
     const float *x, int64_t x_stride, const uint32_t *words, const float *zero_offset,
-    int64_t k_count, const int ROWS, const float *scale, float *total /* [ROWS][PANEL] */) {
+    int64_t k_count, const int ROWS, const float *scale, const float *group_sum,
+    int64_t sum_stride, float *total /* [ROWS][PANEL] */) {
     vf acc[MR][NV], zoff[NV];
 #pragma GCC unroll 4
     for (int j = 0; j < NV; j++) zoff[j] = loadf(zero_offset + j * VL);
@@ -102,11 +105,8 @@ static inline __attribute__((always_inline)) void rows_group(
      * reads only the low 4 bits of each lane, so no mask), where the bit trick below takes a
      * mask-and-or and a subtraction. The zero is then applied once per group and row:
      * sum x (u - z) = sum x (u - 8) - (z - 8) sum x, the same products for a symmetric code
-     * (z = 8), where the sums of x cost a scalar add per feature and row. */
+     * (z = 8), the sums of x made once per call (conveyor_int4_linear), not per panel. */
     const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    float xsum[MR];
-#pragma GCC unroll 6
-    for (int r = 0; r < ROWS; r++) xsum[r] = 0.0f;
 #endif
     for (int64_t o = 0; o < k_count / CODES_PER_WORD; o++) {
         vi word[NV];
@@ -125,11 +125,7 @@ static inline __attribute__((always_inline)) void rows_group(
 #endif
 #pragma GCC unroll 6
             for (int r = 0; r < ROWS; r++) {
-                const float xs = xo[r * x_stride + s];
-                const vf xv = splat(xs);
-#if defined(__AVX512F__)
-                xsum[r] += xs;
-#endif
+                const vf xv = splat(xo[r * x_stride + s]);
 #pragma GCC unroll 4
                 for (int j = 0; j < NV; j++) acc[r][j] += xv * w[j];
             }
@@ -147,7 +143,7 @@ static inline __attribute__((always_inline)) void rows_group(
         for (int j = 0; j < NV; j++) {
             float *t = total + r * PANEL + j * VL;
 #if defined(__AVX512F__)
-            const vf sum = acc[r][j] - zero8[j] * splat(xsum[r]);
+            const vf sum = acc[r][j] - zero8[j] * splat(group_sum[r * sum_stride]);
 #else
             const vf sum = acc[r][j];
 #endif
@@ -182,6 +178,19 @@ int conveyor_int4_linear(const float *x, int64_t x_stride, int64_t m_size, int64
     const int64_t num_blocks = (m_size + MB - 1) / MB;
     const int parallel = num_threads > 1 && m_size * n_size * k_size >= PARALLEL_MIN_MACS &&
                          num_panels * num_blocks > 1;
+    float *group_sums = NULL;
+#if defined(__AVX512F__)
+    /* Each row's sum of x per group, for rows_group's zero term: once here for every panel. */
+    group_sums = malloc((size_t)(m_size * num_groups) * sizeof(float));
+    if (group_sums == NULL) return -2;
+    for (int64_t m = 0; m < m_size; m++)
+        for (int64_t g = 0; g < num_groups; g++) {
+            float sum = 0.0f;
+            for (int64_t k = g * group_size; k < (g + 1) * group_size; k++)
+                sum += x[m * x_stride + k];
+            group_sums[m * num_groups + g] = sum;
+        }
+#endif
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
     for (int64_t item = 0; item < num_panels * num_blocks; item++) {
         float total[MR * PANEL] __attribute__((aligned(64)));
@@ -198,7 +207,8 @@ int conveyor_int4_linear(const float *x, int64_t x_stride, int64_t m_size, int64
                 const float *xr = x + r0 * x_stride + g * group_size;
                 const uint32_t *words = panel + g * (group_size / CODES_PER_WORD) * PANEL;
                 const float *s = panel_scale + g * PANEL, *z = panel_zoff + g * PANEL;
-#define ROWS(R) rows_group(xr, x_stride, words, z, group_size, R, s, total)
+                const float *sums = group_sums ? group_sums + r0 * num_groups + g : NULL;
+#define ROWS(R) rows_group(xr, x_stride, words, z, group_size, R, s, sums, num_groups, total)
                 DISPATCH_ROWS(rows, ROWS)
 #undef ROWS
             }
@@ -209,6 +219,7 @@ int conveyor_int4_linear(const float *x, int64_t x_stride, int64_t m_size, int64
             }
         }
     }
+    free(group_sums);
     return 0;
 }
 
