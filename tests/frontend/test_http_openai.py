@@ -217,7 +217,10 @@ def test_completions_and_llm_generate_give_identical_tokens_and_text(client, ref
             tokens = [tokenizer.decode([t]) for t in want.token_ids]
             assert choice["tokens"] == tokens, (stream, choice["index"])
             values = [row[t] for row, t in zip(want.logprobs, want.token_ids)]
-            assert choice["token_logprobs"] == pytest.approx(values, abs=1e-5)
+            # The server's engine may meet these requests in other step arrangements than
+            # LLM.generate's, and a linear's row count picks its kernel (and so its rounding):
+            # the tokens are equal, the logprobs within the parity tests' 1e-4.
+            assert choice["token_logprobs"] == pytest.approx(values, abs=1e-4)
     assert {c.finish_reason for c in expected} >= {"stop"}, "no choice met a stop string"
     assert len({tuple(c.token_ids) for c in expected}) > len(TEXT_PROMPTS), "samples differ"
 
