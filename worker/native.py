@@ -31,6 +31,9 @@ from conveyor.runtime import cpu_isa
 
 T = TypeVar("T")
 
+# C headers more than one kernel includes (each kernel lists the ones it reads in its inputs).
+SHARED_HEADERS = Path(__file__).parent / "csrc"
+
 logger = logging.getLogger(__name__)
 
 # Tried in order: the first set the compiler accepts wins. -march=native vectorises for this CPU

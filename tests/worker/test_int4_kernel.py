@@ -35,14 +35,30 @@ def _close(out, x, weight, bias=None):
     assert bool((error <= bound).all()), f"max error {error.max():.3g}"
 
 
+AMX_REASON = "the AMX path needs a host with AMX-BF16 and Linux 5.16 or later (tile state)"
+
+
+@pytest.fixture(params=["avx", "amx"])
+def path(request):
+    """Each path of the kernel: "avx" the 6-row tile (and from GEMM_MIN_ROWS the float32 weight
+    and torch's GEMM), "amx" the tiles from AMX_MIN_ROWS rows where the host has AMX."""
+    gemm = load_int4_gemm()
+    wanted = gemm.amx
+    if request.param == "amx" and not wanted:
+        pytest.skip(AMX_REASON)
+    gemm.set_amx(request.param == "amx")
+    yield request.param
+    gemm.set_amx(wanted)
+
+
 # From GEMM_MIN_ROWS (256) rows the weight is written in float32 and multiplied by torch.
-@pytest.mark.parametrize("rows", [1, 2, 6, 7, 13, 96, 97, 200, 256, 301])
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 8, 13, 16, 17, 96, 97, 200, 256, 301])
 @pytest.mark.parametrize(
     ("out_features", "in_features", "group_size"),
-    [(64, 64, 32), (17, 64, 64), (130, 256, 128), (300, 128, 32), (8, 96, 96)],
+    [(64, 64, 32), (17, 64, 64), (130, 256, 128), (300, 128, 32), (8, 96, 96), (70, 512, 256)],
 )
 def test_kernel_matches_torch_on_the_dequantized_weight(
-    rows, out_features, in_features, group_size
+    path, rows, out_features, in_features, group_size
 ):
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features, generator=generator)
@@ -57,6 +73,30 @@ def test_kernel_matches_torch_on_the_dequantized_weight(
     # A strided input (a slice of a wider tensor) and a leading batch dimension.
     wide = torch.randn(rows, in_features + 5, generator=generator)[:, :in_features]
     _close(panels.linear(wide.unsqueeze(0), None)[0], wide, dequantized)
+
+
+@pytest.mark.skipif(not (load_int4_gemm() and load_int4_gemm().amx), reason=AMX_REASON)
+def test_amx_rows_do_not_depend_on_their_company_or_the_threads():
+    """A row's result on the AMX path is the same bits whatever other rows share the call,
+    however many rows that is (each tile of rows is multiplied on its own), and on 1 or 2
+    threads (a panel is one thread's)."""
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(200, 384, generator=generator)
+    codes, scales, _ = quantize_int4(weight, 128)
+    zeros = torch.randint(0, 17, scales.shape, generator=generator).float()
+    panels = Int4Panels(load_int4_gemm(), codes, scales, zeros, 128)
+    x = torch.randn(300, 384, generator=generator)
+    whole = panels.linear(x, None)
+    for start, stop in [(0, 8), (5, 13), (40, 56), (100, 300), (299, 300)]:
+        part = panels.linear(x[start:stop], None)
+        if stop - start >= 8:
+            assert torch.equal(part, whole[start:stop]), (start, stop)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(panels.linear(x[:64], None), whole[:64])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_panels_keep_the_codes_at_four_bits_and_give_them_back():

@@ -235,7 +235,7 @@ def load_kernel_from(
 
 def _inputs(folder: Path = SOURCE_PATH.parent) -> list[Path]:
     """Every file a build of the kernel in ``folder`` reads (its hash keys the cached build)."""
-    return sorted(folder.glob("*.[ch]"))
+    return [*sorted(folder.glob("*.[ch]")), native.SHARED_HEADERS / "amx_permission.h"]
 
 
 def _build(

@@ -26,35 +26,18 @@
 #ifndef CONVEYOR_AMX_TILES_H
 #define CONVEYOR_AMX_TILES_H
 
-#if defined(CONVEYOR_BF16) && defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) \
-    && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include "../../csrc/amx_permission.h"
+
+#if defined(CONVEYOR_BF16) && defined(CONVEYOR_AMX_BUILT)
 #define CONVEYOR_AMX 1
-#include <immintrin.h>
 
-/* Linux's permission request for the tile data state (arch/x86/include/uapi/asm/prctl.h), made
- * through libc's syscall(), declared here: its header would need _GNU_SOURCE, which drags in
- * sys/select.h's select() beside vector_math.h's. */
-extern long syscall(long number, ...);
-#define AMX_SYS_ARCH_PRCTL 158
-#define AMX_ARCH_REQ_XCOMP_PERM 0x1023
-#define AMX_XFEATURE_XTILEDATA 18
-
-/* 1 once this process may use the tiles and wants them (conveyor_amx_enable), else 0; the
- * permission, once granted, lasts as long as the process. */
-static int amx_ready = 0, amx_granted = 0;
+/* 1 once this process may use the tiles and wants them (conveyor_amx_enable), else 0. */
+static int amx_ready = 0;
 
 /* Every tile this path uses is 16 rows of 64 bytes: C (16x16 float32) in 0-3, one per row vector,
- * A (16 rows of 32 bfloat16) in 4, B (16 pair-rows of 16x2 bfloat16) in 5. */
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
-
-/* Loaded at the start of every query tile: oneDNN's matmuls on the same threads load their own
- * configuration between our calls. */
+ * A (16 rows of 32 bfloat16) in 4, B (16 pair-rows of 16x2 bfloat16) in 5. Loaded at the start
+ * of every query tile: oneDNN's matmuls on the same threads load their own configuration between
+ * our calls. */
 static inline void amx_configure(void) {
     amx_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -106,12 +89,7 @@ static inline __attribute__((always_inline)) __m512i amx_interleave_bf16(__m512 
 /* Whether the AMX path runs: 1 if asked for (want), built, and granted by the OS; else 0. */
 int conveyor_amx_enable(int want) {
 #ifdef CONVEYOR_AMX
-    /* The arguments as the longs the kernel reads: through "..." an int's upper half is
-     * whatever the register held. */
-    if (want && !amx_granted)
-        amx_granted = syscall((long)AMX_SYS_ARCH_PRCTL, (long)AMX_ARCH_REQ_XCOMP_PERM,
-                              (long)AMX_XFEATURE_XTILEDATA) == 0;
-    amx_ready = want && amx_granted;
+    amx_ready = amx_permission(want);
     return amx_ready;
 #else
     (void)want;
