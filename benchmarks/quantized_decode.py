@@ -2,6 +2,7 @@
 
     python -m benchmarks quantized-decode --size qwen3-0.6b --rounds 3 --output-len 64
     python -m benchmarks quantized-decode --size qwen3-0.6b --linears --rounds 5
+    python -m benchmarks quantized-decode --size qwen3-0.6b --linears --rows 1,8,64,256
 
 Runs in the process the developer starts. Builds one in-process engine per weight format on the
 same random-weight model (Qwen3-0.6B's shapes by default: big enough that reading the weights,
@@ -56,10 +57,17 @@ def decode_bytes(config: dict, name: str) -> float:
     return linears + head + 4 * hidden * (2 * config["num_hidden_layers"] + 2)
 
 
-def time_linears(config: dict, copies_bytes: int, repeats: int) -> None:
-    """Each decoder linear shape at one row, float32 (oneDNN's packed weight, what the layers
-    run) against the int8 and int4 kernels, on enough copies of the weight (``copies_bytes`` of
-    float32) that each call reads its weight from memory; the three interleaved, best of
+def _int4_linear(amx: bool, panels, x: torch.Tensor) -> torch.Tensor:
+    panels.gemm.set_amx(amx)
+    return panels.linear(x, None)
+
+
+def time_linears(config: dict, copies_bytes: int, repeats: int, rows: int = 1) -> None:
+    """Each decoder linear shape at ``rows`` rows, float32 (oneDNN's packed weight, what the
+    layers run) against the int8 and int4 kernels, on enough copies of the weight
+    (``copies_bytes`` of float32) that each call reads its weight from memory; on a host where
+    the 4-bit kernel has its AMX path, int4 with it ("int4") and without ("int4 avx": the 6-row
+    tile, from 256 rows the float32 weight and torch's GEMM). All interleaved, best of
     ``repeats`` passes over the copies."""
     from conveyor.worker.layers.gemm import linear, pack_weight
     from conveyor.worker.layers.int8_linear import Int8Weight
@@ -75,23 +83,27 @@ def time_linears(config: dict, copies_bytes: int, repeats: int) -> None:
     shapes = {"qkv": (q + 2 * kv, hidden), "o": (hidden, q), "gate_up": (2 * inter, hidden),
               "down": (hidden, inter)}  # fmt: skip
     gemm = load_int4_gemm()
-    print(f"{'linear':>8} {'float32 us':>11} {'int8 us':>8} {'int4 us':>8} {'int4 GB/s':>9} "
-          f"{'int4/int8':>9} {'int4/f32':>8}")  # fmt: skip
+    amx = gemm.amx
+    formats = ["float32", "int8", "int4", *(["int4 avx"] if amx else [])]
+    print(f"rows {rows}; int4 {'with' if amx else 'without'} the AMX path")
+    print(f"{'linear':>8} " + " ".join(f"{f + ' us':>11}" for f in formats)
+          + f" {'int4 GB/s':>9} {'int4/int8':>9} {'int4/f32':>8}"
+          + (f" {'amx/avx':>8}" if amx else ""))  # fmt: skip
     for name, (n, k) in shapes.items():
         count = max(2, copies_bytes // (4 * n * k))
         weights = [torch.randn(n, k) / k**0.5 for _ in range(count)]
-        variants = {
-            "float32": [(w, pack_weight(w)) for w in weights],
-            "int8": [Int8Weight(w, None) for w in weights],
-            "int4": [Int4Panels(gemm, *quantize_int4(w, 64), 64) for w in weights],
-        }
+        float32 = [(w, pack_weight(w)) for w in weights]
+        int8 = [Int8Weight(w, None) for w in weights]
+        int4 = [Int4Panels(gemm, *quantize_int4(w, 64), 64) for w in weights]
         del weights
-        x = torch.randn(1, k)
+        x = torch.randn(rows, k)
         calls = {
-            "float32": [functools.partial(linear, x, w, None, p) for w, p in variants["float32"]],
-            "int8": [functools.partial(q8.linear, x) for q8 in variants["int8"]],
-            "int4": [functools.partial(q4.linear, x, None) for q4 in variants["int4"]],
+            "float32": [functools.partial(linear, x, w, None, p) for w, p in float32],
+            "int8": [functools.partial(q8.linear, x) for q8 in int8],
+            "int4": [functools.partial(_int4_linear, amx, q4, x) for q4 in int4],
         }
+        if amx:
+            calls["int4 avx"] = [functools.partial(_int4_linear, False, q4, x) for q4 in int4]
         best = {v: float("inf") for v in calls}
         for _ in range(repeats):
             for v, each in calls.items():
@@ -99,13 +111,15 @@ def time_linears(config: dict, copies_bytes: int, repeats: int) -> None:
                 for call in each:
                     call()
                 best[v] = min(best[v], (time.perf_counter() - start) / count)
-        int4_bytes = variants["int4"][0].nbytes
+        gemm.set_amx(amx)
+        int4_bytes = int4[0].nbytes
         us = {v: t * 1e6 for v, t in best.items()}
         print(
-            f"{name:>8} {us['float32']:11.1f} {us['int8']:8.1f} {us['int4']:8.1f} "
-            f"{int4_bytes / best['int4'] / 1e9:9.1f} {best['int8'] / best['int4']:9.2f} "
-            f"{best['float32'] / best['int4']:8.2f}"
-        )
+            f"{name:>8} " + " ".join(f"{us[f]:11.1f}" for f in formats)
+            + f" {int4_bytes / best['int4'] / 1e9:9.1f} {best['int8'] / best['int4']:9.2f}"
+            + f" {best['float32'] / best['int4']:8.2f}"
+            + (f" {best['int4 avx'] / best['int4']:8.2f}" if amx else "")
+        )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "--linears", action="store_true", help="time each decoder linear at one row instead"
     )
     parser.add_argument("--copies-mb", type=int, default=512, help="--linears: float32 MB")
+    parser.add_argument("--rows", default="1", help="--linears: row counts, comma-separated")
     args = parser.parse_args(argv)
     model_dir = args.model or str(ensure_model(args.size, "qwen3"))
     bandwidth = read_bandwidth()
@@ -132,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         print("machine:", ", ".join(f"{k}={v}" for k, v in machine_info().items()))
         print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (torch.mv over a 1 GiB float32 matrix)")
         config = json.loads((Path(model_dir) / "config.json").read_text())
-        time_linears(config, args.copies_mb << 20, args.rounds)
+        for rows in (int(r) for r in args.rows.split(",")):
+            time_linears(config, args.copies_mb << 20, args.rounds, rows)
         return 0
     engines = {}
     for name in args.formats.split(","):
