@@ -25,6 +25,9 @@ COMMANDS: CommandTable = {
     "llama-cpp": Command(
         "benchmarks.llama_cpp", "decode beside llama.cpp's Q4_0: int4, int8, float32, CPU"
     ),
+    "llama-cpp-serve": Command(
+        "benchmarks.llama_cpp_serve", "the mix workload through llama-server and conveyor serve"
+    ),
     "quant-gemm": Command(
         "benchmarks.quant_gemm", "quantized linears on CUDA: Triton kernel, torch path, bf16"
     ),
