@@ -53,8 +53,8 @@ def zeros_on_huge_pages(
 
 def place_weights_on_huge_pages(model: torch.nn.Module, min_bytes: int = HUGE_PAGE_BYTES) -> int:
     """Move a CPU model's parameters, buffers and compiled-kernel weight copies (a module's
-    attributes with a ``weight_tensors()`` method: the 4-bit panels) into one mapping that
-    asked for huge pages; returns the bytes moved.
+    attributes with a ``weight_tensors()`` method: the 4-bit panels, int8 weights) into one
+    mapping that asked for huge pages; returns the bytes moved.
 
     A decode step at a few rows streams every weight once, linear after linear: with 4 KiB
     pages every page of a weight is a TLB miss and the prefetchers stop at each page boundary,

@@ -31,8 +31,6 @@ from conveyor.runtime import cpu_isa
 
 T = TypeVar("T")
 
-# C headers more than one kernel includes (each kernel lists the ones it reads in its inputs).
-SHARED_HEADERS = Path(__file__).parent / "csrc"
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +49,11 @@ FLAG_SETS = (
 TORCH_FALLBACK_COST = "about 1.5x slower end to end where measured"
 # ISO C mode turns off contracting a * b + c into one fused multiply-add; the kernels are nearly
 # all of those, and without FMA the attention kernel ran at about half the speed.
-COMMON_FLAGS = ("-shared", "-fPIC", "-std=c11", "-ffp-contract=fast")
+# C headers more than one kernel includes (each kernel lists the ones it reads in its inputs),
+# found through -I, so a copy of a kernel's folder elsewhere (the attention benchmark's
+# --compare-kernel) still builds.
+SHARED_HEADERS = Path(__file__).parent / "csrc"
+COMMON_FLAGS = ("-shared", "-fPIC", "-std=c11", "-ffp-contract=fast", f"-I{SHARED_HEADERS}")
 
 
 def compiled_paths_disabled() -> bool:

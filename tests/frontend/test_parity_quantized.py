@@ -57,6 +57,8 @@ CASES = [
     ("qwen3", "tiny", "compressed-tensors", dict(preset="W4A16", group=32), "load"),
     ("qwen3", "tiny", "compressed-tensors", dict(preset="W4A16_ASYM", group=32), "ct-dequantized"),
     ("qwen3", "tiny", "compressed-tensors", dict(preset="W8A16", group=32), "load"),
+    # One scale per output row: the int8 kernel's layout, which runs it.
+    ("llama", "tiny", "compressed-tensors", dict(preset="W8A16", strategy="channel"), "load"),
     ("qwen3", "tiny", "compressed-tensors", dict(preset="W8A8", group=0), "load"),
     ("qwen3", "tiny", "compressed-tensors", dict(preset="FP8", group=0), "load"),
     ("qwen3", "tiny", "compressed-tensors", dict(preset="FP8_DYNAMIC", group=0), "load"),

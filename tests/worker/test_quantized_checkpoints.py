@@ -23,6 +23,7 @@ from benchmarks.fixtures.quantized_maker import (
     ensure_quantized,
     reference_weights,
 )
+from conveyor.worker.layers.int8_linear import load_int8_gemm
 from conveyor.worker.layers.quantization.packing import (
     AWQ_ORDER,
     pack_int32,
@@ -116,10 +117,19 @@ def test_awq_weights_equal_what_their_codes_mean(qwen3):
 
 @pytest.mark.parametrize(
     ("preset", "group"),
-    [("W4A16", 32), ("W4A16_ASYM", 32), ("W8A16", 32), ("W8A8", 0), ("FP8", 0), ("FP8_DYNAMIC", 0)],
+    [
+        ("W4A16", 32),
+        ("W4A16_ASYM", 32),
+        ("W8A16", 32),
+        ("W8A16", "channel"),
+        ("W8A8", 0),
+        ("FP8", 0),
+        ("FP8_DYNAMIC", 0),
+    ],
 )
 def test_compressed_tensors_weights_equal_its_own_decompression(qwen3, preset, group):
-    model_dir = ensure_quantized(qwen3, "compressed-tensors", preset=preset, group=group)
+    options = dict(strategy=group) if isinstance(group, str) else dict(group=group)
+    model_dir = ensure_quantized(qwen3, "compressed-tensors", preset=preset, **options)
     reference = compressed_tensors_dequantized(model_dir)
     model = load_model(model_dir, torch.float32, CPU)
     for layer in (0, 1):
@@ -318,3 +328,27 @@ def test_4bit_experts_split_across_ranks_as_float_experts_do(tiny_moe_model_dirs
             e.project(h[:, 16 * r : 16 * (r + 1)], expert, 1) for r, e in enumerate(experts[1:])
         ]
         torch.testing.assert_close(sum(partial), experts[0].project(h, expert, 1))
+
+
+def test_channelwise_8bit_weights_run_in_the_int8_kernel(qwen3):
+    """W8A16 with one scale per output row (llm-compressor's default) is what --quantization int8
+    makes at load: its codes go to the compiled int8 kernel as they are, the checkpoint layout
+    released, and the linear equals x @ W^T of the weight compressed-tensors decompresses."""
+    if load_int8_gemm() is None:
+        pytest.skip("no C compiler for the int8 kernel")
+    model_dir = ensure_quantized(qwen3, "compressed-tensors", preset="W8A16", strategy="channel")
+    reference = compressed_tensors_dequantized(model_dir)
+    model = load_model(model_dir, torch.float32, CPU)
+    down = model.model.layers[0].mlp.down_proj
+    assert down.quant.int8 is not None and "codes" not in down.quant._parameters
+    weight = reference["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(down.quant.dequantized(), weight)
+    x = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    expected = x @ weight.T
+    bound = (x.abs() @ weight.abs().T) * (weight.shape[1] * 2**-22) + 1e-6
+    assert bool(((down(x) - expected).abs() <= bound).all())
+    # Group-wise 8-bit keeps the checkpoint layout (the int8 kernel has one scale per row).
+    grouped = load_model(
+        ensure_quantized(qwen3, "compressed-tensors", preset="W8A16", group=32), torch.float32, CPU
+    )
+    assert grouped.model.layers[0].mlp.down_proj.quant.int8 is None

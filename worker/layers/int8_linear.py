@@ -135,8 +135,22 @@ class Int8Weight:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         if weight.device.type != "cpu":
             raise ValueError(f"int8 weights run on CPU only, this one is on {weight.device}")
-        self.out_features, self.in_features = weight.shape
-        q, scale = quantize_int8(weight)
+        self._store(*quantize_int8(weight), bias)
+
+    @classmethod
+    def from_quantized(
+        cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> Int8Weight:
+        """A checkpoint's own int8 weight: q [N, K] int8 and one float32 scale per output row
+        (weight = q * scale), taken as they are."""
+        if q.dtype != torch.int8 or q.device.type != "cpu" or scale.shape != (q.shape[0],):
+            raise ValueError("from_quantized takes a CPU int8 [N, K] and an [N] scale")
+        weight = cls.__new__(cls)
+        weight._store(q, scale.to(torch.float32), bias)
+        return weight
+
+    def _store(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = q.shape
         self.gemm = load_int8_gemm()
         if self.gemm is not None:
             self.q = self.gemm.pack(q)
@@ -149,6 +163,11 @@ class Int8Weight:
     @property
     def nbytes(self) -> int:
         return self.q.nbytes + self.scale.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+    def weight_tensors(self) -> list[tuple[object, str, torch.Tensor]]:
+        """(owner, attribute, tensor) of what a step reads: for moving them to huge pages."""
+        names = ("q", "scale") if self.bias is None else ("q", "scale", "bias")
+        return [(self, name, getattr(self, name)) for name in names]
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] this computes with, q * scale (for tests and checks)."""

@@ -26,7 +26,7 @@
 #ifndef CONVEYOR_AMX_TILES_H
 #define CONVEYOR_AMX_TILES_H
 
-#include "../../csrc/amx_permission.h"
+#include "amx_permission.h" /* worker/csrc, through -I */
 
 #if defined(CONVEYOR_BF16) && defined(CONVEYOR_AMX_BUILT)
 #define CONVEYOR_AMX 1

@@ -37,7 +37,7 @@
 #include <immintrin.h>
 #endif
 
-#include "../../csrc/amx_permission.h"
+#include "amx_permission.h" /* worker/csrc, through -I */
 
 #define CONVEYOR_INT4_GEMM_ABI_VERSION 5
 

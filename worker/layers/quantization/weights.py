@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from conveyor.worker.layers.int8_linear import Int8Weight, load_int8_gemm
 from conveyor.worker.layers.quantization import triton_quant
 from conveyor.worker.layers.quantization.activations import fake_quantize, quantize
 from conveyor.worker.layers.quantization.int4_kernel import (
@@ -50,8 +51,10 @@ class QuantizedWeights(nn.Module):
         self.scheme = scheme
         self.out_features, self.in_features = out_features, in_features
         self._full_rows, self._load_part = full_rows, load_part
-        # The compiled kernel's copy, once ``process_weights_after_loading`` made it.
+        # The compiled kernel's copy, once ``process_weights_after_loading`` made it: 4-bit
+        # panels, or a channel-wise symmetric 8-bit weight in the int8 kernel.
         self.panels: Int4Panels | None = None
+        self.int8: Int8Weight | None = None
         # What the CUDA kernels do for each matmul, once ``process_weights_after_loading`` made it.
         self.kernel_plan: triton_quant.KernelPlan | None = None
         # Act-order weights whose input features the CUDA path sorted by group: feature j of
@@ -108,17 +111,25 @@ class QuantizedWeights(nn.Module):
         """On CUDA, sort act-order weights' input features by group and plan the Triton
         kernels' matmuls (triton_quant.py). Move group-wise 4-bit weights on a CPU into the
         kernel's layout, releasing the checkpoint layout (the kernel's copy is the only one;
-        ``dequantized`` reads it)."""
-        if self.panels is None and self.codes.device.type == "cuda":
+        ``dequantized`` reads it); channel-wise 8-bit ones into the int8 kernel's. Once is
+        enough: a second call (the loader's, after a caller's) leaves them as they are."""
+        if self.panels is not None or self.int8 is not None:
+            return
+        if self.codes.device.type == "cuda":
             if triton_quant.unavailable_reason() is None:
                 triton_quant.sort_act_order_groups(self)
             self.kernel_plan = triton_quant.make_plan(self)
             return
         w = self.scheme.weights
         group_size = w.group_size or self.in_features
+        if self._int8_kernel_takes_it():
+            q = (self.codes.data.to(torch.int16) - w.middle_code).to(torch.int8)
+            self.int8 = Int8Weight.from_quantized(q, self.scales.data[:, 0])
+            for name in ("codes", "scales"):
+                delattr(self, name)
+            return
         if (
-            self.panels is not None
-            or w.kind != INT
+            w.kind != INT
             or w.bits != 4
             or w.act_order
             or self.scheme.activations is not None
@@ -137,6 +148,22 @@ class QuantizedWeights(nn.Module):
         for name in ("codes", "scales", "zeros"):
             if name in self._parameters:
                 delattr(self, name)
+
+    def _int8_kernel_takes_it(self) -> bool:
+        """8-bit integers, symmetric, one scale per output row (compressed-tensors W8A16 as
+        llm-compressor makes it), weight-only, on a CPU with the compiled int8 kernel: exactly
+        what ``--quantization int8`` makes at load, so the same kernel runs them."""
+        w = self.scheme.weights
+        return (
+            w.kind == INT
+            and w.bits == 8
+            and w.symmetric
+            and not w.act_order
+            and w.group_size in (0, self.in_features)
+            and self.scheme.activations is None
+            and self.codes.device.type == "cpu"
+            and load_int8_gemm() is not None
+        )
 
     def group_of_each_input(self) -> torch.Tensor:
         w = self.scheme.weights
@@ -162,6 +189,8 @@ class QuantizedWeights(nn.Module):
         if self.panels is not None:
             codes, scales, zeros = self.panels.unpacked()
             return ((codes.float() - zeros[:, groups]) * scales[:, groups]).to(dtype)
+        if self.int8 is not None:
+            return self.int8.dequantized().to(dtype)
         if w.kind == FLOAT8:
             return (self.codes.to(torch.float32) * self.scales[:, groups]).to(dtype)
         codes = unpack_nibbles(self.codes) if w.bits == 4 else self.codes
@@ -171,6 +200,8 @@ class QuantizedWeights(nn.Module):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.panels is not None:
             return self.panels.linear(x, bias)
+        if self.int8 is not None:
+            return self.int8.linear(x, with_bias=False, add=bias)
         if self.kernel_plan is not None and triton_quant.failure is None:
             out = triton_quant.linear(self, self.kernel_plan, x, bias)
             if out is not None:
