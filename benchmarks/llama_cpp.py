@@ -154,17 +154,24 @@ def pin_cores(count: int) -> list[int]:
     return cores
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def common_parser(description: str, formats: str) -> argparse.ArgumentParser:
+    """The options every llama.cpp comparison takes: the tree and its build, the model's size,
+    rounds, cores and conveyor's weight formats."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--llama-cpp-dir", help="a llama.cpp source tree with its build")
     parser.add_argument("--build-dir", help="its CMake build folder (default <dir>/build)")
     parser.add_argument("--size", default="qwen3-0.6b")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cores", type=int, default=0, help="pin to this many cores (0: all)")
+    parser.add_argument("--formats", default=formats, help="conveyor's, comma-separated")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = common_parser(__doc__.split("\n")[0], "int4,int8,float32")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--cores", type=int, default=0, help="pin to this many cores (0: all)")
-    parser.add_argument("--formats", default="int4,int8,float32")
     # Each engine's own; three engines stay loaded (a 1 GiB cache each was OOM-killed beside
     # other sessions on a 23 GB host). Batch 64 of 16 + 16 tokens needs about 0.5 GB.
     parser.add_argument("--kv-cache-mb", type=int, default=512)

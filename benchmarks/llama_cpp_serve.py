@@ -24,7 +24,6 @@ llama-server gets ``-t N``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import tempfile
@@ -34,7 +33,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from benchmarks.llama_cpp import ensure_q4_0, find_llama_cpp, pin_cores
+from benchmarks.llama_cpp import common_parser, ensure_q4_0, find_llama_cpp, pin_cores
 from benchmarks.soak.soak import free_port, run_loadgen, start_server
 
 
@@ -78,15 +77,9 @@ def stop(process: subprocess.Popen) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--llama-cpp-dir", help="a llama.cpp source tree with its build")
-    parser.add_argument("--build-dir", help="its CMake build folder (default <dir>/build)")
-    parser.add_argument("--size", default="qwen3-0.6b")
+    parser = common_parser(__doc__.split("\n")[0], "int4")
     parser.add_argument("--workload", default="mix")
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--cores", type=int, default=0, help="pin to this many cores (0: all)")
-    parser.add_argument("--formats", default="int4", help="conveyor's, e.g. int4,int8,float32")
     parser.add_argument("--kv-cache-memory", default="6G", help="conveyor serve's KV cache")
     parser.add_argument("--work-dir", help="logs and reports (default: a new temporary folder)")
     args = parser.parse_args(argv)

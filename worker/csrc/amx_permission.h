@@ -47,6 +47,15 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } amx_config;
+
+/* LDTILECFG of cfg. GCC does not count the instruction as reading cfg's bytes and may drop the
+ * stores that fill it (seen: a configuring function outside its caller kept only the palette
+ * and the first 32 bytes, and LDTILECFG faulted); the empty asm that takes cfg's address with
+ * a memory clobber keeps every store before it. */
+static inline void amx_load_config(const amx_config *cfg) {
+    __asm__ volatile("" : : "r"(cfg) : "memory");
+    _tile_loadconfig(cfg);
+}
 #endif
 
 #endif /* CONVEYOR_AMX_PERMISSION_H */

@@ -46,7 +46,7 @@ static inline void amx_configure(void) {
         cfg.colsb[i] = 64;
         cfg.rows[i] = 16;
     }
-    _tile_loadconfig(&cfg);
+    amx_load_config(&cfg);
 }
 
 /* Transpose 16 rows of 16 dwords in place (r[i][j] -> r[j][i]): 32-bit unpacks within 128-bit

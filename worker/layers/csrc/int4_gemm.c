@@ -318,7 +318,7 @@ static inline void int4_amx_configure(int rows) {
         cfg.colsb[i] = 64;
         cfg.rows[i] = i == 7 ? 16 : rows;
     }
-    _tile_loadconfig(&cfg);
+    amx_load_config(&cfg);
 }
 
 /* Features [k0, k0 + count) of the panel's codes as B operands: b [4 column blocks][count / 2
@@ -347,6 +347,29 @@ static void int4_amx_unpack(const uint32_t *panel, int64_t k0, int64_t count, ui
                                                              table));
         }
     }
+}
+
+/* A thread's start in a parallel region: its B operand buffer (AMX_SPAN features of a panel)
+ * and, if totals_size, a float buffer of that many for the rows' totals, its tiles configured
+ * for `rows` rows. NULL (both freed, *failed set) if memory ran out: the thread then skips its
+ * panels, and the call reports it. */
+static uint32_t *int4_amx_thread_start(int rows, int64_t totals_size, float **totals,
+                                       int *failed) {
+    uint32_t *b = aligned_alloc(64, (size_t)(AMX_SPAN / 2 * PANEL) * sizeof(uint32_t));
+    if (b != NULL && totals_size) {
+        *totals = aligned_alloc(64, (size_t)totals_size * sizeof(float));
+        if (*totals == NULL) {
+            free(b);
+            b = NULL;
+        }
+    }
+    if (b == NULL) {
+#pragma omp atomic write
+        *failed = 1;
+        return NULL;
+    }
+    int4_amx_configure(rows);
+    return b;
 }
 
 /* Asks for the codes AMX_PREFETCH_SPANS spans ahead of [k0, k0 + span) (past the panel's end,
@@ -429,15 +452,9 @@ static int int4_amx_few_rows(const float *x, int64_t x_stride, int64_t m_size, i
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_panels > 1)
     {
-        uint32_t *b = aligned_alloc(64, (size_t)(AMX_SPAN / 2 * PANEL) * sizeof(uint32_t));
+        uint32_t *b = int4_amx_thread_start(rows, 0, NULL, &failed);
         float c[16 * PANEL] __attribute__((aligned(64)));
         float totals[AMX_FEW_ROWS * PANEL] __attribute__((aligned(64)));
-        if (b != NULL) {
-            int4_amx_configure(rows);
-        } else {
-#pragma omp atomic write
-            failed = 1;
-        }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < num_panels; p++) {
             if (b == NULL) continue;
@@ -543,19 +560,13 @@ int conveyor_int4_linear_amx(const float *x, int64_t x_stride, int64_t m_size, i
         int4_amx_split(x, x_stride, m0, rows, tile_rows, k_size, span, a, span_sums);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_panels > 1)
         {
-            uint32_t *b = aligned_alloc(64, (size_t)(AMX_SPAN / 2 * PANEL) * sizeof(uint32_t));
-            float *totals = aligned_alloc(64, (size_t)(tiles * tile_rows * PANEL) * sizeof(float));
+            float *totals = NULL;
+            uint32_t *b = int4_amx_thread_start(tile_rows, tiles * tile_rows * PANEL, &totals,
+                                                &failed);
             float c[16 * PANEL] __attribute__((aligned(64)));
-            const int ready = b != NULL && totals != NULL;
-            if (ready) {
-                int4_amx_configure(tile_rows);
-            } else {
-#pragma omp atomic write
-                failed = 1;
-            }
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < num_panels; p++) {
-                if (!ready) continue;
+                if (b == NULL) continue;
                 const uint32_t *panel = packed + p * (k_size / CODES_PER_WORD) * PANEL;
                 memset(totals, 0, (size_t)(tiles * tile_rows * PANEL) * sizeof(float));
                 for (int64_t k0 = 0; k0 < k_size; k0 += span) {
@@ -619,7 +630,7 @@ int conveyor_int4_linear_amx(const float *x, int64_t x_stride, int64_t m_size, i
                         o[n] = totals[r * PANEL + n] + (bias ? bias[n0 + n] : 0.0f);
                 }
             }
-            if (ready) _tile_release();
+            if (b != NULL) _tile_release();
             free(b);
             free(totals);
         }
