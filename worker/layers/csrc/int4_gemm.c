@@ -167,6 +167,13 @@ static inline __attribute__((always_inline)) void rows_group(
         default: CALL(6); break;  \
     }
 
+/* 1 unless the sizes make sense: groups that divide K and are a multiple of `multiple`. */
+static int bad_shapes(int64_t m_size, int64_t k_size, int64_t n_size, int64_t group_size,
+                      int64_t multiple, int num_threads) {
+    return m_size < 0 || k_size <= 0 || n_size <= 0 || num_threads < 1 || group_size <= 0 ||
+           k_size % group_size || group_size % multiple;
+}
+
 /* out [M, N] = x [M, K] @ W^T + bias. packed: [ceil(N / PANEL)][K / 8][PANEL] words; scale
  * and zero_offset (2^23 + z): [ceil(N / PANEL)][K / group_size][PANEL] floats; bias [N] (or
  * NULL). group_size divides K and is a multiple of 8. */
@@ -174,9 +181,7 @@ int conveyor_int4_linear(const float *x, int64_t x_stride, int64_t m_size, int64
                          const uint32_t *packed, const float *scale, const float *zero_offset,
                          const float *bias, int64_t n_size, int64_t group_size, float *out,
                          int64_t out_stride, int num_threads) {
-    if (m_size < 0 || k_size <= 0 || n_size <= 0 || num_threads < 1 || group_size <= 0 ||
-        k_size % group_size || group_size % CODES_PER_WORD)
-        return -1;
+    if (bad_shapes(m_size, k_size, n_size, group_size, CODES_PER_WORD, num_threads)) return -1;
     if (m_size == 0) return 0;
     const int64_t num_groups = k_size / group_size;
     const int64_t num_panels = (n_size + PANEL - 1) / PANEL;
@@ -372,6 +377,26 @@ static uint32_t *int4_amx_thread_start(int rows, int64_t totals_size, float **to
     return b;
 }
 
+/* The four C tiles (16 columns each) side by side into c [rows][PANEL]. */
+static inline void int4_amx_store_c(float *c) {
+    _tile_stored(0, c, PANEL * 4);
+    _tile_stored(1, c + VL, PANEL * 4);
+    _tile_stored(2, c + 2 * VL, PANEL * 4);
+    _tile_stored(3, c + 3 * VL, PANEL * 4);
+}
+
+/* Panel p's columns of `rows` output rows: the totals [rows][PANEL] plus the bias. */
+static void int4_amx_write_rows(const float *totals, int64_t rows, int64_t p, int64_t n_size,
+                                const float *bias, float *out, int64_t out_stride) {
+    const int64_t n0 = p * PANEL;
+    const int width = n_size - n0 < PANEL ? (int)(n_size - n0) : PANEL;
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = out + r * out_stride + n0;
+        for (int n = 0; n < width; n++)
+            o[n] = totals[r * PANEL + n] + (bias ? bias[n0 + n] : 0.0f);
+    }
+}
+
 /* Asks for the codes AMX_PREFETCH_SPANS spans ahead of [k0, k0 + span) (past the panel's end,
  * the next panel's, which the same thread most often takes next): between unpackings the tile
  * products leave the memory idle, where the 6-row tile's loads stream all along. From memory at
@@ -480,10 +505,7 @@ static int int4_amx_few_rows(const float *x, int64_t x_stride, int64_t m_size, i
                     _tile_loadd(7, bk + 3 * (span / 2) * VL, VL * 4);
                     _tile_dpbf16ps(3, 4, 7);
                 }
-                _tile_stored(0, c, PANEL * 4);
-                _tile_stored(1, c + VL, PANEL * 4);
-                _tile_stored(2, c + 2 * VL, PANEL * 4);
-                _tile_stored(3, c + 3 * VL, PANEL * 4);
+                int4_amx_store_c(c);
                 const float *s = scale + (p * num_groups + g) * PANEL;
                 const float *zoff = zero_offset + (p * num_groups + g) * PANEL;
                 for (int j = 0; j < NV; j++) {
@@ -502,13 +524,7 @@ static int int4_amx_few_rows(const float *x, int64_t x_stride, int64_t m_size, i
                     }
                 }
             }
-            const int64_t n0 = p * PANEL;
-            const int width = n_size - n0 < PANEL ? (int)(n_size - n0) : PANEL;
-            for (int64_t r = 0; r < m_size; r++) {
-                float *o = out + r * out_stride + n0;
-                for (int n = 0; n < width; n++)
-                    o[n] = totals[r * PANEL + n] + (bias ? bias[n0 + n] : 0.0f);
-            }
+            int4_amx_write_rows(totals, m_size, p, n_size, bias, out, out_stride);
         }
         if (b != NULL) _tile_release();
         free(b);
@@ -525,9 +541,7 @@ int conveyor_int4_linear_amx(const float *x, int64_t x_stride, int64_t m_size, i
                              const uint32_t *packed, const float *scale, const float *zero_offset,
                              const float *bias, int64_t n_size, int64_t group_size, float *out,
                              int64_t out_stride, int num_threads) {
-    if (m_size < 0 || k_size <= 0 || n_size <= 0 || num_threads < 1 || group_size <= 0 ||
-        k_size % group_size || group_size % AMX_K)
-        return -1;
+    if (bad_shapes(m_size, k_size, n_size, group_size, AMX_K, num_threads)) return -1;
     if (!int4_amx_ready) return -3;
     if (m_size == 0) return 0;
     const int64_t num_groups = k_size / group_size;
@@ -598,10 +612,7 @@ int conveyor_int4_linear_amx(const float *x, int64_t x_stride, int64_t m_size, i
                             COLUMNS(3)
 #undef COLUMNS
                         }
-                        _tile_stored(0, c, PANEL * 4);
-                        _tile_stored(1, c + VL, PANEL * 4);
-                        _tile_stored(2, c + 2 * VL, PANEL * 4);
-                        _tile_stored(3, c + 3 * VL, PANEL * 4);
+                        int4_amx_store_c(c);
                         /* totals += s * (sum x (u - 8) - (z - 8) sum x); zoff is 2^23 + z. */
                         float *tt = totals + t * tile_rows * PANEL;
                         const float *sums = span_sums + t * tile_rows * (k_size / span) + k0 / span;
@@ -622,13 +633,8 @@ int conveyor_int4_linear_amx(const float *x, int64_t x_stride, int64_t m_size, i
                         }
                     }
                 }
-                const int64_t n0 = p * PANEL;
-                const int width = n_size - n0 < PANEL ? (int)(n_size - n0) : PANEL;
-                for (int64_t r = 0; r < rows; r++) {
-                    float *o = out + (m0 + r) * out_stride + n0;
-                    for (int n = 0; n < width; n++)
-                        o[n] = totals[r * PANEL + n] + (bias ? bias[n0 + n] : 0.0f);
-                }
+                int4_amx_write_rows(totals, rows, p, n_size, bias, out + m0 * out_stride,
+                                    out_stride);
             }
             if (b != NULL) _tile_release();
             free(b);
