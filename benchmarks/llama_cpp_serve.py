@@ -35,13 +35,12 @@ import numpy as np
 
 from benchmarks.llama_cpp import common_parser, ensure_q4_0, find_llama_cpp, pin_cores
 from benchmarks.soak.soak import free_port, run_loadgen, start_server
+from conveyor.bench.offline import WORKLOADS
 
 
 def write_requests(path: Path, workload: str, count: int, vocab_size: int) -> tuple[int, int]:
     """``count`` requests of the workload's shapes in turn, as the load generator's jsonl; the
     longest prompt and output."""
-    from conveyor.bench.offline import WORKLOADS
-
     shapes = WORKLOADS[workload]
     rng = np.random.default_rng(0)
     with path.open("w") as out:
@@ -78,7 +77,7 @@ def stop(process: subprocess.Popen) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = common_parser(__doc__.split("\n")[0], "int4")
-    parser.add_argument("--workload", default="mix")
+    parser.add_argument("--workload", default="mix", choices=sorted(WORKLOADS))
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--kv-cache-memory", default="6G", help="conveyor serve's KV cache")
     parser.add_argument("--work-dir", help="logs and reports (default: a new temporary folder)")

@@ -31,7 +31,6 @@ from conveyor.runtime import cpu_isa
 
 T = TypeVar("T")
 
-
 logger = logging.getLogger(__name__)
 
 # Tried in order: the first set the compiler accepts wins. -march=native vectorises for this CPU
@@ -47,12 +46,12 @@ FLAG_SETS = (
 # (float32, workload equal, 64 requests) on a shared 2-core Intel Xeon host: 1.4-1.9x in five of
 # six interleaved pairs, even in one.
 TORCH_FALLBACK_COST = "about 1.5x slower end to end where measured"
-# ISO C mode turns off contracting a * b + c into one fused multiply-add; the kernels are nearly
-# all of those, and without FMA the attention kernel ran at about half the speed.
 # C headers more than one kernel includes (each kernel lists the ones it reads in its inputs),
 # found through -I, so a copy of a kernel's folder elsewhere (the attention benchmark's
 # --compare-kernel) still builds.
 SHARED_HEADERS = Path(__file__).parent / "csrc"
+# ISO C mode turns off contracting a * b + c into one fused multiply-add; the kernels are nearly
+# all of those, and without FMA the attention kernel ran at about half the speed.
 COMMON_FLAGS = ("-shared", "-fPIC", "-std=c11", "-ffp-contract=fast", f"-I{SHARED_HEADERS}")
 
 

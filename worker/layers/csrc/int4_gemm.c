@@ -398,7 +398,8 @@ static void int4_amx_write_rows(const float *totals, int64_t rows, int64_t p, in
 }
 
 /* Asks for the codes AMX_PREFETCH_SPANS spans ahead of [k0, k0 + span) (past the panel's end,
- * the next panel's, which the same thread most often takes next): between unpackings the tile
+ * the next panel's, which the same thread most often takes next; past the last panel, nothing:
+ * a prefetch never faults): between unpackings the tile
  * products leave the memory idle, where the 6-row tile's loads stream all along. From memory at
  * 1-4 rows this took a linear from 0.73-0.93x of the 6-row tile's speed to 0.95-1.23x. */
 static inline void int4_amx_prefetch(const uint32_t *panel, int64_t k0, int64_t span) {
@@ -406,6 +407,28 @@ static inline void int4_amx_prefetch(const uint32_t *panel, int64_t k0, int64_t 
         (const char *)(panel + (k0 + AMX_PREFETCH_SPANS * span) / CODES_PER_WORD * PANEL);
     for (int64_t offset = 0; offset < span / CODES_PER_WORD * PANEL * 4; offset += 64)
         _mm_prefetch(ahead + offset, _MM_HINT_T0);
+}
+
+/* One row x [K] split into its AMX_PARTS bfloat16 parts: part t of features 32b .. 32b + 31 at
+ * dest + b * block_stride + t * part_stride (the A operands' layout is the caller's); sums
+ * [K / span]: the row's sum of x over each span of features (for the zero term). */
+static void int4_amx_split_row(const float *xr, int64_t k_size, int64_t span, float *sums,
+                               uint16_t *dest, int64_t block_stride, int64_t part_stride) {
+    for (int64_t k0 = 0; k0 < k_size; k0 += span) {
+        float sum = 0.0f;
+        for (int64_t k = k0; k < k0 + span; k++) sum += xr[k];
+        sums[k0 / span] = sum;
+    }
+    for (int64_t k = 0; k < k_size; k += 16) {
+        __m512 rest = _mm512_loadu_ps(xr + k);
+        uint16_t *block = dest + (k / AMX_K) * block_stride + k % AMX_K;
+        for (int t = 0; t < AMX_PARTS; t++) {
+            const __m256bh part = _mm512_cvtneps_pbh(rest);
+            _mm256_storeu_si256((__m256i *)(block + t * part_stride), (__m256i)part);
+            /* What the part left: exact in float32 (the part is rest's rounding). */
+            rest = _mm512_sub_ps(rest, _mm512_cvtpbh_ps(part));
+        }
+    }
 }
 
 /* x's rows [m0, m0 + rows) as A operands: a [ceil(rows / tile_rows)][K / 32][3 parts]
@@ -418,25 +441,11 @@ static void int4_amx_split(const float *x, int64_t x_stride, int64_t m0, int64_t
     const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
     const int64_t operand = (int64_t)tile_rows * AMX_K, tile_size = AMX_PARTS * k_size * tile_rows;
     memset(a, 0, (size_t)(tiles * tile_size) * sizeof(uint16_t));
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + (m0 + r) * x_stride;
-        uint16_t *dest = a + (r / tile_rows) * tile_size + (r % tile_rows) * AMX_K;
-        for (int64_t k0 = 0; k0 < k_size; k0 += span) {
-            float sum = 0.0f;
-            for (int64_t k = k0; k < k0 + span; k++) sum += xr[k];
-            span_sums[r * (k_size / span) + k0 / span] = sum;
-        }
-        for (int64_t k = 0; k < k_size; k += 16) {
-            __m512 rest = _mm512_loadu_ps(xr + k);
-            uint16_t *block = dest + (k / AMX_K) * AMX_PARTS * operand + k % AMX_K;
-            for (int t = 0; t < AMX_PARTS; t++) {
-                const __m256bh part = _mm512_cvtneps_pbh(rest);
-                _mm256_storeu_si256((__m256i *)(block + t * operand), (__m256i)part);
-                /* What the part left: exact in float32 (the part is rest's rounding). */
-                rest = _mm512_sub_ps(rest, _mm512_cvtpbh_ps(part));
-            }
-        }
-    }
+    for (int64_t r = 0; r < rows; r++)
+        int4_amx_split_row(x + (m0 + r) * x_stride, k_size, span,
+                           span_sums + r * (k_size / span),
+                           a + (r / tile_rows) * tile_size + (r % tile_rows) * AMX_K,
+                           AMX_PARTS * operand, operand);
 }
 
 /* Up to AMX_FEW_ROWS rows: x's parts are the rows of one A operand (row 3i + t holds part t
@@ -450,30 +459,16 @@ static int int4_amx_few_rows(const float *x, int64_t x_stride, int64_t m_size, i
     const int64_t num_groups = k_size / group_size, spans = k_size / span;
     const int64_t num_panels = (n_size + PANEL - 1) / PANEL;
     const int rows = (int)m_size * AMX_PARTS;
-    uint16_t *a = aligned_alloc(64, (size_t)(k_size * rows) * 2 + 64);
+    uint16_t *a = aligned_alloc(64, (size_t)(k_size * rows) * 2); /* K: a multiple of 32 */
     float *span_sums = malloc((size_t)(m_size * spans) * sizeof(float));
     if (a == NULL || span_sums == NULL) {
         free(a);
         free(span_sums);
         return -2;
     }
-    for (int64_t r = 0; r < m_size; r++) {
-        const float *xr = x + r * x_stride;
-        for (int64_t k0 = 0; k0 < k_size; k0 += span) {
-            float sum = 0.0f;
-            for (int64_t k = k0; k < k0 + span; k++) sum += xr[k];
-            span_sums[r * spans + k0 / span] = sum;
-        }
-        for (int64_t k = 0; k < k_size; k += 16) {
-            __m512 rest = _mm512_loadu_ps(xr + k);
-            uint16_t *dest = a + ((k / AMX_K) * rows + r * AMX_PARTS) * AMX_K + k % AMX_K;
-            for (int t = 0; t < AMX_PARTS; t++) {
-                const __m256bh part = _mm512_cvtneps_pbh(rest);
-                _mm256_storeu_si256((__m256i *)(dest + t * AMX_K), (__m256i)part);
-                rest = _mm512_sub_ps(rest, _mm512_cvtpbh_ps(part));
-            }
-        }
-    }
+    for (int64_t r = 0; r < m_size; r++)
+        int4_amx_split_row(x + r * x_stride, k_size, span, span_sums + r * spans,
+                           a + r * AMX_PARTS * AMX_K, rows * AMX_K, AMX_K);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_panels > 1)
     {
