@@ -13,6 +13,7 @@ import torch
 
 from benchmarks.fixtures.quantized_maker import ensure_quantized, reference_weights
 from conveyor.worker.layers.quantization.int4_kernel import (
+    AMX_MIN_ROWS,
     Int4Panels,
     load_int4_gemm,
     quantize_int4,
@@ -78,9 +79,9 @@ def test_kernel_matches_torch_on_the_dequantized_weight(
 @pytest.mark.skipif(not (load_int4_gemm() and load_int4_gemm().amx), reason=AMX_REASON)
 def test_amx_rows_do_not_depend_on_their_company_or_the_threads():
     """A row's result on the AMX path is the same bits whatever other rows share the call (each
-    row of a tile is multiplied on its own), for every count of six rows and more, and again
-    among counts of two to five (there a row's three parts are rows of one tile, summed after
-    the products), and on 1 or 2 threads (a panel is one thread's)."""
+    row of a tile is multiplied on its own), for every count from AMX_MIN_ROWS rows, and on 1 or
+    2 threads (a panel is one thread's); below AMX_MIN_ROWS the 6-row tile runs, whose rows are
+    just as independent of each other."""
     generator = torch.Generator().manual_seed(7)
     weight = torch.randn(200, 384, generator=generator)
     codes, scales, _ = quantize_int4(weight, 128)
@@ -88,13 +89,14 @@ def test_amx_rows_do_not_depend_on_their_company_or_the_threads():
     panels = Int4Panels(load_int4_gemm(), codes, scales, zeros, 128)
     x = torch.randn(300, 384, generator=generator)
     whole = panels.linear(x, None)
-    for start, stop in [(0, 6), (0, 8), (5, 13), (40, 56), (100, 300)]:
+    least = AMX_MIN_ROWS
+    for start, stop in [(0, least), (0, least + 1), (5, 5 + least + 3), (40, 56), (100, 300)]:
         assert torch.equal(panels.linear(x[start:stop], None), whole[start:stop]), (start, stop)
-    few = panels.linear(x[10:15], None)
-    for start, stop in [(10, 12), (11, 14), (13, 15)]:
+    few = panels.linear(x[10 : 10 + least - 1], None)
+    for start, stop in [(10, 11), (10, 12), (11, 9 + least), (12, 10 + least - 1)]:
         part = panels.linear(x[start:stop], None)
         assert torch.equal(part, few[start - 10 : stop - 10]), (start, stop)
-    _close(few, x[10:15], _dequantized(codes, scales, zeros, 128))
+    _close(few, x[10 : 10 + least - 1], _dequantized(codes, scales, zeros, 128))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -54,6 +54,12 @@
 #define FEATURE_AT(q) (2 * ((q) % 4) + (q) / 4)
 #define MR 6
 #define MB 96
+/* How far ahead of its reads the tile asks for code words and for a group's scales and zeros.
+ * The hardware prefetchers alone left one row's tile reading 12-14 GB/s of a host's 28 (2-core
+ * AMX Xeon, Qwen3-0.6B's decoder linears streamed from memory, 2 threads); asking 2 KB ahead
+ * into every cache level took it to 16.5-17.5 (nearer, farther or non-temporal: slower). */
+#define TILE_PREFETCH_WORDS 512
+#define GROUP_PREFETCH 1
 #define PARALLEL_MIN_MACS (1 << 18)
 
 typedef float vf __attribute__((vector_size(VL * 4)));
@@ -116,7 +122,10 @@ static inline __attribute__((always_inline)) void rows_group(
     for (int64_t o = 0; o < k_count / CODES_PER_WORD; o++) {
         vi word[NV];
 #pragma GCC unroll 4
-        for (int j = 0; j < NV; j++) word[j] = loadi(words + o * PANEL + j * VL);
+        for (int j = 0; j < NV; j++) {
+            __builtin_prefetch(words + o * PANEL + TILE_PREFETCH_WORDS + j * VL, 0, 3);
+            word[j] = loadi(words + o * PANEL + j * VL);
+        }
         const float *xo = x + o * CODES_PER_WORD;
 #pragma GCC unroll 8
         for (int s = 0; s < CODES_PER_WORD; s++) {
@@ -218,6 +227,10 @@ int conveyor_int4_linear(const float *x, int64_t x_stride, int64_t m_size, int64
                 const uint32_t *words = panel + g * (group_size / CODES_PER_WORD) * PANEL;
                 const float *s = panel_scale + g * PANEL, *z = panel_zoff + g * PANEL;
                 const float *sums = group_sums ? group_sums + r0 * num_groups + g : NULL;
+                for (int j = 0; j < NV; j++) {
+                    __builtin_prefetch(s + GROUP_PREFETCH * PANEL + j * VL, 0, 3);
+                    __builtin_prefetch(z + GROUP_PREFETCH * PANEL + j * VL, 0, 3);
+                }
 #define ROWS(R) rows_group(xr, x_stride, words, z, group_size, R, s, sums, num_groups, total)
                 DISPATCH_ROWS(rows, ROWS)
 #undef ROWS
@@ -294,15 +307,17 @@ int conveyor_int4_dequantize_t(const uint32_t *packed, const float *scale,
  * every tile of rows multiplies them); x's parts for AMX_CHUNK_BYTES of rows stay in L2 while
  * every panel passes. Cost per weight: one unpacking per chunk of rows (where the 6-row tile
  * above unpacks once per 6 rows) and three tile products per 16 rows. A row's result depends on
- * that row alone, whatever rows share the call (among calls of 6 rows or more, and among calls of
- * 2 to 5, int4_amx_few_rows) and however many threads run it.
+ * that row alone, whatever rows share the call and however many threads run it.
+ *
+ * Up to 6 rows (one pass of the tile above, which prefetches) the tile is faster: AMX took
+ * 0.76-0.95x its speed on the 2-core Xeon's decoder linears from memory at 2-6 rows, 1.02-1.27x
+ * at 7-8, so int4_kernel.py calls this from 7 rows (AMX_MIN_ROWS).
  */
 #if defined(CONVEYOR_AMX_BUILT)
 #define AMX_PARTS 3  /* bfloat16 parts of each float32 of x */
 #define AMX_K 32     /* bfloat16 input features of a tile product */
 #define AMX_SPAN 128 /* features of a panel unpacked at a time */
 #define AMX_CHUNK_BYTES (1 << 20)
-#define AMX_FEW_ROWS 5 /* rows whose three parts fit one tile's 16 rows */
 #define AMX_PREFETCH_SPANS 4
 
 static int int4_amx_ready = 0;
@@ -448,87 +463,6 @@ static void int4_amx_split(const float *x, int64_t x_stride, int64_t m0, int64_t
                            AMX_PARTS * operand, operand);
 }
 
-/* Up to AMX_FEW_ROWS rows: x's parts are the rows of one A operand (row 3i + t holds part t
- * of x row i), so each B operand takes one tile product rather than three; the three rows of a
- * C tile that belong to one x row are added when it is stored. With so few rows the products
- * and the B loads, not the unpacking, would otherwise bound the call. */
-static int int4_amx_few_rows(const float *x, int64_t x_stride, int64_t m_size, int64_t k_size,
-                             const uint32_t *packed, const float *scale, const float *zero_offset,
-                             const float *bias, int64_t n_size, int64_t group_size, int64_t span,
-                             float *out, int64_t out_stride, int num_threads) {
-    const int64_t num_groups = k_size / group_size, spans = k_size / span;
-    const int64_t num_panels = (n_size + PANEL - 1) / PANEL;
-    const int rows = (int)m_size * AMX_PARTS;
-    uint16_t *a = aligned_alloc(64, (size_t)(k_size * rows) * 2); /* K: a multiple of 32 */
-    float *span_sums = malloc((size_t)(m_size * spans) * sizeof(float));
-    if (a == NULL || span_sums == NULL) {
-        free(a);
-        free(span_sums);
-        return -2;
-    }
-    for (int64_t r = 0; r < m_size; r++)
-        int4_amx_split_row(x + r * x_stride, k_size, span, span_sums + r * spans,
-                           a + r * AMX_PARTS * AMX_K, rows * AMX_K, AMX_K);
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_panels > 1)
-    {
-        uint32_t *b = int4_amx_thread_start(rows, 0, NULL, &failed);
-        float c[16 * PANEL] __attribute__((aligned(64)));
-        float totals[AMX_FEW_ROWS * PANEL] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < num_panels; p++) {
-            if (b == NULL) continue;
-            const uint32_t *panel = packed + p * (k_size / CODES_PER_WORD) * PANEL;
-            memset(totals, 0, sizeof totals);
-            for (int64_t k0 = 0; k0 < k_size; k0 += span) {
-                const int64_t g = k0 / group_size;
-                int4_amx_prefetch(panel, k0, span);
-                int4_amx_unpack(panel, k0, span, b);
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t k = 0; k < span; k += AMX_K) {
-                    const uint32_t *bk = b + (k / 2) * VL;
-                    _tile_loadd(4, a + ((k0 + k) / AMX_K) * rows * AMX_K, AMX_K * 2);
-                    _tile_loadd(7, bk, VL * 4);
-                    _tile_dpbf16ps(0, 4, 7);
-                    _tile_loadd(7, bk + (span / 2) * VL, VL * 4);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_loadd(7, bk + 2 * (span / 2) * VL, VL * 4);
-                    _tile_dpbf16ps(2, 4, 7);
-                    _tile_loadd(7, bk + 3 * (span / 2) * VL, VL * 4);
-                    _tile_dpbf16ps(3, 4, 7);
-                }
-                int4_amx_store_c(c);
-                const float *s = scale + (p * num_groups + g) * PANEL;
-                const float *zoff = zero_offset + (p * num_groups + g) * PANEL;
-                for (int j = 0; j < NV; j++) {
-                    const __m512 sj = _mm512_loadu_ps(s + j * VL);
-                    const __m512 zj = _mm512_sub_ps(_mm512_loadu_ps(zoff + j * VL),
-                                                    _mm512_set1_ps(MAGIC_FLOAT + 8.0f));
-                    for (int i = 0; i < m_size; i++) {
-                        const float *ci = c + i * AMX_PARTS * PANEL + j * VL;
-                        __m512 dot = _mm512_add_ps(
-                            _mm512_add_ps(_mm512_load_ps(ci), _mm512_load_ps(ci + PANEL)),
-                            _mm512_load_ps(ci + 2 * PANEL));
-                        dot = _mm512_fnmadd_ps(zj, _mm512_set1_ps(span_sums[i * spans + k0 / span]),
-                                               dot);
-                        float *t = totals + i * PANEL + j * VL;
-                        _mm512_store_ps(t, _mm512_fmadd_ps(dot, sj, _mm512_load_ps(t)));
-                    }
-                }
-            }
-            int4_amx_write_rows(totals, m_size, p, n_size, bias, out, out_stride);
-        }
-        if (b != NULL) _tile_release();
-        free(b);
-    }
-    free(a);
-    free(span_sums);
-    return failed ? -2 : 0;
-}
-
 /* out [M, N] = x [M, K] @ W^T + bias as conveyor_int4_linear computes it (same arguments),
  * through AMX tiles; group_size a multiple of 32 and PANEL 64. Returns -3 where the AMX path
  * is not enabled (the caller runs conveyor_int4_linear instead), -2 if memory ran out. */
@@ -545,9 +479,6 @@ int conveyor_int4_linear_amx(const float *x, int64_t x_stride, int64_t m_size, i
     int64_t span = group_size;
     while (span > AMX_SPAN && span % 2 == 0 && (span / 2) % AMX_K == 0) span /= 2;
     if (span > AMX_SPAN) span = AMX_K;
-    if (m_size <= AMX_FEW_ROWS)
-        return int4_amx_few_rows(x, x_stride, m_size, k_size, packed, scale, zero_offset, bias,
-                                 n_size, group_size, span, out, out_stride, num_threads);
     /* Fewer than 16 rows: tiles of just those rows (a product's time follows its rows). */
     const int tile_rows = m_size < 16 ? (int)m_size : 16;
     int64_t chunk = AMX_CHUNK_BYTES / (k_size * 2 * AMX_PARTS) / tile_rows * tile_rows;

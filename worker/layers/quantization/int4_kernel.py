@@ -6,7 +6,7 @@ are repacked once after loading into the kernel's panels, and the checkpoint-lay
 released; decode then reads 4 bits per weight plus a scale and a zero per group. Where the
 kernel cannot be built (or ``CONVEYOR_CPU_KERNEL=0``) the torch path of weights.py runs instead.
 
-On a host with AMX (and Linux's grant of the tile state), two rows or more multiply on AMX
+On a host with AMX (and Linux's grant of the tile state), seven rows or more multiply on AMX
 tiles: the codes unpacked once per call to bfloat16 whole numbers, x split into three bfloat16
 parts that hold its float32 value, so the products are exact and the sums float32's
 (``CONVEYOR_CPU_AMX=0`` keeps the AVX-512 tile and the float32 GEMM).
@@ -46,12 +46,12 @@ _DEQUANTIZE_ARGTYPES = [
 # dequantize + GEMM at 32 rows, 0.45-0.56x at 64, 0.70-0.89x at 128, 1.15-1.17x at 256, 1.34-1.40x
 # at 1,024.
 GEMM_MIN_ROWS = 256
-# From this many rows the AMX path runs where it can (it replaces both of the above). Measured
-# on the 2-core Xeon, 2 threads, Qwen3-0.6B's decoder linears: against the 6-row tile from memory
-# 0.95-1.13x at 1 row, 1.03-1.23x at 4, 2-2.3x at 64 and 256 (`benchmarks quantized-decode
-# --linears --rows ...`); end to end at batch 1 even, 1.06-1.08x at 2, 1.09-1.12x at 4, 1.1-1.25x
-# at 8. One row keeps the tile, which has run longer.
-AMX_MIN_ROWS = 2
+# From this many rows the AMX path runs where it can (it replaces both of the above). Up to 6
+# rows the tile passes over the codes once and, prefetching them, reads them faster than the AMX
+# path unpacks them: measured on the 2-core Xeon, 2 threads, Qwen3-0.6B's decoder linears from
+# memory (`benchmarks quantized-decode --linears --rows ...`), AMX against the tile took
+# 0.76-0.95x its speed at 2-6 rows, 1.02-1.27x at 7-8, 1.2-1.5x at 12, 2-2.3x at 64 and 256.
+AMX_MIN_ROWS = 7
 # The AMX path's tile products sum 32 input features; a group is a whole number of them.
 AMX_GROUP_MULTIPLE = 32
 
