@@ -67,10 +67,18 @@ def time_linears(config: dict, copies_bytes: int, repeats: int, rows: int = 1) -
     layers run) against the int8 and int4 kernels, on enough copies of the weight
     (``copies_bytes`` of float32) that each call reads its weight from memory; on a host where
     the 4-bit kernel has its AMX path, int4 with it ("int4") and without ("int4 avx": the 6-row
-    tile, from 256 rows the float32 weight and torch's GEMM). All interleaved, best of
-    ``repeats`` passes over the copies."""
+    tile, from 256 rows the float32 weight and torch's GEMM); where the int8 kernel has its
+    VNNI path, W8A8 (int8 weights, activations rounded to int8 per row) through it ("w8a8") and
+    through torch as it ran before that path ("w8a8 torch": the weight dequantized at every call,
+    the rounded activations multiplied in float32). All interleaved, best of ``repeats`` passes
+    over the copies."""
     from conveyor.worker.layers.gemm import linear, pack_weight
-    from conveyor.worker.layers.int8_linear import Int8Weight
+    from conveyor.worker.layers.int8_linear import (
+        Int8Weight,
+        W8A8Weight,
+        load_int8_gemm,
+        quantize_int8,
+    )
     from conveyor.worker.layers.quantization.int4_kernel import (
         Int4Panels,
         load_int4_gemm,
@@ -84,17 +92,26 @@ def time_linears(config: dict, copies_bytes: int, repeats: int, rows: int = 1) -
               "down": (hidden, inter)}  # fmt: skip
     gemm = load_int4_gemm()
     amx = gemm.amx
+    vnni = load_int8_gemm().w8a8
     formats = ["float32", "int8", "int4", *(["int4 avx"] if amx else [])]
-    print(f"rows {rows}; int4 {'with' if amx else 'without'} the AMX path")
+    formats += ["w8a8", "w8a8 torch"] if vnni else []
+    print(f"rows {rows}; int4 {'with' if amx else 'without'} the AMX path"
+          + ("; W8A8 through VNNI" if vnni else ""))  # fmt: skip
     print(f"{'linear':>8} " + " ".join(f"{f + ' us':>11}" for f in formats)
           + f" {'int4 GB/s':>9} {'int4/int8':>9} {'int4/f32':>8}"
-          + (f" {'amx/avx':>8}" if amx else ""))  # fmt: skip
+          + (f" {'amx/avx':>8}" if amx else "")
+          + (f" {'w8a8/f32':>8} {'w8a8/torch':>10}" if vnni else ""))  # fmt: skip
     for name, (n, k) in shapes.items():
         count = max(2, copies_bytes // (4 * n * k))
         weights = [torch.randn(n, k) / k**0.5 for _ in range(count)]
         float32 = [(w, pack_weight(w)) for w in weights]
         int8 = [Int8Weight(w, None) for w in weights]
         int4 = [Int4Panels(gemm, *quantize_int4(w, 64), 64) for w in weights]
+        quantized8 = [quantize_int8(w) for w in weights] if vnni else []
+        w8a8 = [W8A8Weight(load_int8_gemm(), q, scale, False) for q, scale in quantized8]
+        # The checkpoint layout the torch path reads: codes + 128 as bytes, a scale per row.
+        stored = [((q.to(torch.int16) + 128).to(torch.uint8), scale) for q, scale in quantized8]
+        del quantized8
         del weights
         x = torch.randn(rows, k)
         calls = {
@@ -104,6 +121,9 @@ def time_linears(config: dict, copies_bytes: int, repeats: int, rows: int = 1) -
         }
         if amx:
             calls["int4 avx"] = [functools.partial(_int4_linear, False, q4, x) for q4 in int4]
+        if vnni:
+            calls["w8a8"] = [functools.partial(w.linear, x, None) for w in w8a8]
+            calls["w8a8 torch"] = [functools.partial(_w8a8_torch, *c, x) for c in stored]
         best = {v: float("inf") for v in calls}
         for _ in range(repeats):
             for v, each in calls.items():
@@ -119,7 +139,31 @@ def time_linears(config: dict, copies_bytes: int, repeats: int, rows: int = 1) -
             + f" {int4_bytes / best['int4'] / 1e9:9.1f} {best['int8'] / best['int4']:9.2f}"
             + f" {best['float32'] / best['int4']:8.2f}"
             + (f" {best['int4 avx'] / best['int4']:8.2f}" if amx else "")
+            + (f" {best['float32'] / best['w8a8']:8.2f} {best['w8a8 torch'] / best['w8a8']:10.2f}"
+               if vnni else "")
         )  # fmt: skip
+
+
+def _w8a8_torch(codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """W8A8 as the torch path runs it without the kernel (quantization/weights.py): the weight
+    dequantized at every call, the rounded activations multiplied in float32."""
+    from conveyor.worker.layers.quantization.activations import fake_quantize
+
+    weight = (codes.to(torch.float32) - 128) * scale[:, None]
+    return fake_quantize(x, "int", "token") @ weight.T
+
+
+def _checkpoint(spec: str, model_dir: str) -> tuple[str, Path]:
+    """--checkpoint NAME=DIR, or NAME=compressed-tensors:PRESET (made from the model)."""
+    from benchmarks.fixtures.quantized_maker import ensure_quantized
+
+    name, _, where = spec.partition("=")
+    if not name or not where:
+        raise SystemExit(f"--checkpoint takes NAME=DIR, not {spec!r}")
+    kind, _, preset = where.partition(":")
+    if kind == "compressed-tensors" and preset:
+        return name, ensure_quantized(Path(model_dir), kind, preset=preset, group=0)
+    return name, Path(where)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--copies-mb", type=int, default=512, help="--linears: float32 MB")
     parser.add_argument("--rows", default="1", help="--linears: row counts, comma-separated")
+    parser.add_argument(
+        "--checkpoint", action="append", default=[], metavar="NAME=DIR",
+        help="also a quantized checkpoint as it loads (its format from its config), "
+        "named NAME in the table; 'NAME=compressed-tensors:PRESET' makes one from the model",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     model_dir = args.model or str(ensure_model(args.size, "qwen3"))
     bandwidth = read_bandwidth()
@@ -159,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     config = json.loads((Path(model_dir) / "config.json").read_text())
     weights = {name: decode_bytes(config, name) for name in engines}
+    for name, directory in (_checkpoint(spec, model_dir) for spec in args.checkpoint):
+        engines[name] = LLM(
+            str(directory), engine="inprocess", device="cpu", dtype="float32", max_num_seqs=1,
+            kv_cache_memory=256 << 20, enable_prefix_caching=False,
+        )  # fmt: skip
+        # What a step reads: every stored tensor (the embedding through the tied LM head).
+        weights[name] = sum(f.stat().st_size for f in Path(directory).glob("*.safetensors"))
     prompt = [list(range(10, 10 + args.prompt_len))]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     best: dict[str, float] = {name: 0.0 for name in engines}

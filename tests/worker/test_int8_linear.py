@@ -15,6 +15,7 @@ import torch
 from conveyor.worker.layers import int8_linear
 from conveyor.worker.layers.int8_linear import (
     Int8Weight,
+    W8A8Weight,
     load_int8_gemm,
     quantize_int8,
     quantize_model,
@@ -26,6 +27,7 @@ from conveyor.worker.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from conveyor.worker.layers.quantization.activations import quantize_activations
 
 pytestmark = pytest.mark.skipif(load_int8_gemm() is None, reason="no C compiler for the kernel")
 
@@ -245,3 +247,63 @@ def test_int8_experts_compute_what_their_dequantized_weights_do(kind):
     assert (ours - _random_experts(kind)(hidden, expert_ids, weights)).abs().max() > 1e-4
     with pytest.raises(ValueError, match="cannot load new weights"):
         quantized.weight_loader(quantized.down_proj, torch.zeros(32, 24), (0, "down"))
+
+
+W8A8_REASON = "the W8A8 path needs a host with AVX-512 VNNI"
+
+
+@pytest.mark.skipif(not (load_int8_gemm() and load_int8_gemm().w8a8), reason=W8A8_REASON)
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features", "per_tensor"),
+    [(1, 64, 64, False), (3, 100, 130, False), (7, 300, 1024, True), (97, 70, 257, False),
+     (200, 130, 96, True), (1, 17, 5, False)],
+)  # fmt: skip
+def test_w8a8_rounds_x_as_the_torch_path_and_multiplies_integers(
+    rows, out_features, in_features, per_tensor
+):
+    """The kernel's activation codes are the torch path's (``quantize_activations``: scale
+    max |x| / 127.5, round half to even, clamp): its output is the exact integer product of those
+    codes with q, times both scales, within the float rounding of that last product (a code one
+    step off would move an output by x_scale * |q| * w_scale, far outside the bound)."""
+    generator = torch.Generator().manual_seed(rows * 7 + in_features)
+    q = torch.randint(-127, 128, (out_features, in_features), generator=generator)
+    q = q.to(torch.int8)
+    scale = torch.rand(out_features, generator=generator) * 0.01 + 1e-4
+    weight = W8A8Weight(load_int8_gemm(), q, scale, per_tensor)
+    assert torch.equal(weight.dequantized(), q.float() * scale[:, None])
+    x = torch.randn(rows, in_features, generator=generator) * 3
+    x[0, : in_features // 2] = 0.0
+    if rows > 2:
+        x[2] = 0.0  # a row of zeros: the epsilon scale, zero codes
+    bias = torch.randn(out_features, generator=generator)
+    codes, x_scale = quantize_activations(x, "int", "tensor" if per_tensor else "token")
+    exact = (codes.double() @ q.double().T) * x_scale.double() * scale.double()
+    for b in (None, bias):
+        out = weight.linear(x, b)
+        expected = exact + (0 if b is None else b.double())
+        bound = 4 * 2**-24 * (exact.abs() + (0 if b is None else b.double().abs())) + 1e-12
+        assert bool(((out.double() - expected).abs() <= bound).all())
+    # Strided rows and a leading dimension read the same.
+    wide = torch.zeros(rows, in_features + 3)
+    wide[:, :in_features] = x
+    assert torch.equal(
+        weight.linear(wide[:, :in_features].unsqueeze(0), None)[0], weight.linear(x, None)
+    )
+
+
+@pytest.mark.skipif(not (load_int8_gemm() and load_int8_gemm().w8a8), reason=W8A8_REASON)
+def test_w8a8_results_do_not_depend_on_the_thread_count_or_company():
+    generator = torch.Generator().manual_seed(9)
+    q = torch.randint(-127, 128, (512, 256), generator=generator).to(torch.int8)
+    weight = W8A8Weight(load_int8_gemm(), q, torch.rand(512, generator=generator), False)
+    x = torch.randn(200, 256, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = weight.linear(x, None)
+        torch.set_num_threads(2)
+        two = weight.linear(x, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert torch.equal(weight.linear(x[5:6], None), one[5:6])  # per-token scales: rows alone

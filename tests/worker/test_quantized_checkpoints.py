@@ -24,6 +24,7 @@ from benchmarks.fixtures.quantized_maker import (
     reference_weights,
 )
 from conveyor.worker.layers.int8_linear import load_int8_gemm
+from conveyor.worker.layers.quantization.activations import fake_quantize
 from conveyor.worker.layers.quantization.packing import (
     AWQ_ORDER,
     pack_int32,
@@ -352,3 +353,24 @@ def test_channelwise_8bit_weights_run_in_the_int8_kernel(qwen3):
         ensure_quantized(qwen3, "compressed-tensors", preset="W8A16", group=32), torch.float32, CPU
     )
     assert grouped.model.layers[0].mlp.down_proj.quant.int8 is None
+
+
+def test_w8a8_checkpoints_run_the_int8_kernels_integer_path(qwen3):
+    """W8A8 (int8 weights per output row, int8 activations per token) goes to the int8 kernel's
+    VNNI path where the host has it: the checkpoint layout released, the weight the one
+    compressed-tensors decompresses, and the linear the torch path's fake-quantized product."""
+    gemm = load_int8_gemm()
+    if gemm is None or not gemm.w8a8:
+        pytest.skip("the W8A8 path needs the int8 kernel built with AVX-512 VNNI")
+    model_dir = ensure_quantized(qwen3, "compressed-tensors", preset="W8A8", group=0)
+    reference = compressed_tensors_dequantized(model_dir)
+    model = load_model(model_dir, torch.float32, CPU)
+    down = model.model.layers[0].mlp.down_proj
+    assert down.quant.w8a8 is not None and "codes" not in down.quant._parameters
+    weight = reference["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(down.quant.dequantized(), weight)
+    x = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(0)) * 3
+    quantized = fake_quantize(x, "int", "token")
+    expected = quantized @ weight.T
+    bound = (quantized.abs() @ weight.abs().T) * (weight.shape[1] * 2**-22) + 1e-6
+    assert bool(((down(x) - expected).abs() <= bound).all())

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_PATH = Path(__file__).parent / "csrc" / "int8_gemm.c"
 # Must match CONVEYOR_INT8_GEMM_ABI_VERSION in the source.
-ABI_VERSION = 1
+ABI_VERSION = 2
 QMAX = 127
 
 _i32, _i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
@@ -42,6 +42,12 @@ _LINEAR_ARGTYPES = [
     _ptr, _ptr, _ptr, _i64,  # packed weight, scale, bias (or NULL), out features
     _ptr, _i64, _i32,  # out and its row stride, threads
 ]  # fmt: skip
+_W8A8_ARGTYPES = [
+    _ptr, _i64, _i64, _i64,  # x and its row stride, rows, in features
+    _ptr, _ptr, _ptr, _ptr, _i64,  # packed weight, column sums, scale, bias (or NULL), N
+    _i32, _ptr, _i64, _i32,  # one activation scale for all rows, out and its row stride, threads
+]  # fmt: skip
+W8A8_QUAD = 4  # input features of a column in one 32-bit lane of the W8A8 panels
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +71,11 @@ class Int8Gemm:
         self.panel_width = int(library.conveyor_int8_panel_width())
         self.vector_widening = bool(library.conveyor_int8_vector_widening())
         self._linear = native.status_function(library, "conveyor_int8_linear", _LINEAR_ARGTYPES)
+        self._linear_w8a8 = native.status_function(
+            library, "conveyor_int8_linear_w8a8", _W8A8_ARGTYPES
+        )
+        # Built with AVX-512 VNNI (the W8A8 path's integer dot products); else it is absent.
+        self.w8a8 = bool(library.conveyor_int8_w8a8_available())
 
     def pack(self, q: torch.Tensor) -> torch.Tensor:
         """q [N, K] -> [ceil(N / panel)][K][panel], zero-padded: the layout the kernel reads."""
@@ -231,3 +242,61 @@ def quantize_model(model: nn.Module, method: str) -> None:
         after / 1e6,
         f"kernel {gemm.path.name}" if gemm else "torch ops, no kernel",
     )
+
+
+class W8A8Weight:
+    """A checkpoint's int8 weight (one symmetric scale per output row) whose activations are
+    quantized to int8 at every matmul, one dynamic scale per row of x (or one for all of x):
+    compressed-tensors' W8A8. The kernel (``conveyor_int8_linear_w8a8``, AVX-512 VNNI) rounds x
+    as ``activations.quantize_activations`` does and multiplies the codes as integers; the
+    result is the torch path's ``fake_quantize(x) @ dequantized.T`` up to float rounding."""
+
+    def __init__(self, gemm: Int8Gemm, q: torch.Tensor, scale: torch.Tensor, per_tensor: bool):
+        """q [N, K] int8, scale [N] float32 (weight = q * scale)."""
+        if q.dtype != torch.int8 or scale.shape != (q.shape[0],):
+            raise ValueError("W8A8Weight takes an int8 [N, K] and an [N] scale")
+        self.gemm, self.per_tensor = gemm, per_tensor
+        self.out_features, self.in_features = q.shape
+        width = gemm.panel_width
+        n, k = q.shape
+        padded = torch.zeros(_round_up(n, width), _round_up(k, W8A8_QUAD), dtype=torch.int8)
+        padded[:n, :k] = q
+        # [panels][K / 4][width][4]: a column's 4 consecutive features in one 32-bit lane.
+        quads = padded.view(-1, width, padded.shape[1] // W8A8_QUAD, W8A8_QUAD)
+        self.q = quads.transpose(1, 2).contiguous()
+        self.column_sums = padded.sum(dim=1, dtype=torch.int32)
+        self.scale = gemm.pad(scale.to(torch.float32))
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.column_sums.nbytes + self.scale.nbytes
+
+    def weight_tensors(self) -> list[tuple[object, str, torch.Tensor]]:
+        """(owner, attribute, tensor) of what a step reads: for moving them to huge pages."""
+        return [(self, name, getattr(self, name)) for name in ("q", "column_sums", "scale")]
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [out, in], q * scale (for tests and checks)."""
+        panels, quads, width, _ = self.q.shape
+        q = self.q.transpose(1, 2).reshape(panels * width, quads * W8A8_QUAD)
+        q = q[: self.out_features, : self.in_features]
+        return q.float() * self.scale[: self.out_features, None]
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] -> [..., N] (+ bias) in x's dtype (float32 inside)."""
+        leading = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+            rows = rows.to(torch.float32).contiguous()
+        if bias is not None:
+            bias = self.gemm.pad(bias.detach().to(torch.float32))
+        out = torch.empty((rows.shape[0], self.out_features), dtype=torch.float32)
+        status = self.gemm._linear_w8a8(
+            rows.data_ptr(), rows.stride(0), rows.shape[0], self.in_features,
+            self.q.data_ptr(), self.column_sums.data_ptr(), self.scale.data_ptr(),
+            None if bias is None else bias.data_ptr(), self.out_features, int(self.per_tensor),
+            out.data_ptr(), self.out_features, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"W8A8 linear failed with status {status}")
+        return out.to(x.dtype).view(*leading, self.out_features)

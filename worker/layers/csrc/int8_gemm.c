@@ -22,13 +22,14 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-#define CONVEYOR_INT8_GEMM_ABI_VERSION 1
+#define CONVEYOR_INT8_GEMM_ABI_VERSION 2
 
 #if defined(__AVX512F__)
 #define VL 16 /* floats per vector */
@@ -178,3 +179,163 @@ int conveyor_int8_linear(const float *x, int64_t x_stride, int64_t m_size, int64
     }
     return 0;
 }
+
+/*
+ * W8A8: int8 weights with one symmetric scale per output row, times activations quantized to
+ * int8 at run time with one symmetric scale per row of x (or one for all of x), as
+ * compressed-tensors' W8A8 checkpoints (llm-compressor's dynamic per-token int8) define them:
+ * scale = max |x| / 127.5, code = x / scale rounded to nearest (even on ties) and clamped to
+ * [-128, 127], exactly as worker/layers/quantization/activations.py rounds for the torch path.
+ * The products are then integers: VNNI's VPDPBUSD multiplies 4 unsigned bytes by 4 signed ones
+ * and adds them into a 32-bit lane, 64 products per instruction where float32's FMA does 16, so
+ * x's codes go in offset by 128 (unsigned) and each column's sum of weights times 128 comes off
+ * once at the end. The integer sums are exact; out = sum * x_scale * w_scale (+ bias) rounds
+ * once per product of the three. Panels: [ceil(N / PANEL)][ceil(K / 4)][PANEL][4] int8, the 4
+ * consecutive input features of one column in one 32-bit lane (K padded with zeros).
+ */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define W8A8_QUAD 4
+#define W8A8_LIMIT 127.5f
+
+int conveyor_int8_w8a8_available(void) { return 1; }
+
+/* The codes of `count` floats, + 128, as bytes; the caller pads. */
+static void w8a8_codes(const float *x, int64_t count, float scale, uint8_t *dest) {
+    const __m512 s = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-128.0f),
+                 hi = _mm512_set1_ps(127.0f);
+    const __m512i offset = _mm512_set1_epi32(128);
+    int64_t k = 0;
+    for (; k + 16 <= count; k += 16) {
+        __m512 q = _mm512_div_ps(_mm512_loadu_ps(x + k), s);
+        q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
+        const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(q), offset);
+        _mm_storeu_si128((__m128i *)(dest + k), _mm512_cvtepi32_epi8(u));
+    }
+    for (; k < count; k++) {
+        float q = __builtin_roundevenf(x[k] / scale);
+        q = q < -128.0f ? -128.0f : q > 127.0f ? 127.0f : q;
+        dest[k] = (uint8_t)((int)q + 128);
+    }
+}
+
+static float w8a8_abs_max(const float *x, int64_t count) {
+    __m512 m = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= count; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    float best = _mm512_reduce_max_ps(m);
+    for (; k < count; k++) best = __builtin_fabsf(x[k]) > best ? __builtin_fabsf(x[k]) : best;
+    return best;
+}
+
+/* A row's scale as the torch path makes it: max |x| / 127.5, the float32 epsilon where 0. */
+static float w8a8_scale(float abs_max) {
+    const float scale = abs_max / W8A8_LIMIT;
+    return scale == 0.0f ? 1.1920928955078125e-07f : scale;
+}
+
+/* acc [ROWS][PANEL] = sums over the panel's quads of (code + 128) * w, ROWS rows of codes. */
+static inline __attribute__((always_inline)) void w8a8_rows_panel(
+    const uint8_t *codes, int64_t codes_stride, const int8_t *panel, int64_t quads,
+    const int ROWS, int32_t *acc_out) {
+    __m512i acc[MR][NV];
+#pragma GCC unroll 6
+    for (int r = 0; r < ROWS; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) acc[r][j] = _mm512_setzero_si512();
+    for (int64_t q = 0; q < quads; q++) {
+        const int8_t *w_q = panel + q * PANEL * W8A8_QUAD;
+        __m512i w[NV];
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) {
+            __builtin_prefetch(w_q + PREFETCH_BYTES + j * 64, 0, 3);
+            w[j] = _mm512_loadu_si512(w_q + j * 64);
+        }
+#pragma GCC unroll 6
+        for (int r = 0; r < ROWS; r++) {
+            int32_t four;
+            memcpy(&four, codes + r * codes_stride + q * W8A8_QUAD, sizeof four);
+            const __m512i xv = _mm512_set1_epi32(four);
+#pragma GCC unroll 4
+            for (int j = 0; j < NV; j++) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], xv, w[j]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < ROWS; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++)
+            _mm512_storeu_si512(acc_out + r * PANEL + j * VL, acc[r][j]);
+}
+
+/* out [M, N] = (codes(x) @ q^T) * x_scale * scale + bias, x float32 [M, K] (row stride
+ * x_stride); packed as above, column_sums [N padded] each column's sum of q, scale and bias
+ * [N padded] (bias may be NULL); per_tensor: one activation scale for all of x, else one per
+ * row. Returns -2 if memory ran out. */
+int conveyor_int8_linear_w8a8(const float *x, int64_t x_stride, int64_t m_size, int64_t k_size,
+                              const int8_t *packed, const int32_t *column_sums,
+                              const float *scale, const float *bias, int64_t n_size,
+                              int per_tensor, float *out, int64_t out_stride, int num_threads) {
+    if (m_size < 0 || k_size <= 0 || n_size <= 0 || num_threads < 1) return -1;
+    if (m_size == 0) return 0;
+    const int64_t quads = (k_size + W8A8_QUAD - 1) / W8A8_QUAD, k_padded = quads * W8A8_QUAD;
+    uint8_t *codes = calloc((size_t)(m_size * k_padded), 1);
+    float *x_scale = malloc((size_t)m_size * sizeof(float));
+    if (codes == NULL || x_scale == NULL) {
+        free(codes);
+        free(x_scale);
+        return -2;
+    }
+    float whole = 0.0f;
+    for (int64_t m = 0; m < m_size; m++) {
+        x_scale[m] = w8a8_abs_max(x + m * x_stride, k_size);
+        whole = x_scale[m] > whole ? x_scale[m] : whole;
+    }
+    for (int64_t m = 0; m < m_size; m++) {
+        x_scale[m] = w8a8_scale(per_tensor ? whole : x_scale[m]);
+        w8a8_codes(x + m * x_stride, k_size, x_scale[m], codes + m * k_padded);
+        /* Padding codes meet zero weights; any value leaves the sums as they are. */
+    }
+    const int64_t num_panels = (n_size + PANEL - 1) / PANEL;
+    const int64_t num_blocks = (m_size + MB - 1) / MB;
+    const int parallel = num_threads > 1 && m_size * n_size * k_size >= PARALLEL_MIN_MACS &&
+                         num_panels * num_blocks > 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+    for (int64_t item = 0; item < num_panels * num_blocks; item++) {
+        int32_t acc[MR * PANEL] __attribute__((aligned(64)));
+        const int64_t p = item / num_blocks, m_end = (item % num_blocks + 1) * MB;
+        const int8_t *panel = packed + p * quads * PANEL * W8A8_QUAD;
+        const int64_t n0 = p * PANEL;
+        const int width = n_size - n0 < PANEL ? (int)(n_size - n0) : PANEL;
+        for (int64_t r0 = (item % num_blocks) * MB; r0 < m_end && r0 < m_size; r0 += MR) {
+            const int rows = m_size - r0 < MR ? (int)(m_size - r0) : MR;
+            const uint8_t *cr = codes + r0 * k_padded;
+#define ROWS(R) w8a8_rows_panel(cr, k_padded, panel, quads, R, acc)
+            DISPATCH_ROWS(rows, ROWS)
+#undef ROWS
+            for (int r = 0; r < rows; r++) {
+                float *o = out + (r0 + r) * out_stride + n0;
+                const float xs = x_scale[r0 + r];
+                for (int n = 0; n < width; n++) {
+                    const int32_t dot = acc[r * PANEL + n] - 128 * column_sums[n0 + n];
+                    o[n] = (float)dot * xs * scale[n0 + n] + (bias ? bias[n0 + n] : 0.0f);
+                }
+            }
+        }
+    }
+    free(codes);
+    free(x_scale);
+    return 0;
+}
+#else
+int conveyor_int8_w8a8_available(void) { return 0; }
+
+int conveyor_int8_linear_w8a8(const float *x, int64_t x_stride, int64_t m_size, int64_t k_size,
+                              const int8_t *packed, const int32_t *column_sums,
+                              const float *scale, const float *bias, int64_t n_size,
+                              int per_tensor, float *out, int64_t out_stride, int num_threads) {
+    (void)x, (void)x_stride, (void)m_size, (void)k_size, (void)packed, (void)column_sums;
+    (void)scale, (void)bias, (void)n_size, (void)per_tensor, (void)out, (void)out_stride;
+    (void)num_threads;
+    return -3;
+}
+#endif

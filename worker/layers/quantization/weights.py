@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from conveyor.worker.layers.int8_linear import Int8Weight, load_int8_gemm
+from conveyor.worker.layers.int8_linear import Int8Weight, W8A8Weight, load_int8_gemm
 from conveyor.worker.layers.quantization import triton_quant
 from conveyor.worker.layers.quantization.activations import fake_quantize, quantize
 from conveyor.worker.layers.quantization.int4_kernel import (
@@ -55,6 +55,8 @@ class QuantizedWeights(nn.Module):
         # panels, or a channel-wise symmetric 8-bit weight in the int8 kernel.
         self.panels: Int4Panels | None = None
         self.int8: Int8Weight | None = None
+        # W8A8 with dynamic int8 activations in the int8 kernel's integer path (AVX-512 VNNI).
+        self.w8a8: W8A8Weight | None = None
         # What the CUDA kernels do for each matmul, once ``process_weights_after_loading`` made it.
         self.kernel_plan: triton_quant.KernelPlan | None = None
         # Act-order weights whose input features the CUDA path sorted by group: feature j of
@@ -113,7 +115,7 @@ class QuantizedWeights(nn.Module):
         kernel's layout, releasing the checkpoint layout (the kernel's copy is the only one;
         ``dequantized`` reads it); channel-wise 8-bit ones into the int8 kernel's. Once is
         enough: a second call (the loader's, after a caller's) leaves them as they are."""
-        if self.panels is not None or self.int8 is not None:
+        if self.panels is not None or self.int8 is not None or self.w8a8 is not None:
             return
         if self.codes.device.type == "cuda":
             if triton_quant.unavailable_reason() is None:
@@ -125,6 +127,13 @@ class QuantizedWeights(nn.Module):
         if self._int8_kernel_takes_it():
             q = (self.codes.data.to(torch.int16) - w.middle_code).to(torch.int8)
             self.int8 = Int8Weight.from_quantized(q, self.scales.data[:, 0])
+            for name in ("codes", "scales"):
+                delattr(self, name)
+            return
+        if self._w8a8_kernel_takes_it():
+            q = (self.codes.data.to(torch.int16) - w.middle_code).to(torch.int8)
+            per_tensor = self.scheme.activations.strategy == "tensor"
+            self.w8a8 = W8A8Weight(load_int8_gemm(), q, self.scales.data[:, 0], per_tensor)
             for name in ("codes", "scales"):
                 delattr(self, name)
             return
@@ -165,6 +174,27 @@ class QuantizedWeights(nn.Module):
             and load_int8_gemm() is not None
         )
 
+    def _w8a8_kernel_takes_it(self) -> bool:
+        """8-bit symmetric integers with one scale per output row and int8 activations with a
+        dynamic scale per token or per tensor (compressed-tensors W8A8), on a CPU whose int8
+        kernel was built with AVX-512 VNNI: the kernel rounds the activations as the torch path
+        does and multiplies the codes as integers."""
+        w, a = self.scheme.weights, self.scheme.activations
+        gemm = load_int8_gemm() if self.codes.device.type == "cpu" else None
+        return (
+            gemm is not None
+            and gemm.w8a8
+            and w.kind == INT
+            and w.bits == 8
+            and w.symmetric
+            and not w.act_order
+            and w.group_size in (0, self.in_features)
+            and a is not None
+            and a.kind == INT
+            and a.dynamic
+            and a.strategy in ("token", "tensor")
+        )
+
     def group_of_each_input(self) -> torch.Tensor:
         w = self.scheme.weights
         if w.act_order:
@@ -191,6 +221,8 @@ class QuantizedWeights(nn.Module):
             return ((codes.float() - zeros[:, groups]) * scales[:, groups]).to(dtype)
         if self.int8 is not None:
             return self.int8.dequantized().to(dtype)
+        if self.w8a8 is not None:
+            return self.w8a8.dequantized().to(dtype)
         if w.kind == FLOAT8:
             return (self.codes.to(torch.float32) * self.scales[:, groups]).to(dtype)
         codes = unpack_nibbles(self.codes) if w.bits == 4 else self.codes
@@ -202,6 +234,8 @@ class QuantizedWeights(nn.Module):
             return self.panels.linear(x, bias)
         if self.int8 is not None:
             return self.int8.linear(x, with_bias=False, add=bias)
+        if self.w8a8 is not None:
+            return self.w8a8.linear(x, bias)
         if self.kernel_plan is not None and triton_quant.failure is None:
             out = triton_quant.linear(self, self.kernel_plan, x, bias)
             if out is not None:
