@@ -62,7 +62,9 @@ def _int4_linear(amx: bool, panels, x: torch.Tensor) -> torch.Tensor:
     return panels.linear(x, None)
 
 
-def time_linears(config: dict, copies_bytes: int, repeats: int, rows: int = 1) -> None:
+def time_linears(
+    config: dict, copies_bytes: int, repeats: int, rows: int = 1, int8_group: int = 0
+) -> None:
     """Each decoder linear shape at ``rows`` rows, float32 (oneDNN's packed weight, what the
     layers run) against the int8 and int4 kernels, on enough copies of the weight
     (``copies_bytes`` of float32) that each call reads its weight from memory; on a host where
@@ -70,8 +72,10 @@ def time_linears(config: dict, copies_bytes: int, repeats: int, rows: int = 1) -
     tile, from 256 rows the float32 weight and torch's GEMM); where the int8 kernel has its
     VNNI path, W8A8 (int8 weights, activations rounded to int8 per row) through it ("w8a8") and
     through torch as it ran before that path ("w8a8 torch": the weight dequantized at every call,
-    the rounded activations multiplied in float32). All interleaved, best of ``repeats`` passes
-    over the copies."""
+    the rounded activations multiplied in float32); with ``int8_group``, group-wise 8-bit
+    weights (GPTQ 8-bit: a scale per ``int8_group`` inputs) through the kernel ("int8 gN") and
+    dequantized at every call in torch ("int8 gN torch", the path before the kernel took them).
+    All interleaved, best of ``repeats`` passes over the copies."""
     from conveyor.worker.layers.gemm import linear, pack_weight
     from conveyor.worker.layers.int8_linear import (
         Int8Weight,
@@ -95,6 +99,8 @@ def time_linears(config: dict, copies_bytes: int, repeats: int, rows: int = 1) -
     vnni = load_int8_gemm().w8a8
     formats = ["float32", "int8", "int4", *(["int4 avx"] if amx else [])]
     formats += ["w8a8", "w8a8 torch"] if vnni else []
+    grouped = f"int8 g{int8_group}"
+    formats += [grouped, f"{grouped} torch"] if int8_group else []
     print(f"rows {rows}; int4 {'with' if amx else 'without'} the AMX path"
           + ("; W8A8 through VNNI" if vnni else ""))  # fmt: skip
     print(f"{'linear':>8} " + " ".join(f"{f + ' us':>11}" for f in formats)
@@ -112,6 +118,7 @@ def time_linears(config: dict, copies_bytes: int, repeats: int, rows: int = 1) -
         # The checkpoint layout the torch path reads: codes + 128 as bytes, a scale per row.
         stored = [((q.to(torch.int16) + 128).to(torch.uint8), scale) for q, scale in quantized8]
         del quantized8
+        by_group = [_grouped8(w, int8_group) for w in weights] if int8_group else []
         del weights
         x = torch.randn(rows, k)
         calls = {
@@ -124,6 +131,11 @@ def time_linears(config: dict, copies_bytes: int, repeats: int, rows: int = 1) -
         if vnni:
             calls["w8a8"] = [functools.partial(w.linear, x, None) for w in w8a8]
             calls["w8a8 torch"] = [functools.partial(_w8a8_torch, *c, x) for c in stored]
+        if int8_group:
+            calls[grouped] = [functools.partial(g.linear, x, False) for g, _ in by_group]
+            calls[f"{grouped} torch"] = [
+                functools.partial(_grouped8_torch, *t, int8_group, x) for _, t in by_group
+            ]
         best = {v: float("inf") for v in calls}
         for _ in range(repeats):
             for v, each in calls.items():
@@ -142,6 +154,25 @@ def time_linears(config: dict, copies_bytes: int, repeats: int, rows: int = 1) -
             + (f" {best['float32'] / best['w8a8']:8.2f} {best['w8a8 torch'] / best['w8a8']:10.2f}"
                if vnni else "")
         )  # fmt: skip
+
+
+def _grouped8(weight: torch.Tensor, group: int):
+    """(the kernel's Int8Weight, (codes uint8, scales) as the checkpoint layout holds them) of
+    a symmetric 8-bit quantization with one scale per ``group`` inputs."""
+    from conveyor.worker.layers.int8_linear import Int8Weight
+
+    n, k = weight.shape
+    grouped = weight.view(n, k // group, group)
+    scales = grouped.abs().amax(-1) / 127
+    q = torch.round(grouped / scales[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
+    codes = (q.to(torch.int16) + 128).to(torch.uint8)
+    return Int8Weight.from_grouped(q, scales, None, group), (codes, scales)
+
+
+def _grouped8_torch(codes, scales, group: int, x: torch.Tensor) -> torch.Tensor:
+    """Group-wise 8-bit as the torch path ran it: dequantized at every call."""
+    groups = torch.arange(codes.shape[1]) // group
+    return x @ ((codes.to(torch.float32) - 128) * scales[:, groups]).T
 
 
 def _w8a8_torch(codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -185,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--copies-mb", type=int, default=512, help="--linears: float32 MB")
     parser.add_argument("--rows", default="1", help="--linears: row counts, comma-separated")
     parser.add_argument(
+        "--int8-group", type=int, default=0,
+        help="--linears: also group-wise 8-bit weights with this group size",
+    )  # fmt: skip
+    parser.add_argument(
         "--checkpoint", action="append", default=[], metavar="NAME=DIR",
         help="also a quantized checkpoint as it loads (its format from its config), "
         "named NAME in the table; 'NAME=compressed-tensors:PRESET' makes one from the model",
@@ -197,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (torch.mv over a 1 GiB float32 matrix)")
         config = json.loads((Path(model_dir) / "config.json").read_text())
         for rows in (int(r) for r in args.rows.split(",")):
-            time_linears(config, args.copies_mb << 20, args.rounds, rows)
+            time_linears(config, args.copies_mb << 20, args.rounds, rows, args.int8_group)
         return 0
     engines = {}
     for name in args.formats.split(","):

@@ -68,6 +68,8 @@ CASES = [
     ("llama", "tiny", "compressed-tensors", dict(preset="W4A16_ASYM", group=32), "ct-dequantized"),
     ("llama", "tiny", "compressed-tensors", dict(preset="FP8_DYNAMIC", group=0), "load"),
     ("llama", "tiny", "gptq", dict(sym=False, desc_act=True), "writer"),
+    # Group-wise 8-bit with zero points: the int8 kernel's grouped path.
+    ("llama", "tiny", "gptq", dict(bits=8, group=64, sym=False), "writer"),
     ("llama", "tiny", "awq", dict(), "writer"),
     ("llama", "small", "fp8", dict(), "fp8-block"),
 ]

@@ -307,3 +307,43 @@ def test_w8a8_results_do_not_depend_on_the_thread_count_or_company():
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
     assert torch.equal(weight.linear(x[5:6], None), one[5:6])  # per-token scales: rows alone
+
+
+@pytest.mark.parametrize("zero_points", [False, True])
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features", "group_size"),
+    [(1, 64, 64, 32), (5, 100, 256, 128), (7, 130, 96, 96), (200, 70, 384, 64)],
+)
+def test_grouped_weights_compute_what_their_groups_mean(
+    rows, out_features, in_features, group_size, zero_points
+):
+    """Group-wise 8-bit (GPTQ 8-bit, W8A16 with groups): (q - zero) * scale per group, each
+    group summed then scaled in the kernel; the same as torch on the dequantized weight up to
+    float rounding, whatever the thread count."""
+    generator = torch.Generator().manual_seed(rows + in_features)
+    q = torch.randint(-128, 128, (out_features, in_features), generator=generator).to(torch.int8)
+    groups = in_features // group_size
+    scales = torch.rand(out_features, groups, generator=generator) * 0.02 + 1e-3
+    zeros = None
+    if zero_points:
+        zeros = torch.randint(-20, 21, (out_features, groups), generator=generator).float()
+    weight = Int8Weight.from_grouped(q, scales, zeros, group_size)
+    index = torch.arange(in_features) // group_size
+    expected = (q.float() - (0 if zeros is None else zeros[:, index])) * scales[:, index]
+    assert torch.equal(weight.dequantized(), expected)
+    x = torch.randn(rows, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    _close(weight.linear(x, with_bias=False), x, expected)
+    _close(weight.linear(x, with_bias=False, add=bias), x, expected, bias)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = weight.linear(x, with_bias=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, weight.linear(x, with_bias=False))
+
+
+def test_grouped_weights_are_refused_where_groups_do_not_divide_the_row():
+    q = torch.zeros(8, 96, dtype=torch.int8)
+    assert Int8Weight.from_grouped(q, torch.ones(8, 2), None, 64) is None

@@ -95,8 +95,11 @@ def test_gptq_weights_equal_what_their_codes_mean(qwen3, options):
         assert torch.equal(block.mlp.down_proj.quant.dequantized(), down)
     quant = model.model.layers[0].mlp.down_proj.quant
     # Kept at its bits: 4-bit codes two to a byte in the kernel's panels (act-order ones, or
-    # all without the kernel, in the checkpoint layout), 8-bit codes a byte each.
-    if options.get("bits", 4) == 8:
+    # all without the kernel, in the checkpoint layout), 8-bit codes a byte each (in the int8
+    # kernel's panels where it builds).
+    if options.get("bits", 4) == 8 and quant.int8 is not None:
+        assert quant.int8.q.dtype == torch.int8 and quant.int8.q.numel() == 64 * 128
+    elif options.get("bits", 4) == 8:
         assert quant.codes.dtype == torch.uint8 and quant.codes.shape == (64, 128)
     elif quant.panels is not None:
         assert quant.panels.codes.nbytes == 64 * 64
@@ -331,28 +334,39 @@ def test_4bit_experts_split_across_ranks_as_float_experts_do(tiny_moe_model_dirs
         torch.testing.assert_close(sum(partial), experts[0].project(h, expert, 1))
 
 
-def test_channelwise_8bit_weights_run_in_the_int8_kernel(qwen3):
-    """W8A16 with one scale per output row (llm-compressor's default) is what --quantization int8
-    makes at load: its codes go to the compiled int8 kernel as they are, the checkpoint layout
-    released, and the linear equals x @ W^T of the weight compressed-tensors decompresses."""
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [
+        ("compressed-tensors", dict(preset="W8A16", strategy="channel")),
+        ("compressed-tensors", dict(preset="W8A16", group=32)),
+        ("gptq", dict(bits=8, group=64)),
+        ("gptq", dict(bits=8, group=64, sym=False)),
+    ],
+    ids=["W8A16-channel", "W8A16-group32", "gptq8-group64", "gptq8-zero-points"],
+)
+def test_8bit_weights_run_in_the_int8_kernel(qwen3, kind, options):
+    """8-bit weights without act-order go to the compiled int8 kernel as their codes are: one
+    scale per output row (llm-compressor's W8A16 default, what --quantization int8 makes at
+    load), or a scale (and a zero point) per group (GPTQ 8-bit, W8A16 with groups), the
+    checkpoint layout released; the linear equals x @ W^T of the weight the format means."""
     if load_int8_gemm() is None:
         pytest.skip("no C compiler for the int8 kernel")
-    model_dir = ensure_quantized(qwen3, "compressed-tensors", preset="W8A16", strategy="channel")
-    reference = compressed_tensors_dequantized(model_dir)
+    model_dir = ensure_quantized(qwen3, kind, **options)
+    if kind == "gptq":
+        reference = reference_weights(model_dir)
+    else:
+        reference = compressed_tensors_dequantized(model_dir)
     model = load_model(model_dir, torch.float32, CPU)
-    down = model.model.layers[0].mlp.down_proj
-    assert down.quant.int8 is not None and "codes" not in down.quant._parameters
-    weight = reference["model.layers.0.mlp.down_proj.weight"]
-    assert torch.equal(down.quant.dequantized(), weight)
-    x = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(0))
-    expected = x @ weight.T
-    bound = (x.abs() @ weight.abs().T) * (weight.shape[1] * 2**-22) + 1e-6
-    assert bool(((down(x) - expected).abs() <= bound).all())
-    # Group-wise 8-bit keeps the checkpoint layout (the int8 kernel has one scale per row).
-    grouped = load_model(
-        ensure_quantized(qwen3, "compressed-tensors", preset="W8A16", group=32), torch.float32, CPU
-    )
-    assert grouped.model.layers[0].mlp.down_proj.quant.int8 is None
+    for module, weight in [
+        (model.model.layers[0].mlp.down_proj, reference["model.layers.0.mlp.down_proj.weight"]),
+        (model.model.layers[1].self_attn.qkv_proj, _qkv(reference, 1)),
+    ]:
+        assert module.quant.int8 is not None and "codes" not in module.quant._parameters
+        assert torch.equal(module.quant.dequantized(), weight)
+        x = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        expected = x @ weight.T
+        bound = (x.abs() @ weight.abs().T) * (weight.shape[1] * 2**-22) + 1e-6
+        assert bool(((module(x) - expected).abs() <= bound).all())
 
 
 def test_w8a8_checkpoints_run_the_int8_kernels_integer_path(qwen3):

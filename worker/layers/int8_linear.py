@@ -33,13 +33,18 @@ logger = logging.getLogger(__name__)
 
 SOURCE_PATH = Path(__file__).parent / "csrc" / "int8_gemm.c"
 # Must match CONVEYOR_INT8_GEMM_ABI_VERSION in the source.
-ABI_VERSION = 2
+ABI_VERSION = 3
 QMAX = 127
 
 _i32, _i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 _LINEAR_ARGTYPES = [
     _ptr, _i64, _i64, _i64,  # x and its row stride, rows, in features
     _ptr, _ptr, _ptr, _i64,  # packed weight, scale, bias (or NULL), out features
+    _ptr, _i64, _i32,  # out and its row stride, threads
+]  # fmt: skip
+_GROUPED_ARGTYPES = [
+    _ptr, _i64, _i64, _i64,  # x and its row stride, rows, in features
+    _ptr, _ptr, _ptr, _ptr, _i64, _i64,  # packed weight, scales, zeros (or NULL), bias, N, group
     _ptr, _i64, _i32,  # out and its row stride, threads
 ]  # fmt: skip
 _W8A8_ARGTYPES = [
@@ -71,6 +76,9 @@ class Int8Gemm:
         self.panel_width = int(library.conveyor_int8_panel_width())
         self.vector_widening = bool(library.conveyor_int8_vector_widening())
         self._linear = native.status_function(library, "conveyor_int8_linear", _LINEAR_ARGTYPES)
+        self._linear_grouped = native.status_function(
+            library, "conveyor_int8_linear_grouped", _GROUPED_ARGTYPES
+        )
         self._linear_w8a8 = native.status_function(
             library, "conveyor_int8_linear_w8a8", _W8A8_ARGTYPES
         )
@@ -84,6 +92,13 @@ class Int8Gemm:
         padded = torch.zeros(_round_up(n, width), k, dtype=torch.int8)
         padded[:n] = q
         return padded.view(-1, width, k).transpose(1, 2).contiguous()
+
+    def panel_groups(self, values: torch.Tensor) -> torch.Tensor:
+        """[N, groups] float32 -> [panels][groups][panel], zero-padded columns."""
+        width = self.panel_width
+        padded = torch.zeros(_round_up(values.shape[0], width), values.shape[1])
+        padded[: values.shape[0]] = values
+        return padded.view(-1, width, values.shape[1]).transpose(1, 2).contiguous()
 
     def pad(self, values: torch.Tensor) -> torch.Tensor:
         """A per-output-row float32 vector padded with zeros to whole panels."""
@@ -160,8 +175,41 @@ class Int8Weight:
         weight._store(q, scale.to(torch.float32), bias)
         return weight
 
+    @classmethod
+    def from_grouped(
+        cls,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | None,
+        group_size: int,
+    ) -> Int8Weight | None:
+        """Group-wise 8-bit weights (GPTQ 8-bit, W8A16 with groups): q [N, K] int8 (the
+        checkpoint's unsigned codes minus 128), scales [N, K / group_size] float32 and, with
+        zero points, zeros in the same shape (the code meaning 0.0, minus 128): weight =
+        (q - zero) * scale per group. None where the compiled kernel is not at hand."""
+        gemm = load_int8_gemm()
+        if (
+            gemm is None
+            or q.shape[1] % group_size
+            or scales.shape
+            != (
+                q.shape[0],
+                q.shape[1] // group_size,
+            )
+        ):
+            return None
+        weight = cls.__new__(cls)
+        weight.out_features, weight.in_features = q.shape
+        weight.gemm, weight.group_size = gemm, group_size
+        weight.q = gemm.pack(q)
+        weight.scale = gemm.panel_groups(scales.to(torch.float32))
+        weight.zeros = None if zeros is None else gemm.panel_groups(zeros.to(torch.float32))
+        weight.bias = None
+        return weight
+
     def _store(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = q.shape
+        self.group_size, self.zeros = 0, None
         self.gemm = load_int8_gemm()
         if self.gemm is not None:
             self.q = self.gemm.pack(q)
@@ -173,20 +221,30 @@ class Int8Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes + (0 if self.bias is None else self.bias.nbytes)
+        return sum(t.nbytes for _, _, t in self.weight_tensors())
 
     def weight_tensors(self) -> list[tuple[object, str, torch.Tensor]]:
         """(owner, attribute, tensor) of what a step reads: for moving them to huge pages."""
-        names = ("q", "scale") if self.bias is None else ("q", "scale", "bias")
+        names = [n for n in ("q", "scale", "zeros", "bias") if getattr(self, n) is not None]
         return [(self, name, getattr(self, name)) for name in names]
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 weight [out, in] this computes with, q * scale (for tests and checks)."""
+        """The float32 weight [out, in] this computes with, (q - zero) * scale per group or
+        q * scale per row (for tests and checks)."""
         if self.gemm is None:
             return self.q.float() * self.scale[:, None]
         panels, k, width = self.q.shape
-        q = self.q.transpose(1, 2).reshape(panels * width, k)[: self.out_features]
-        return q.float() * self.scale[: self.out_features, None]
+        q = self.q.transpose(1, 2).reshape(panels * width, k)[: self.out_features].float()
+        if not self.group_size:
+            return q * self.scale[: self.out_features, None]
+        groups = torch.arange(k) // self.group_size
+
+        def rows(values: torch.Tensor) -> torch.Tensor:  # [panels][groups][width] -> [N, K]
+            flat = values.transpose(1, 2).reshape(panels * width, -1)[: self.out_features]
+            return flat[:, groups]
+
+        zeros = 0.0 if self.zeros is None else rows(self.zeros)
+        return (q - zeros) * rows(self.scale)
 
     def linear(
         self, x: torch.Tensor, with_bias: bool = True, add: torch.Tensor | None = None
@@ -203,7 +261,20 @@ class Int8Weight:
         if rows.dtype != torch.float32 or rows.stride(-1) != 1:
             rows = rows.to(torch.float32).contiguous()
         bias = self.bias if with_bias else None
-        if self.gemm is not None:
+        if self.group_size:
+            out = torch.empty((rows.shape[0], self.out_features), dtype=torch.float32)
+            status = self.gemm._linear_grouped(
+                rows.data_ptr(), rows.stride(0), rows.shape[0], self.in_features,
+                self.q.data_ptr(), self.scale.data_ptr(),
+                None if self.zeros is None else self.zeros.data_ptr(), None,
+                self.out_features, self.group_size, out.data_ptr(), self.out_features,
+                torch.get_num_threads(),
+            )  # fmt: skip
+            if status != 0:
+                raise RuntimeError(f"int8 grouped linear failed with status {status}")
+            if bias is not None:
+                out += bias
+        elif self.gemm is not None:
             out = self.gemm.linear(rows, self.q, self.scale, bias, self.out_features)
         else:
             out = torch.mm(rows, self.q.t().to(torch.float32)) * self.scale

@@ -29,7 +29,7 @@
 #include <immintrin.h>
 #endif
 
-#define CONVEYOR_INT8_GEMM_ABI_VERSION 2
+#define CONVEYOR_INT8_GEMM_ABI_VERSION 3
 
 #if defined(__AVX512F__)
 #define VL 16 /* floats per vector */
@@ -177,6 +177,77 @@ int conveyor_int8_linear(const float *x, int64_t x_stride, int64_t m_size, int64
                        out + r0 * out_stride + n0, out_stride);
         }
     }
+    return 0;
+}
+
+/* out [M, N] = x @ W^T + bias for group-wise 8-bit weights (GPTQ 8-bit, compressed-tensors W8A16
+ * with groups): W[n][k] = (q[n][k] - z[n][g]) * s[n][g], g = k / group_size, q int8 in the same
+ * panels as conveyor_int8_linear (the checkpoint's unsigned codes minus 128). Per group the tile
+ * sums x * q as above, then total += (sum - z * sum of x over the group) * s. scale and zero:
+ * [ceil(N / PANEL)][K / group_size][PANEL] float32 (zero NULL where every z is 0); bias [N
+ * padded] or NULL. Returns -2 if memory ran out. */
+int conveyor_int8_linear_grouped(const float *x, int64_t x_stride, int64_t m_size, int64_t k_size,
+                                 const int8_t *packed, const float *scale, const float *zero,
+                                 const float *bias, int64_t n_size, int64_t group_size, float *out,
+                                 int64_t out_stride, int num_threads) {
+    if (m_size < 0 || k_size <= 0 || n_size <= 0 || num_threads < 1 || group_size <= 0 ||
+        k_size % group_size)
+        return -1;
+    if (m_size == 0) return 0;
+    const int64_t num_groups = k_size / group_size;
+    const int64_t num_panels = (n_size + PANEL - 1) / PANEL;
+    const int64_t num_blocks = (m_size + MB - 1) / MB;
+    float *group_sums = NULL;
+    if (zero != NULL) {
+        /* Each row's sum of x per group, for the zero term: once here for every panel. */
+        group_sums = malloc((size_t)(m_size * num_groups) * sizeof(float));
+        if (group_sums == NULL) return -2;
+        for (int64_t m = 0; m < m_size; m++)
+            for (int64_t g = 0; g < num_groups; g++) {
+                float sum = 0.0f;
+                for (int64_t k = g * group_size; k < (g + 1) * group_size; k++)
+                    sum += x[m * x_stride + k];
+                group_sums[m * num_groups + g] = sum;
+            }
+    }
+    const int parallel = num_threads > 1 && m_size * n_size * k_size >= PARALLEL_MIN_MACS &&
+                         num_panels * num_blocks > 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+    for (int64_t item = 0; item < num_panels * num_blocks; item++) {
+        float acc[MR * PANEL] __attribute__((aligned(64)));
+        float total[MR * PANEL] __attribute__((aligned(64)));
+        const int64_t p = item / num_blocks, m_end = (item % num_blocks + 1) * MB;
+        const int8_t *panel = packed + p * k_size * PANEL;
+        const int64_t n0 = p * PANEL;
+        const int width = n_size - n0 < PANEL ? (int)(n_size - n0) : PANEL;
+        for (int64_t r0 = (item % num_blocks) * MB; r0 < m_end && r0 < m_size; r0 += MR) {
+            const int rows = m_size - r0 < MR ? (int)(m_size - r0) : MR;
+            memset(total, 0, sizeof total);
+            for (int64_t g = 0; g < num_groups; g++) {
+                const float *xr = x + r0 * x_stride + g * group_size;
+                const int8_t *pg = panel + g * group_size * PANEL;
+#define ROWS(R) rows_panel(xr, x_stride, pg, group_size, R, acc)
+                DISPATCH_ROWS(rows, ROWS)
+#undef ROWS
+                const float *s = scale + (p * num_groups + g) * PANEL;
+                const float *z = zero ? zero + (p * num_groups + g) * PANEL : NULL;
+                for (int r = 0; r < rows; r++)
+                    for (int j = 0; j < NV; j++) {
+                        vf dot = loadf(acc + r * PANEL + j * VL);
+                        if (z) dot -= loadf(z + j * VL) *
+                                      splat(group_sums[(r0 + r) * num_groups + g]);
+                        storef(total + r * PANEL + j * VL,
+                               loadf(total + r * PANEL + j * VL) + dot * loadf(s + j * VL));
+                    }
+            }
+            for (int r = 0; r < rows; r++) {
+                float *o = out + (r0 + r) * out_stride + n0;
+                for (int n = 0; n < width; n++)
+                    o[n] = total[r * PANEL + n] + (bias ? bias[n0 + n] : 0.0f);
+            }
+        }
+    }
+    free(group_sums);
     return 0;
 }
 

@@ -126,10 +126,17 @@ class QuantizedWeights(nn.Module):
         group_size = w.group_size or self.in_features
         if self._int8_kernel_takes_it():
             q = (self.codes.data.to(torch.int16) - w.middle_code).to(torch.int8)
-            self.int8 = Int8Weight.from_quantized(q, self.scales.data[:, 0])
-            for name in ("codes", "scales"):
-                delattr(self, name)
-            return
+            group_size = w.group_size or self.in_features
+            if w.symmetric and group_size == self.in_features:
+                self.int8 = Int8Weight.from_quantized(q, self.scales.data[:, 0])
+            else:
+                zeros = None if w.symmetric else self.zeros.data - w.middle_code
+                self.int8 = Int8Weight.from_grouped(q, self.scales.data, zeros, group_size)
+            if self.int8 is not None:
+                for name in ("codes", "scales", "zeros"):
+                    if name in self._parameters:
+                        delattr(self, name)
+                return
         if self._w8a8_kernel_takes_it():
             q = (self.codes.data.to(torch.int16) - w.middle_code).to(torch.int8)
             per_tensor = self.scheme.activations.strategy == "tensor"
@@ -159,16 +166,17 @@ class QuantizedWeights(nn.Module):
                 delattr(self, name)
 
     def _int8_kernel_takes_it(self) -> bool:
-        """8-bit integers, symmetric, one scale per output row (compressed-tensors W8A16 as
-        llm-compressor makes it), weight-only, on a CPU with the compiled int8 kernel: exactly
-        what ``--quantization int8`` makes at load, so the same kernel runs them."""
+        """8-bit integer weights, weight-only, in order (no act-order), on a CPU with the
+        compiled int8 kernel: symmetric with one scale per output row (compressed-tensors W8A16
+        as llm-compressor makes it: exactly what ``--quantization int8`` makes at load), else
+        group-wise or with zero points (GPTQ 8-bit, W8A16 with groups), whose groups the kernel
+        scales one by one."""
         w = self.scheme.weights
         return (
             w.kind == INT
             and w.bits == 8
-            and w.symmetric
             and not w.act_order
-            and w.group_size in (0, self.in_features)
+            and (w.group_size == 0 or self.in_features % w.group_size == 0)
             and self.scheme.activations is None
             and self.codes.device.type == "cpu"
             and load_int8_gemm() is not None
