@@ -63,7 +63,12 @@ def _int4_linear(amx: bool, panels, x: torch.Tensor) -> torch.Tensor:
 
 
 def time_linears(
-    config: dict, copies_bytes: int, repeats: int, rows: int = 1, int8_group: int = 0
+    config: dict,
+    copies_bytes: int,
+    repeats: int,
+    rows: int = 1,
+    int8_group: int = 0,
+    fp8: bool = False,
 ) -> None:
     """Each decoder linear shape at ``rows`` rows, float32 (oneDNN's packed weight, what the
     layers run) against the int8 and int4 kernels, on enough copies of the weight
@@ -74,7 +79,9 @@ def time_linears(
     through torch as it ran before that path ("w8a8 torch": the weight dequantized at every call,
     the rounded activations multiplied in float32); with ``int8_group``, group-wise 8-bit
     weights (GPTQ 8-bit: a scale per ``int8_group`` inputs) through the kernel ("int8 gN") and
-    dequantized at every call in torch ("int8 gN torch", the path before the kernel took them).
+    dequantized at every call in torch ("int8 gN torch", the path before the kernel took them);
+    with ``fp8``, Qwen3-FP8's block-wise FP8 through the FP8 kernel ("fp8", AVX512-BF16) and
+    the torch path ("fp8 torch").
     All interleaved, best of ``repeats`` passes over the copies."""
     from conveyor.worker.layers.gemm import linear, pack_weight
     from conveyor.worker.layers.int8_linear import (
@@ -83,6 +90,7 @@ def time_linears(
         load_int8_gemm,
         quantize_int8,
     )
+    from conveyor.worker.layers.quantization.fp8_kernel import load_fp8_gemm
     from conveyor.worker.layers.quantization.int4_kernel import (
         Int4Panels,
         load_int4_gemm,
@@ -101,6 +109,8 @@ def time_linears(
     formats += ["w8a8", "w8a8 torch"] if vnni else []
     grouped = f"int8 g{int8_group}"
     formats += [grouped, f"{grouped} torch"] if int8_group else []
+    fp8_gemm = load_fp8_gemm() if fp8 else None
+    formats += ["fp8", "fp8 torch"] if fp8_gemm else []
     print(f"rows {rows}; int4 {'with' if amx else 'without'} the AMX path"
           + ("; W8A8 through VNNI" if vnni else ""))  # fmt: skip
     print(f"{'linear':>8} " + " ".join(f"{f + ' us':>11}" for f in formats)
@@ -119,6 +129,7 @@ def time_linears(
         stored = [((q.to(torch.int16) + 128).to(torch.uint8), scale) for q, scale in quantized8]
         del quantized8
         by_group = [_grouped8(w, int8_group) for w in weights] if int8_group else []
+        fp8_weights = [_blockwise_fp8(fp8_gemm, w) for w in weights] if fp8_gemm else []
         del weights
         x = torch.randn(rows, k)
         calls = {
@@ -131,6 +142,9 @@ def time_linears(
         if vnni:
             calls["w8a8"] = [functools.partial(w.linear, x, None) for w in w8a8]
             calls["w8a8 torch"] = [functools.partial(_w8a8_torch, *c, x) for c in stored]
+        if fp8_gemm:
+            calls["fp8"] = [functools.partial(p.linear, x, None) for p, _ in fp8_weights]
+            calls["fp8 torch"] = [functools.partial(_fp8_torch, *t, x) for _, t in fp8_weights]
         if int8_group:
             calls[grouped] = [functools.partial(g.linear, x, False) for g, _ in by_group]
             calls[f"{grouped} torch"] = [
@@ -154,6 +168,27 @@ def time_linears(
             + (f" {best['float32'] / best['w8a8']:8.2f} {best['w8a8 torch'] / best['w8a8']:10.2f}"
                if vnni else "")
         )  # fmt: skip
+
+
+def _blockwise_fp8(gemm, weight: torch.Tensor):
+    """(the kernel's FP8Panels, (codes e4m3, per-row block scales)) of Qwen3-FP8's layout: a
+    scale per 128 x 128 block, activations rounded per 128 features of a token."""
+    from conveyor.worker.layers.quantization.fp8_kernel import FP8Panels
+
+    n, k = weight.shape
+    blocks = weight.view(n // 128, 128, k // 128, 128).abs().amax(dim=(1, 3)) / 448
+    scales = blocks.repeat_interleave(128, dim=0)  # [N, K / 128], as the loader spreads them
+    codes = (weight / scales.repeat_interleave(128, dim=1)).to(torch.float8_e4m3fn)
+    return FP8Panels(gemm, codes, scales, 128, "group", 128), (codes, scales)
+
+
+def _fp8_torch(codes, scales, x: torch.Tensor) -> torch.Tensor:
+    """Block-wise FP8 as the torch path runs it: dequantized at every call, the activations
+    rounded through FP8 per 128 features and multiplied in float32."""
+    from conveyor.worker.layers.quantization.activations import fake_quantize
+
+    weight = codes.to(torch.float32) * scales.repeat_interleave(128, dim=1)
+    return fake_quantize(x, "float8", "group", 128) @ weight.T
 
 
 def _grouped8(weight: torch.Tensor, group: int):
@@ -194,6 +229,8 @@ def _checkpoint(spec: str, model_dir: str) -> tuple[str, Path]:
     kind, _, preset = where.partition(":")
     if kind == "compressed-tensors" and preset:
         return name, ensure_quantized(Path(model_dir), kind, preset=preset, group=0)
+    if where == "fp8":  # Qwen3-FP8's layout: 128 x 128 weight blocks, 128-feature activations
+        return name, ensure_quantized(Path(model_dir), "fp8")
     return name, Path(where)
 
 
@@ -219,10 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         "--int8-group", type=int, default=0,
         help="--linears: also group-wise 8-bit weights with this group size",
     )  # fmt: skip
+    parser.add_argument("--fp8", action="store_true", help="--linears: also block-wise FP8 weights")
     parser.add_argument(
         "--checkpoint", action="append", default=[], metavar="NAME=DIR",
         help="also a quantized checkpoint as it loads (its format from its config), "
-        "named NAME in the table; 'NAME=compressed-tensors:PRESET' makes one from the model",
+        "named NAME in the table; 'NAME=compressed-tensors:PRESET' or 'NAME=fp8' (Qwen3-FP8's "
+        "block-wise layout) makes one from the model",
     )  # fmt: skip
     args = parser.parse_args(argv)
     model_dir = args.model or str(ensure_model(args.size, "qwen3"))
@@ -232,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (torch.mv over a 1 GiB float32 matrix)")
         config = json.loads((Path(model_dir) / "config.json").read_text())
         for rows in (int(r) for r in args.rows.split(",")):
-            time_linears(config, args.copies_mb << 20, args.rounds, rows, args.int8_group)
+            time_linears(config, args.copies_mb << 20, args.rounds, rows, args.int8_group, args.fp8)
         return 0
     engines = {}
     for name in args.formats.split(","):

@@ -27,9 +27,7 @@ import torch
 from benchmarks.fixtures.model_maker import ensure_model
 from benchmarks.fixtures.quantized_maker import ensure_quantized, reference_weights
 from tests.frontend.test_parity_hf import LOGPROB_TOLERANCE, TIE_GAP, Reference
-from tests.frontend.test_parity_quantized import (
-    test_quantized_checkpoint_matches_hf_with_chunked_prefill_and_prefix_hits as run_parity,
-)
+from tests.frontend.test_parity_quantized import run_parity
 
 CASES = [
     ("compressed-tensors-moe", dict(preset="W4A16", group=32), "load"),

@@ -21,6 +21,7 @@ from torch import nn
 from conveyor.worker.layers.int8_linear import Int8Weight, W8A8Weight, load_int8_gemm
 from conveyor.worker.layers.quantization import triton_quant
 from conveyor.worker.layers.quantization.activations import fake_quantize, quantize
+from conveyor.worker.layers.quantization.fp8_kernel import FP8Panels, kernel_block, load_fp8_gemm
 from conveyor.worker.layers.quantization.int4_kernel import (
     Int4Panels,
     kernel_takes_groups,
@@ -57,6 +58,8 @@ class QuantizedWeights(nn.Module):
         self.int8: Int8Weight | None = None
         # W8A8 with dynamic int8 activations in the int8 kernel's integer path (AVX-512 VNNI).
         self.w8a8: W8A8Weight | None = None
+        # FP8 with dynamic FP8 activations in the FP8 kernel (AVX512-BF16).
+        self.fp8: FP8Panels | None = None
         # What the CUDA kernels do for each matmul, once ``process_weights_after_loading`` made it.
         self.kernel_plan: triton_quant.KernelPlan | None = None
         # Act-order weights whose input features the CUDA path sorted by group: feature j of
@@ -115,7 +118,7 @@ class QuantizedWeights(nn.Module):
         kernel's layout, releasing the checkpoint layout (the kernel's copy is the only one;
         ``dequantized`` reads it); channel-wise 8-bit ones into the int8 kernel's. Once is
         enough: a second call (the loader's, after a caller's) leaves them as they are."""
-        if self.panels is not None or self.int8 is not None or self.w8a8 is not None:
+        if any(k is not None for k in (self.panels, self.int8, self.w8a8, self.fp8)):
             return
         if self.codes.device.type == "cuda":
             if triton_quant.unavailable_reason() is None:
@@ -137,6 +140,16 @@ class QuantizedWeights(nn.Module):
                     if name in self._parameters:
                         delattr(self, name)
                 return
+        block = kernel_block(self.scheme, self.in_features) if w.kind == FLOAT8 else 0
+        gemm8 = load_fp8_gemm() if block and self.codes.device.type == "cpu" else None
+        if gemm8 is not None:
+            a = self.scheme.activations
+            self.fp8 = FP8Panels(
+                gemm8, self.codes.data, self.scales.data, block, a.strategy, a.group_size
+            )
+            for name in ("codes", "scales"):
+                delattr(self, name)
+            return
         if self._w8a8_kernel_takes_it():
             q = (self.codes.data.to(torch.int16) - w.middle_code).to(torch.int8)
             per_tensor = self.scheme.activations.strategy == "tensor"
@@ -231,6 +244,8 @@ class QuantizedWeights(nn.Module):
             return self.int8.dequantized().to(dtype)
         if self.w8a8 is not None:
             return self.w8a8.dequantized().to(dtype)
+        if self.fp8 is not None:
+            return self.fp8.dequantized().to(dtype)
         if w.kind == FLOAT8:
             return (self.codes.to(torch.float32) * self.scales[:, groups]).to(dtype)
         codes = unpack_nibbles(self.codes) if w.bits == 4 else self.codes
@@ -244,6 +259,8 @@ class QuantizedWeights(nn.Module):
             return self.int8.linear(x, with_bias=False, add=bias)
         if self.w8a8 is not None:
             return self.w8a8.linear(x, bias)
+        if self.fp8 is not None:
+            return self.fp8.linear(x, bias)
         if self.kernel_plan is not None and triton_quant.failure is None:
             out = triton_quant.linear(self, self.kernel_plan, x, bias)
             if out is not None:
