@@ -80,8 +80,9 @@ def time_linears(
     the rounded activations multiplied in float32); with ``int8_group``, group-wise 8-bit
     weights (GPTQ 8-bit: a scale per ``int8_group`` inputs) through the kernel ("int8 gN") and
     dequantized at every call in torch ("int8 gN torch", the path before the kernel took them);
-    with ``fp8``, Qwen3-FP8's block-wise FP8 through the FP8 kernel ("fp8", AVX512-BF16) and
-    the torch path ("fp8 torch").
+    with ``fp8``, Qwen3-FP8's block-wise FP8 through the FP8 kernel ("fp8", AVX512-BF16, on AMX
+    tiles from 8 rows where the host has them; "fp8 tile" without them) and the torch path
+    ("fp8 torch").
     All interleaved, best of ``repeats`` passes over the copies."""
     from conveyor.worker.layers.gemm import linear, pack_weight
     from conveyor.worker.layers.int8_linear import (
@@ -111,6 +112,8 @@ def time_linears(
     formats += [grouped, f"{grouped} torch"] if int8_group else []
     fp8_gemm = load_fp8_gemm() if fp8 else None
     formats += ["fp8", "fp8 torch"] if fp8_gemm else []
+    fp8_amx = bool(fp8_gemm and fp8_gemm.amx)
+    formats += ["fp8 tile"] if fp8_amx else []
     print(f"rows {rows}; int4 {'with' if amx else 'without'} the AMX path"
           + ("; W8A8 through VNNI" if vnni else ""))  # fmt: skip
     print(f"{'linear':>8} " + " ".join(f"{f + ' us':>11}" for f in formats)
@@ -145,6 +148,11 @@ def time_linears(
         if fp8_gemm:
             calls["fp8"] = [functools.partial(p.linear, x, None) for p, _ in fp8_weights]
             calls["fp8 torch"] = [functools.partial(_fp8_torch, *t, x) for _, t in fp8_weights]
+        if fp8_amx:
+            calls["fp8"] = [functools.partial(_fp8_linear, True, p, x) for p, _ in fp8_weights]
+            calls["fp8 tile"] = [
+                functools.partial(_fp8_linear, False, p, x) for p, _ in fp8_weights
+            ]
         if int8_group:
             calls[grouped] = [functools.partial(g.linear, x, False) for g, _ in by_group]
             calls[f"{grouped} torch"] = [
@@ -158,6 +166,8 @@ def time_linears(
                     call()
                 best[v] = min(best[v], (time.perf_counter() - start) / count)
         gemm.set_amx(amx)
+        if fp8_amx:
+            fp8_gemm.set_amx(True)
         int4_bytes = int4[0].nbytes
         us = {v: t * 1e6 for v, t in best.items()}
         print(
@@ -179,7 +189,12 @@ def _blockwise_fp8(gemm, weight: torch.Tensor):
     blocks = weight.view(n // 128, 128, k // 128, 128).abs().amax(dim=(1, 3)) / 448
     scales = blocks.repeat_interleave(128, dim=0)  # [N, K / 128], as the loader spreads them
     codes = (weight / scales.repeat_interleave(128, dim=1)).to(torch.float8_e4m3fn)
-    return FP8Panels(gemm, codes, scales, 128, "group", 128), (codes, scales)
+    return FP8Panels(gemm, codes, scales, 128, "group"), (codes, scales)
+
+
+def _fp8_linear(amx: bool, panels, x: torch.Tensor) -> torch.Tensor:
+    panels.gemm.set_amx(amx)
+    return panels.linear(x, None)
 
 
 def _fp8_torch(codes, scales, x: torch.Tensor) -> torch.Tensor:

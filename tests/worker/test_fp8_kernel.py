@@ -13,13 +13,26 @@ import torch
 
 from benchmarks.fixtures.quantized_maker import ensure_quantized
 from conveyor.worker.layers.quantization import fp8_kernel
-from conveyor.worker.layers.quantization.activations import fake_quantize
+from conveyor.worker.layers.quantization.activations import fake_quantize, quantize_activations
 from conveyor.worker.layers.quantization.fp8_kernel import FP8Panels, load_fp8_gemm
 from conveyor.worker.loader import load_model
 
 pytestmark = pytest.mark.skipif(
     load_fp8_gemm() is None, reason="the FP8 kernel needs a C compiler and a host with AVX512-BF16"
 )
+
+
+@pytest.fixture(params=["tile", "amx"])
+def path(request):
+    """Each path of the kernel: "tile" the VDPBF16PS register tile at every row count, "amx"
+    AMX tiles from 8 rows where the host has AMX (the tile below that)."""
+    gemm = load_fp8_gemm()
+    wanted = gemm.amx
+    if request.param == "amx" and not wanted:
+        pytest.skip("the AMX path needs a host with AMX-BF16 and Linux's grant of the tile state")
+    gemm.set_amx(request.param == "amx")
+    yield request.param
+    gemm.set_amx(wanted)
 
 
 @pytest.mark.parametrize(
@@ -30,17 +43,19 @@ pytestmark = pytest.mark.skipif(
         (7, 300, 256, 256, "tensor"),
         (97, 70, 384, 128, "group"),
         (200, 130, 512, 512, "token"),
+        (16, 64, 64, 32, "group"),
+        (33, 50, 96, 96, "tensor"),
         (2, 17, 18, 18, "token"),  # a row shorter than a vector
     ],
 )
-def test_kernel_matches_the_torch_path(rows, out_features, in_features, block, strategy):
+def test_kernel_matches_the_torch_path(path, rows, out_features, in_features, block, strategy):
     generator = torch.Generator().manual_seed(rows + in_features)
     codes = (torch.randn(out_features, in_features, generator=generator) * 3).to(
         torch.float8_e4m3fn
     )
     scales = torch.rand(out_features, in_features // block, generator=generator) * 0.01 + 1e-3
     group = block if strategy == "group" else 0
-    panels = FP8Panels(load_fp8_gemm(), codes, scales, block, strategy, group)
+    panels = FP8Panels(load_fp8_gemm(), codes, scales, block, strategy)
     weight = codes.float() * scales.repeat_interleave(block, dim=1)
     assert torch.equal(panels.dequantized(), weight)
     x = torch.randn(rows, in_features, generator=generator) * 3
@@ -54,6 +69,26 @@ def test_kernel_matches_the_torch_path(rows, out_features, in_features, block, s
     # A leading dimension and bfloat16 activations (rounded to float32 first, as the torch path).
     assert torch.equal(panels.linear(x.unsqueeze(0), None)[0], panels.linear(x, None))
     assert panels.linear(x.bfloat16(), None).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("strategy", ["token", "tensor", "group"])
+def test_activations_round_code_for_code_as_the_torch_path(strategy):
+    """The kernel rounds x to e4m3 itself: the same scales and codes as quantize_activations
+    (the torch path's rounding, torch's own cast), over values that straddle every binade from
+    e4m3's subnormals to its largest, ties included, and rows with zeros."""
+    generator = torch.Generator().manual_seed(3)
+    magnitudes = 2.0 ** torch.randint(-14, 9, (6, 256), generator=generator).float()
+    x = torch.randn(6, 256, generator=generator) * magnitudes
+    x[1, :64] = 0.0
+    x[2] = 0.0
+    x[3, :9] = torch.tensor([448.0, -448.0, 1.0625, 1.1875, -(2**-7), 2**-10, 3 * 2**-10, 5e-4, 0])
+    block = 64 if strategy == "group" else 256
+    codes, scales = load_fp8_gemm().quantize(x, strategy, block)
+    expected_codes, expected_scales = quantize_activations(
+        x, "float8", strategy, block if strategy == "group" else 0
+    )
+    assert torch.equal(codes, expected_codes)
+    assert torch.equal(scales, expected_scales.expand_as(scales))
 
 
 @pytest.mark.parametrize(
@@ -84,3 +119,16 @@ def test_the_switch_turns_the_kernel_off(monkeypatch):
         monkeypatch.undo()
         fp8_kernel.load_fp8_gemm.cache_clear()
     assert fp8_kernel.load_fp8_gemm() is not None
+
+
+def test_amx_rows_do_not_depend_on_their_company():
+    gemm = load_fp8_gemm()
+    if not gemm.amx:
+        pytest.skip("the AMX path needs a host with AMX-BF16 and Linux's grant of the tile state")
+    generator = torch.Generator().manual_seed(11)
+    codes = torch.randn(200, 256, generator=generator).to(torch.float8_e4m3fn)
+    panels = FP8Panels(gemm, codes, torch.rand(200, 2, generator=generator), 128, "group")
+    x = torch.randn(100, 256, generator=generator)
+    whole = panels.linear(x, None)
+    for start, stop in [(0, 8), (3, 20), (40, 72), (50, 100)]:
+        assert torch.equal(panels.linear(x[start:stop], None), whole[start:stop]), (start, stop)

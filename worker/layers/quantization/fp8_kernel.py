@@ -5,9 +5,10 @@ scales (Qwen3-FP8's 128 x 128 blocks with 128-feature activation groups; compres
 FP8_DYNAMIC and FP8_BLOCK; per-tensor FP8 with dynamic activations) keep their weights as the
 bfloat16 of their e4m3 codes (exact: every e4m3 value is a bfloat16 one), 2 bytes a weight, and
 multiply the activations' codes by them with AVX512-BF16's VDPBF16PS (exact products, float32
-sums), the scales applied once per block of input features. The activations are rounded by
-``activations.quantize_activations``, the torch path's own rounding, so both paths see the same
-codes. Where the host has no AVX512-BF16, the kernel cannot be built, ``CONVEYOR_CPU_KERNEL=0``
+sums), the scales applied once per block of input features; on a host with AMX, from 8 rows,
+on AMX tiles (the panels are TDPBF16PS's B operand as stored). The kernel rounds the activations
+itself, exactly as ``activations.quantize_activations`` rounds them for the torch path (tested
+code for code), so both paths see the same codes. Where the host has no AVX512-BF16, the kernel cannot be built, ``CONVEYOR_CPU_KERNEL=0``
 or ``CONVEYOR_CPU_FP8_KERNEL=0``, the torch path of weights.py runs instead: the weights
 dequantized at every matmul and multiplied in float32 as transformers does, slower, and the one
 to pick where outputs must follow transformers' own arithmetic (FP8's rounding of activations
@@ -25,20 +26,26 @@ from pathlib import Path
 import torch
 
 from conveyor.worker import native
+from conveyor.worker.attention.cpu_kernel import amx_wanted
 from conveyor.worker.kv_cache import switch_from_env
-from conveyor.worker.layers.quantization.activations import quantize_activations
 from conveyor.worker.layers.quantization.scheme import FLOAT8, LinearScheme
 
 logger = logging.getLogger(__name__)
 
 SOURCE_PATH = Path(__file__).parent.parent / "csrc" / "fp8_gemm.c"
-ABI_VERSION = 1  # CONVEYOR_FP8_GEMM_ABI_VERSION in the source
+ABI_VERSION = 3  # CONVEYOR_FP8_GEMM_ABI_VERSION in the source
+# The activations' scale strategies, as the source numbers them.
+STRATEGIES = {"token": 0, "tensor": 1, "group": 2}
 
 _i32, _i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 _LINEAR_ARGTYPES = [
-    _ptr, _i64, _ptr, _i64, _i64,  # x's codes and row stride, x's block scales, rows, K
+    _ptr, _i64, _i32, _i64, _i64,  # x and its row stride, activation strategy, rows, K
     _ptr, _ptr, _ptr, _i64, _i64,  # packed weight, weight block scales, bias (or NULL), N, block
     _ptr, _i64, _i32,  # out and its row stride, threads
+]  # fmt: skip
+_QUANTIZE_ARGTYPES = [
+    _ptr, _i64, _i64, _i64, _i32, _i64,  # x and its row stride, rows, K, strategy, block
+    _ptr, _ptr,  # codes out [M][K], scales out [M][K / block]
 ]  # fmt: skip
 
 
@@ -49,6 +56,34 @@ class FP8Gemm:
         self.path = path
         self.panel_width = int(library.conveyor_fp8_panel_width())
         self._linear = native.status_function(library, "conveyor_fp8_linear", _LINEAR_ARGTYPES)
+        self._quantize = native.status_function(
+            library, "conveyor_fp8_quantize", _QUANTIZE_ARGTYPES
+        )
+        self._amx_enable = library.conveyor_fp8_amx_enable
+        self._amx_enable.argtypes, self._amx_enable.restype = [_i32], _i32
+        # An AMX build on a host whose Linux granted the tile state, unless CONVEYOR_CPU_AMX=0.
+        self.amx = self.set_amx(amx_wanted())
+
+    def set_amx(self, on: bool) -> bool:
+        """Turn the AMX path (many rows) on or off for every user of this library."""
+        self.amx = bool(self._amx_enable(int(on)))
+        return self.amx
+
+    def quantize(
+        self, x: torch.Tensor, strategy: str, block: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] float32 -> (codes float32 [M, K], scales [M, K / block]) as the linear
+        rounds its activations (for tests against quantize_activations)."""
+        x = x.to(torch.float32).contiguous()
+        codes = torch.empty_like(x)
+        scales = torch.empty(x.shape[0], x.shape[1] // block, dtype=torch.float32)
+        status = self._quantize(
+            x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], STRATEGIES[strategy], block,
+            codes.data_ptr(), scales.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"FP8 quantize failed with status {status}")
+        return codes, scales
 
 
 def _from_library(library: ctypes.CDLL, path: Path) -> FP8Gemm | None:
@@ -68,8 +103,8 @@ def load_fp8_gemm() -> FP8Gemm | None:
     if not switch_from_env("CONVEYOR_CPU_FP8_KERNEL"):
         return None
     return native.load_optional(
-        logger, "FP8 kernel", "FP8 linears dequantize with torch", SOURCE_PATH, [SOURCE_PATH],
-        _from_library,
+        logger, "FP8 kernel", "FP8 linears dequantize with torch", SOURCE_PATH,
+        [SOURCE_PATH, native.SHARED_HEADERS / "amx_permission.h"], _from_library,
     )  # fmt: skip
 
 
@@ -101,12 +136,11 @@ class FP8Panels:
         scales: torch.Tensor,
         block: int,
         strategy: str,
-        group_size: int,
     ) -> None:
         """codes [N, K] float8_e4m3fn; scales [N, K / block] float32 (weight = code * scale);
-        strategy and group_size: the activations' (activations.quantize_activations)."""
+        strategy: the activations' ("token", "tensor", or "group" of ``block`` features)."""
         self.gemm, self.block = gemm, block
-        self.strategy, self.group_size = strategy, group_size
+        self.strategy = strategy
         self.out_features, self.in_features = codes.shape
         width = gemm.panel_width
         n_padded = -(-self.out_features // width) * width
@@ -137,16 +171,14 @@ class FP8Panels:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] (+ bias) in x's dtype (float32 inside)."""
         leading = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features).to(torch.float32)
-        codes, scales = quantize_activations(rows, FLOAT8, self.strategy, self.group_size)
-        codes = codes.contiguous()
-        blocks = self.in_features // self.block
-        scales = scales.expand(rows.shape[0], blocks).contiguous()
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+            rows = rows.to(torch.float32).contiguous()
         if bias is not None:
             bias = bias.detach().to(torch.float32).contiguous()
         out = torch.empty((rows.shape[0], self.out_features), dtype=torch.float32)
         status = self.gemm._linear(
-            codes.data_ptr(), codes.stride(0), scales.data_ptr(), rows.shape[0],
+            rows.data_ptr(), rows.stride(0), STRATEGIES[self.strategy], rows.shape[0],
             self.in_features, self.codes.data_ptr(), self.scales.data_ptr(),
             None if bias is None else bias.data_ptr(), self.out_features, self.block,
             out.data_ptr(), self.out_features, torch.get_num_threads(),

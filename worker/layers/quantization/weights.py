@@ -144,9 +144,7 @@ class QuantizedWeights(nn.Module):
         gemm8 = load_fp8_gemm() if block and self.codes.device.type == "cpu" else None
         if gemm8 is not None:
             a = self.scheme.activations
-            self.fp8 = FP8Panels(
-                gemm8, self.codes.data, self.scales.data, block, a.strategy, a.group_size
-            )
+            self.fp8 = FP8Panels(gemm8, self.codes.data, self.scales.data, block, a.strategy)
             for name in ("codes", "scales"):
                 delattr(self, name)
             return
