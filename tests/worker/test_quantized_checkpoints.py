@@ -388,3 +388,27 @@ def test_w8a8_checkpoints_run_the_int8_kernels_integer_path(qwen3):
     expected = quantized @ weight.T
     bound = (quantized.abs() @ weight.abs().T) * (weight.shape[1] * 2**-22) + 1e-6
     assert bool(((down(x) - expected).abs() <= bound).all())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(sym=False, desc_act=True), dict(bits=8, group=64, desc_act=True)],
+    ids=["4-bit", "8-bit"],
+)
+def test_act_order_weights_run_in_the_kernels_sorted_by_group(qwen3, options):
+    """GPTQ's act-order (desc_act) weights, their input features sorted by group at load, are
+    group-wise weights of a permuted input: they run in the 4-bit or int8 kernel with x gathered
+    into that order, and mean what the checkpoint's codes mean."""
+    model_dir = ensure_quantized(qwen3, "gptq", **options)
+    reference = reference_weights(model_dir)
+    model = load_model(model_dir, torch.float32, CPU)
+    down = model.model.layers[0].mlp.down_proj
+    kernel = down.quant.panels if options.get("bits", 4) == 4 else down.quant.int8
+    if kernel is None:
+        pytest.skip("no C compiler for the kernels")
+    assert down.quant.input_order is not None and "codes" not in down.quant._parameters
+    weight = reference["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(down.quant.dequantized(), weight)
+    x = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    bound = (x.abs() @ weight.abs().T) * (weight.shape[1] * 2**-22) + 1e-6
+    assert bool(((down(x) - x @ weight.T).abs() <= bound).all())

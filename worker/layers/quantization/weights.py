@@ -113,11 +113,12 @@ class QuantizedWeights(nn.Module):
         param.loaded_once = True  # type: ignore[attr-defined]
 
     def process_weights_after_loading(self) -> None:
-        """On CUDA, sort act-order weights' input features by group and plan the Triton
-        kernels' matmuls (triton_quant.py). Move group-wise 4-bit weights on a CPU into the
-        kernel's layout, releasing the checkpoint layout (the kernel's copy is the only one;
-        ``dequantized`` reads it); channel-wise 8-bit ones into the int8 kernel's. Once is
-        enough: a second call (the loader's, after a caller's) leaves them as they are."""
+        """Sort act-order weights' input features by group (triton_quant.py), then: on CUDA
+        plan the Triton kernels' matmuls; on a CPU move group-wise 4-bit weights into the 4-bit
+        kernel's layout, 8-bit ones into the int8 kernel's (W8A8 into its VNNI path), FP8 ones
+        with dynamic activations into the FP8 kernel's, releasing the checkpoint layout (the
+        kernel's copy is the only one; ``dequantized`` reads it). Once is enough: a second call
+        (the loader's, after a caller's) leaves them as they are."""
         if any(k is not None for k in (self.panels, self.int8, self.w8a8, self.fp8)):
             return
         if self.codes.device.type == "cuda":
@@ -127,6 +128,11 @@ class QuantizedWeights(nn.Module):
             return
         w = self.scheme.weights
         group_size = w.group_size or self.in_features
+        if w.act_order:
+            # Sorted by group (GPTQ's desc_act: every group a run of group_size features once
+            # sorted), act-order weights are group-wise weights of a permuted input, which the
+            # kernels take; linear() gathers x into that order.
+            triton_quant.sort_act_order_groups(self)
         if self._int8_kernel_takes_it():
             q = (self.codes.data.to(torch.int16) - w.middle_code).to(torch.int8)
             group_size = w.group_size or self.in_features
@@ -158,7 +164,7 @@ class QuantizedWeights(nn.Module):
         if (
             w.kind != INT
             or w.bits != 4
-            or w.act_order
+            or not self._groups_in_runs()
             or self.scheme.activations is not None
             or self.codes.device.type != "cpu"
             or not kernel_takes_groups(self.in_features, group_size)
@@ -176,8 +182,13 @@ class QuantizedWeights(nn.Module):
             if name in self._parameters:
                 delattr(self, name)
 
+    def _groups_in_runs(self) -> bool:
+        """Whether each group is a run of consecutive input features as stored: no act-order,
+        or act-order sorted by group (``input_order``)."""
+        return not self.scheme.weights.act_order or self.input_order is not None
+
     def _int8_kernel_takes_it(self) -> bool:
-        """8-bit integer weights, weight-only, in order (no act-order), on a CPU with the
+        """8-bit integer weights, weight-only, groups in runs (act-order sorted), on a CPU with the
         compiled int8 kernel: symmetric with one scale per output row (compressed-tensors W8A16
         as llm-compressor makes it: exactly what ``--quantization int8`` makes at load), else
         group-wise or with zero points (GPTQ 8-bit, W8A16 with groups), whose groups the kernel
@@ -186,7 +197,7 @@ class QuantizedWeights(nn.Module):
         return (
             w.kind == INT
             and w.bits == 8
-            and not w.act_order
+            and self._groups_in_runs()
             and (w.group_size == 0 or self.in_features % w.group_size == 0)
             and self.scheme.activations is None
             and self.codes.device.type == "cpu"
@@ -251,9 +262,11 @@ class QuantizedWeights(nn.Module):
         return ((codes.to(torch.float32) - zeros) * self.scales[:, groups]).to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.panels is not None:
-            return self.panels.linear(x, bias)
-        if self.int8 is not None:
+        if self.panels is not None or self.int8 is not None:
+            if self.input_order is not None:  # act-order sorted by group: x in that order too
+                x = x.index_select(-1, self.input_order)
+            if self.panels is not None:
+                return self.panels.linear(x, bias)
             return self.int8.linear(x, with_bias=False, add=bias)
         if self.w8a8 is not None:
             return self.w8a8.linear(x, bias)
