@@ -160,6 +160,32 @@ def status_function(library: ctypes.CDLL, name: str, argtypes: list) -> Callable
     return function
 
 
+def check_abi(library: ctypes.CDLL, path: Path, function: str, want: int) -> None:
+    """Refuse a cached build whose ABI (what ``function`` returns) is not the caller's."""
+    version = getattr(library, function)()
+    if version != want:
+        raise RuntimeError(f"{path} has ABI {version}, want {want}")
+
+
+def amx_switch(library: ctypes.CDLL, function: str) -> Callable[[bool], bool]:
+    """``library``'s AMX switch (its C ``function``: wanted -> whether the AMX path runs, 0
+    where not built or not granted) as a Python callable."""
+    enable = getattr(library, function)
+    enable.argtypes, enable.restype = [ctypes.c_int], ctypes.c_int
+    return lambda on: bool(enable(int(on)))
+
+
+def float32_rows(x, width: int):
+    """x [..., width] as float32 rows [M, width] with unit column stride, what the compiled
+    linears read (a view of x where it already is one; the row stride goes with it)."""
+    import torch
+
+    rows = x.reshape(-1, width)
+    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+        rows = rows.to(torch.float32).contiguous()
+    return rows
+
+
 def build(compiler: str, flags: tuple[str, ...], source: Path, inputs: Sequence[Path]) -> Path:
     """The shared object of ``source`` built with ``flags``, from the cache when it is there."""
     # Every file the build reads: a change to any of them is a new build.

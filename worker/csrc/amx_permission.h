@@ -2,7 +2,7 @@
  * What every compiled kernel with an AMX path shares: whether the build targets AMX-BF16 (and
  * the AVX-512 BF16/BW instructions beside it), Linux's permission request for the tile data
  * state, and the tile configuration's layout. Included by the attention kernel
- * (worker/attention/csrc/amx_tiles.h) and the 4-bit linear (worker/layers/csrc/int4_gemm.c).
+ * (worker/attention/csrc/amx_tiles.h) and the 4-bit and FP8 linears (worker/layers/csrc).
  *
  * A process may use the tiles only once Linux has granted it the state (arch_prctl
  * ARCH_REQ_XCOMP_PERM, which a kernel before 5.16 refuses); the grant lasts as long as the

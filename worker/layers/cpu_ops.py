@@ -320,7 +320,5 @@ def _inputs() -> list[Path]:
 
 
 def _from_library(library: ctypes.CDLL, path: Path) -> TokenOps:
-    version = library.conveyor_token_ops_abi_version()
-    if version != ABI_VERSION:
-        raise RuntimeError(f"{path} has ABI {version}, want {ABI_VERSION}")
+    native.check_abi(library, path, "conveyor_token_ops_abi_version", ABI_VERSION)
     return TokenOps(library, path)

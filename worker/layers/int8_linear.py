@@ -135,8 +135,8 @@ def _round_up(n: int, multiple: int) -> int:
 def load_int8_gemm() -> Int8Gemm | None:
     """The library, built if needed; None (logged once) where it is off or cannot be built."""
     gemm = native.load_optional(
-        logger, "int8 kernel", "int8 linears widen with torch", SOURCE_PATH, [SOURCE_PATH],
-        _from_library,
+        logger, "int8 kernel", "int8 linears widen with torch", SOURCE_PATH,
+        [SOURCE_PATH, native.SHARED_HEADERS / "panel_tiles.h"], _from_library,
     )  # fmt: skip
     if gemm is not None and not gemm.vector_widening:
         logger.warning(
@@ -148,9 +148,7 @@ def load_int8_gemm() -> Int8Gemm | None:
 
 
 def _from_library(library: ctypes.CDLL, path: Path) -> Int8Gemm:
-    version = library.conveyor_int8_gemm_abi_version()
-    if version != ABI_VERSION:
-        raise RuntimeError(f"{path} has ABI {version}, want {ABI_VERSION}")
+    native.check_abi(library, path, "conveyor_int8_gemm_abi_version", ABI_VERSION)
     return Int8Gemm(library, path)
 
 
@@ -257,9 +255,7 @@ class Int8Weight:
                 f"input has {x.shape[-1]} features, the layer takes {self.in_features}"
             )
         leading = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
-            rows = rows.to(torch.float32).contiguous()
+        rows = native.float32_rows(x, self.in_features)
         bias = self.bias if with_bias else None
         if self.group_size:
             out = torch.empty((rows.shape[0], self.out_features), dtype=torch.float32)
@@ -356,9 +352,7 @@ class W8A8Weight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] (+ bias) in x's dtype (float32 inside)."""
         leading = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
-            rows = rows.to(torch.float32).contiguous()
+        rows = native.float32_rows(x, self.in_features)
         if bias is not None:
             bias = self.gemm.pad(bias.detach().to(torch.float32))
         out = torch.empty((rows.shape[0], self.out_features), dtype=torch.float32)

@@ -100,5 +100,5 @@ def load_lora_kernel() -> LoRAKernel | None:
     """The library, built if needed; None (logged once) where it is off or cannot be built."""
     return native.load_optional(
         logger, "grouped LoRA kernel", "LoRA layers run a torch loop over the step's adapters",
-        SOURCE_PATH, [SOURCE_PATH], _from_library,
+        SOURCE_PATH, [SOURCE_PATH, native.SHARED_HEADERS / "panel_tiles.h"], _from_library,
     )  # fmt: skip

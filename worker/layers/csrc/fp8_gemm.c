@@ -27,6 +27,7 @@
 #endif
 
 #include "amx_permission.h" /* worker/csrc, through -I */
+#include "panel_tiles.h"
 
 #define CONVEYOR_FP8_GEMM_ABI_VERSION 3
 
@@ -36,10 +37,9 @@ int conveyor_fp8_gemm_abi_version(void) { return CONVEYOR_FP8_GEMM_ABI_VERSION; 
 #define VL 16
 #define NV 4
 #define PANEL (VL * NV)
-#define MR 6
-#define MB 96
+#define MR TILE_ROWS
+#define MB ITEM_ROWS
 #define PREFETCH_BYTES 2048 /* as the int8 kernel: the weights' stream, 2 KB ahead */
-#define PARALLEL_MIN_MACS (1 << 18)
 /* From this many rows the AMX path runs where it can (docs/performance.md, "FP8 on CPU"). */
 #ifndef FP8_AMX_MIN_ROWS
 #define FP8_AMX_MIN_ROWS 8
@@ -88,15 +88,6 @@ static inline __attribute__((always_inline)) void fp8_rows_block(
     }
 }
 
-#define DISPATCH_ROWS(rows, CALL) \
-    switch (rows) {               \
-        case 1: CALL(1); break;   \
-        case 2: CALL(2); break;   \
-        case 3: CALL(3); break;   \
-        case 4: CALL(4); break;   \
-        case 5: CALL(5); break;   \
-        default: CALL(6); break;  \
-    }
 
 #define FP8_MAX 448.0f
 #define FP8_TOKEN 0
@@ -234,7 +225,6 @@ static void fp8_amx_linear(const uint32_t *x, const float *x_scale, int64_t m_si
         for (int64_t p = 0; p < num_panels; p++) {
             const uint32_t *panel = packed + p * pairs * PANEL;
             const int64_t n0 = p * PANEL;
-            const int width = n_size - n0 < PANEL ? (int)(n_size - n0) : PANEL;
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t r0 = t * FP8_AMX_ROWS;
                 const int rows = m_size - r0 < FP8_AMX_ROWS ? (int)(m_size - r0) : FP8_AMX_ROWS;
@@ -273,11 +263,8 @@ static void fp8_amx_linear(const uint32_t *x, const float *x_scale, int64_t m_si
                         }
                     }
                 }
-                for (int r = 0; r < rows; r++) {
-                    float *o = out + (r0 + r) * out_stride + n0;
-                    for (int n = 0; n < width; n++)
-                        o[n] = total[r * PANEL + n] + (bias ? bias[n0 + n] : 0.0f);
-                }
+                panel_write_rows(total, PANEL, rows, n0, n_size, bias, out + r0 * out_stride,
+                                 out_stride);
             }
         }
         _tile_release();
@@ -325,15 +312,14 @@ int conveyor_fp8_linear(const float *x_in, int64_t x_stride, int strategy, int64
 #endif
     const int64_t num_panels = (n_size + PANEL - 1) / PANEL;
     const int64_t num_row_blocks = (m_size + MB - 1) / MB;
-    const int parallel = num_threads > 1 && m_size * n_size * k_size >= PARALLEL_MIN_MACS &&
-                         num_panels * num_row_blocks > 1;
+    const int parallel =
+        panel_parallel(m_size, n_size, k_size, num_panels * num_row_blocks, num_threads);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
     for (int64_t item = 0; item < num_panels * num_row_blocks; item++) {
         float total[MR * PANEL] __attribute__((aligned(64)));
         const int64_t p = item / num_row_blocks, m_end = (item % num_row_blocks + 1) * MB;
         const uint32_t *panel = packed + p * pairs * PANEL;
         const int64_t n0 = p * PANEL;
-        const int width = n_size - n0 < PANEL ? (int)(n_size - n0) : PANEL;
         for (int64_t r0 = (item % num_row_blocks) * MB; r0 < m_end && r0 < m_size; r0 += MR) {
             const int rows = m_size - r0 < MR ? (int)(m_size - r0) : MR;
             memset(total, 0, sizeof total);
@@ -346,11 +332,8 @@ int conveyor_fp8_linear(const float *x_in, int64_t x_stride, int strategy, int64
                 DISPATCH_ROWS(rows, ROWS)
 #undef ROWS
             }
-            for (int r = 0; r < rows; r++) {
-                float *o = out + (r0 + r) * out_stride + n0;
-                for (int n = 0; n < width; n++)
-                    o[n] = total[r * PANEL + n] + (bias ? bias[n0 + n] : 0.0f);
-            }
+            panel_write_rows(total, PANEL, rows, n0, n_size, bias, out + r0 * out_stride,
+                             out_stride);
         }
     }
     free(x);

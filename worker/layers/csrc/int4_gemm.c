@@ -38,6 +38,7 @@
 #endif
 
 #include "amx_permission.h" /* worker/csrc, through -I */
+#include "panel_tiles.h"
 
 #define CONVEYOR_INT4_GEMM_ABI_VERSION 5
 
@@ -52,15 +53,14 @@
 #define CODES_PER_WORD 8
 /* The input feature (of a word's 8) whose code sits in bits 4q..4q+3. */
 #define FEATURE_AT(q) (2 * ((q) % 4) + (q) / 4)
-#define MR 6
-#define MB 96
+#define MR TILE_ROWS
+#define MB ITEM_ROWS
 /* How far ahead of its reads the tile asks for code words and for a group's scales and zeros.
  * The hardware prefetchers alone left one row's tile reading 12-14 GB/s of a host's 28 (2-core
  * AMX Xeon, Qwen3-0.6B's decoder linears streamed from memory, 2 threads); asking 2 KB ahead
  * into every cache level took it to 16.5-17.5 (nearer, farther or non-temporal: slower). */
 #define TILE_PREFETCH_WORDS 512
 #define GROUP_PREFETCH 1
-#define PARALLEL_MIN_MACS (1 << 18)
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
@@ -166,15 +166,6 @@ static inline __attribute__((always_inline)) void rows_group(
     }
 }
 
-#define DISPATCH_ROWS(rows, CALL) \
-    switch (rows) {               \
-        case 1: CALL(1); break;   \
-        case 2: CALL(2); break;   \
-        case 3: CALL(3); break;   \
-        case 4: CALL(4); break;   \
-        case 5: CALL(5); break;   \
-        default: CALL(6); break;  \
-    }
 
 /* 1 unless the sizes make sense: groups that divide K and are a multiple of `multiple`. */
 static int bad_shapes(int64_t m_size, int64_t k_size, int64_t n_size, int64_t group_size,
@@ -195,20 +186,13 @@ int conveyor_int4_linear(const float *x, int64_t x_stride, int64_t m_size, int64
     const int64_t num_groups = k_size / group_size;
     const int64_t num_panels = (n_size + PANEL - 1) / PANEL;
     const int64_t num_blocks = (m_size + MB - 1) / MB;
-    const int parallel = num_threads > 1 && m_size * n_size * k_size >= PARALLEL_MIN_MACS &&
-                         num_panels * num_blocks > 1;
+    const int parallel =
+        panel_parallel(m_size, n_size, k_size, num_panels * num_blocks, num_threads);
     float *group_sums = NULL;
 #if defined(__AVX512F__)
-    /* Each row's sum of x per group, for rows_group's zero term: once here for every panel. */
-    group_sums = malloc((size_t)(m_size * num_groups) * sizeof(float));
+    /* rows_group's zero term: (z - 8) times each row's sum of x over the group. */
+    group_sums = panel_group_sums(x, x_stride, m_size, k_size, group_size);
     if (group_sums == NULL) return -2;
-    for (int64_t m = 0; m < m_size; m++)
-        for (int64_t g = 0; g < num_groups; g++) {
-            float sum = 0.0f;
-            for (int64_t k = g * group_size; k < (g + 1) * group_size; k++)
-                sum += x[m * x_stride + k];
-            group_sums[m * num_groups + g] = sum;
-        }
 #endif
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
     for (int64_t item = 0; item < num_panels * num_blocks; item++) {
@@ -218,7 +202,6 @@ int conveyor_int4_linear(const float *x, int64_t x_stride, int64_t m_size, int64
         const float *panel_scale = scale + p * num_groups * PANEL;
         const float *panel_zoff = zero_offset + p * num_groups * PANEL;
         const int64_t n0 = p * PANEL;
-        const int width = n_size - n0 < PANEL ? (int)(n_size - n0) : PANEL;
         for (int64_t r0 = (item % num_blocks) * MB; r0 < m_end && r0 < m_size; r0 += MR) {
             const int rows = m_size - r0 < MR ? (int)(m_size - r0) : MR;
             memset(total, 0, sizeof total);
@@ -235,11 +218,8 @@ int conveyor_int4_linear(const float *x, int64_t x_stride, int64_t m_size, int64
                 DISPATCH_ROWS(rows, ROWS)
 #undef ROWS
             }
-            for (int r = 0; r < rows; r++) {
-                float *o = out + (r0 + r) * out_stride + n0;
-                for (int n = 0; n < width; n++)
-                    o[n] = total[r * PANEL + n] + (bias ? bias[n0 + n] : 0.0f);
-            }
+            panel_write_rows(total, PANEL, rows, n0, n_size, bias, out + r0 * out_stride,
+                             out_stride);
         }
     }
     free(group_sums);
@@ -400,18 +380,6 @@ static inline void int4_amx_store_c(float *c) {
     _tile_stored(3, c + 3 * VL, PANEL * 4);
 }
 
-/* Panel p's columns of `rows` output rows: the totals [rows][PANEL] plus the bias. */
-static void int4_amx_write_rows(const float *totals, int64_t rows, int64_t p, int64_t n_size,
-                                const float *bias, float *out, int64_t out_stride) {
-    const int64_t n0 = p * PANEL;
-    const int width = n_size - n0 < PANEL ? (int)(n_size - n0) : PANEL;
-    for (int64_t r = 0; r < rows; r++) {
-        float *o = out + r * out_stride + n0;
-        for (int n = 0; n < width; n++)
-            o[n] = totals[r * PANEL + n] + (bias ? bias[n0 + n] : 0.0f);
-    }
-}
-
 /* Asks for the codes AMX_PREFETCH_SPANS spans ahead of [k0, k0 + span) (past the panel's end,
  * the next panel's, which the same thread most often takes next; past the last panel, nothing:
  * a prefetch never faults): between unpackings the tile
@@ -559,8 +527,8 @@ int conveyor_int4_linear_amx(const float *x, int64_t x_stride, int64_t m_size, i
                         }
                     }
                 }
-                int4_amx_write_rows(totals, rows, p, n_size, bias, out + m0 * out_stride,
-                                    out_stride);
+                panel_write_rows(totals, PANEL, rows, p * PANEL, n_size, bias,
+                                 out + m0 * out_stride, out_stride);
             }
             if (b != NULL) _tile_release();
             free(b);

@@ -29,6 +29,8 @@
 #include <immintrin.h>
 #endif
 
+#include "panel_tiles.h" /* worker/csrc, through -I */
+
 #define CONVEYOR_INT8_GEMM_ABI_VERSION 3
 
 #if defined(__AVX512F__)
@@ -39,14 +41,12 @@
 #define NV 2 /* 12 accumulators + 2 weights + 1 broadcast of AVX2's 16 registers */
 #endif
 #define PANEL (VL * NV)
-#define MR 6   /* rows per register tile */
-#define MB 96  /* rows per work item: a long prompt chunk splits into items of this many rows */
+#define MR TILE_ROWS
+#define MB ITEM_ROWS
 /* How far ahead of its reads the tile asks for the panel's bytes: the hardware prefetchers alone
  * left one row reading 11.5-13.4 GB/s of a host's 28 (2-core AMX Xeon, Qwen3-0.6B's decoder
  * linears streamed from memory, 2 threads); 2 KB ahead into every cache level, 14.7-15.9. */
 #define PREFETCH_BYTES 2048
-/* Below this many multiply-adds the OpenMP fork costs more than the second thread saves. */
-#define PARALLEL_MIN_MACS (1 << 18)
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 
@@ -88,25 +88,6 @@ int conveyor_int8_vector_widening(void) {
 #endif
 }
 
-/* out[r][n] = acc[r][n] * scale[n] + bias[n] for the panel's first `width` columns. */
-static inline void write_rows(const float *acc, int64_t acc_stride, int rows, int width,
-                              const float *scale, const float *bias, float *out,
-                              int64_t out_stride) {
-    for (int r = 0; r < rows; r++) {
-        const float *a = acc + r * acc_stride;
-        float *o = out + r * out_stride;
-        if (width == PANEL) {
-            for (int j = 0; j < NV; j++) {
-                vf v = loadf(a + j * VL) * loadf(scale + j * VL);
-                if (bias) v += loadf(bias + j * VL);
-                storef(o + j * VL, v);
-            }
-        } else {
-            for (int n = 0; n < width; n++) o[n] = a[n] * scale[n] + (bias ? bias[n] : 0.0f);
-        }
-    }
-}
-
 /* acc = ROWS rows of x against one panel, widening the int8 values in registers; ROWS is a
  * constant at every call, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void rows_panel(
@@ -135,49 +116,22 @@ static inline __attribute__((always_inline)) void rows_panel(
         for (int j = 0; j < NV; j++) storef(acc_out + r * PANEL + j * VL, acc[r][j]);
 }
 
-/* One specialised copy per row count, chosen at run time. */
-#define DISPATCH_ROWS(rows, CALL)     \
-    switch (rows) {                   \
-        case 1: CALL(1); break;       \
-        case 2: CALL(2); break;       \
-        case 3: CALL(3); break;       \
-        case 4: CALL(4); break;       \
-        case 5: CALL(5); break;       \
-        default: CALL(6); break;      \
-    }
-
 /* out [M, N] (row stride out_stride) = (x [M, K] (row stride x_stride) @ q^T) * scale + bias,
  * q packed by the caller as [ceil(N / PANEL)][K][PANEL] (conveyor_int8_panel_width), scale [N]
  * and bias [N] (or NULL) padded to a whole number of panels. */
+int conveyor_int8_linear_grouped(const float *x, int64_t x_stride, int64_t m_size,
+                                 int64_t k_size, const int8_t *packed, const float *scale,
+                                 const float *zero, const float *bias, int64_t n_size,
+                                 int64_t group_size, float *out, int64_t out_stride,
+                                 int num_threads);
+
+/* One scale a row is one group a row: the scales [N padded] are already the grouped layout's
+ * [panels][1][PANEL]. */
 int conveyor_int8_linear(const float *x, int64_t x_stride, int64_t m_size, int64_t k_size,
                          const int8_t *packed, const float *scale, const float *bias,
                          int64_t n_size, float *out, int64_t out_stride, int num_threads) {
-    if (m_size < 0 || k_size <= 0 || n_size <= 0 || num_threads < 1) return -1;
-    if (m_size == 0) return 0;
-    const int64_t num_panels = (n_size + PANEL - 1) / PANEL;
-    const int64_t num_blocks = (m_size + MB - 1) / MB;
-    const int parallel = num_threads > 1 && m_size * n_size * k_size >= PARALLEL_MIN_MACS &&
-                         num_panels * num_blocks > 1;
-    /* Consecutive items share a panel, so a thread's static share reads each of its panels from
-     * memory once and from its L2 for the row groups and blocks after the first. */
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
-    for (int64_t item = 0; item < num_panels * num_blocks; item++) {
-        float acc[MR * PANEL] __attribute__((aligned(64)));
-        const int64_t p = item / num_blocks, m_end = (item % num_blocks + 1) * MB;
-        const int8_t *panel = packed + p * k_size * PANEL;
-        const int64_t n0 = p * PANEL;
-        const int width = n_size - n0 < PANEL ? (int)(n_size - n0) : PANEL;
-        for (int64_t r0 = (item % num_blocks) * MB; r0 < m_end && r0 < m_size; r0 += MR) {
-            const int rows = m_size - r0 < MR ? (int)(m_size - r0) : MR;
-            const float *xr = x + r0 * x_stride;
-#define ROWS(R) rows_panel(xr, x_stride, panel, k_size, R, acc)
-            DISPATCH_ROWS(rows, ROWS)
-#undef ROWS
-            write_rows(acc, PANEL, rows, width, scale + n0, bias ? bias + n0 : NULL,
-                       out + r0 * out_stride + n0, out_stride);
-        }
-    }
-    return 0;
+    return conveyor_int8_linear_grouped(x, x_stride, m_size, k_size, packed, scale, NULL, bias,
+                                        n_size, k_size, out, out_stride, num_threads);
 }
 
 /* out [M, N] = x @ W^T + bias for group-wise 8-bit weights (GPTQ 8-bit, compressed-tensors W8A16
@@ -199,19 +153,13 @@ int conveyor_int8_linear_grouped(const float *x, int64_t x_stride, int64_t m_siz
     const int64_t num_blocks = (m_size + MB - 1) / MB;
     float *group_sums = NULL;
     if (zero != NULL) {
-        /* Each row's sum of x per group, for the zero term: once here for every panel. */
-        group_sums = malloc((size_t)(m_size * num_groups) * sizeof(float));
+        group_sums = panel_group_sums(x, x_stride, m_size, k_size, group_size);
         if (group_sums == NULL) return -2;
-        for (int64_t m = 0; m < m_size; m++)
-            for (int64_t g = 0; g < num_groups; g++) {
-                float sum = 0.0f;
-                for (int64_t k = g * group_size; k < (g + 1) * group_size; k++)
-                    sum += x[m * x_stride + k];
-                group_sums[m * num_groups + g] = sum;
-            }
     }
-    const int parallel = num_threads > 1 && m_size * n_size * k_size >= PARALLEL_MIN_MACS &&
-                         num_panels * num_blocks > 1;
+    const int parallel =
+        panel_parallel(m_size, n_size, k_size, num_panels * num_blocks, num_threads);
+    /* Consecutive items share a panel, so a thread's static share reads each of its panels from
+     * memory once and from its L2 for the row groups and blocks after the first. */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
     for (int64_t item = 0; item < num_panels * num_blocks; item++) {
         float acc[MR * PANEL] __attribute__((aligned(64)));
@@ -219,7 +167,6 @@ int conveyor_int8_linear_grouped(const float *x, int64_t x_stride, int64_t m_siz
         const int64_t p = item / num_blocks, m_end = (item % num_blocks + 1) * MB;
         const int8_t *panel = packed + p * k_size * PANEL;
         const int64_t n0 = p * PANEL;
-        const int width = n_size - n0 < PANEL ? (int)(n_size - n0) : PANEL;
         for (int64_t r0 = (item % num_blocks) * MB; r0 < m_end && r0 < m_size; r0 += MR) {
             const int rows = m_size - r0 < MR ? (int)(m_size - r0) : MR;
             memset(total, 0, sizeof total);
@@ -240,11 +187,8 @@ int conveyor_int8_linear_grouped(const float *x, int64_t x_stride, int64_t m_siz
                                loadf(total + r * PANEL + j * VL) + dot * loadf(s + j * VL));
                     }
             }
-            for (int r = 0; r < rows; r++) {
-                float *o = out + (r0 + r) * out_stride + n0;
-                for (int n = 0; n < width; n++)
-                    o[n] = total[r * PANEL + n] + (bias ? bias[n0 + n] : 0.0f);
-            }
+            panel_write_rows(total, PANEL, rows, n0, n_size, bias, out + r0 * out_stride,
+                             out_stride);
         }
     }
     free(group_sums);
@@ -368,8 +312,8 @@ int conveyor_int8_linear_w8a8(const float *x, int64_t x_stride, int64_t m_size, 
     }
     const int64_t num_panels = (n_size + PANEL - 1) / PANEL;
     const int64_t num_blocks = (m_size + MB - 1) / MB;
-    const int parallel = num_threads > 1 && m_size * n_size * k_size >= PARALLEL_MIN_MACS &&
-                         num_panels * num_blocks > 1;
+    const int parallel =
+        panel_parallel(m_size, n_size, k_size, num_panels * num_blocks, num_threads);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
     for (int64_t item = 0; item < num_panels * num_blocks; item++) {
         int32_t acc[MR * PANEL] __attribute__((aligned(64)));

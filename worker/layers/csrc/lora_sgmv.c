@@ -34,6 +34,8 @@
 #include <omp.h>
 #endif
 
+#include "panel_tiles.h" /* worker/csrc, through -I: DISPATCH_ROWS */
+
 #define CONVEYOR_LORA_SGMV_ABI_VERSION 1
 
 /* A tile is MR rows by NV vectors of output columns: MR * NV accumulators, NV right-hand
@@ -166,16 +168,6 @@ static inline __attribute__((always_inline)) void tile_scalar(const Product *p, 
         store1(p->c[i], col, acc, c_bf16);
     }
 }
-
-#define DISPATCH_ROWS(rows, CALL) \
-    switch (rows) {               \
-        case 1: CALL(1); break;   \
-        case 2: CALL(2); break;   \
-        case 3: CALL(3); break;   \
-        case 4: CALL(4); break;   \
-        case 5: CALL(5); break;   \
-        default: CALL(6); break;  \
-    }
 
 /* The product's columns [c0, c1): whole tiles, then single vectors, eight lanes, scalars. */
 static inline __attribute__((always_inline)) void product_columns(const Product *p, int64_t c0,

@@ -59,14 +59,13 @@ class FP8Gemm:
         self._quantize = native.status_function(
             library, "conveyor_fp8_quantize", _QUANTIZE_ARGTYPES
         )
-        self._amx_enable = library.conveyor_fp8_amx_enable
-        self._amx_enable.argtypes, self._amx_enable.restype = [_i32], _i32
+        self._amx_enable = native.amx_switch(library, "conveyor_fp8_amx_enable")
         # An AMX build on a host whose Linux granted the tile state, unless CONVEYOR_CPU_AMX=0.
         self.amx = self.set_amx(amx_wanted())
 
     def set_amx(self, on: bool) -> bool:
         """Turn the AMX path (many rows) on or off for every user of this library."""
-        self.amx = bool(self._amx_enable(int(on)))
+        self.amx = self._amx_enable(on)
         return self.amx
 
     def quantize(
@@ -87,9 +86,7 @@ class FP8Gemm:
 
 
 def _from_library(library: ctypes.CDLL, path: Path) -> FP8Gemm | None:
-    version = library.conveyor_fp8_gemm_abi_version()
-    if version != ABI_VERSION:
-        raise RuntimeError(f"{path} has ABI {version}, want {ABI_VERSION}")
+    native.check_abi(library, path, "conveyor_fp8_gemm_abi_version", ABI_VERSION)
     if not library.conveyor_fp8_available():
         logger.info("FP8 kernel built without AVX512-BF16: FP8 linears dequantize with torch")
         return None
@@ -104,7 +101,8 @@ def load_fp8_gemm() -> FP8Gemm | None:
         return None
     return native.load_optional(
         logger, "FP8 kernel", "FP8 linears dequantize with torch", SOURCE_PATH,
-        [SOURCE_PATH, native.SHARED_HEADERS / "amx_permission.h"], _from_library,
+        [SOURCE_PATH, *(native.SHARED_HEADERS / h for h in ("amx_permission.h", "panel_tiles.h"))],
+        _from_library,
     )  # fmt: skip
 
 
@@ -171,9 +169,7 @@ class FP8Panels:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] (+ bias) in x's dtype (float32 inside)."""
         leading = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
-            rows = rows.to(torch.float32).contiguous()
+        rows = native.float32_rows(x, self.in_features)
         if bias is not None:
             bias = bias.detach().to(torch.float32).contiguous()
         out = torch.empty((rows.shape[0], self.out_features), dtype=torch.float32)

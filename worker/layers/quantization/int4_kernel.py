@@ -69,21 +69,18 @@ class Int4Gemm:
         self._linear_amx = native.status_function(
             library, "conveyor_int4_linear_amx", _LINEAR_ARGTYPES
         )
-        self._amx_enable = library.conveyor_int4_amx_enable
-        self._amx_enable.argtypes, self._amx_enable.restype = [_i32], _i32
+        self._amx_enable = native.amx_switch(library, "conveyor_int4_amx_enable")
         # An AMX build on a host whose Linux granted the tile state, unless CONVEYOR_CPU_AMX=0.
         self.amx = self.set_amx(amx_wanted())
 
     def set_amx(self, on: bool) -> bool:
         """Turn the AMX path on or off for every user of this library; whether it is on."""
-        self.amx = bool(self._amx_enable(int(on)))
+        self.amx = self._amx_enable(on)
         return self.amx
 
 
 def _from_library(library: ctypes.CDLL, path: Path) -> Int4Gemm:
-    version = library.conveyor_int4_gemm_abi_version()
-    if version != ABI_VERSION:
-        raise RuntimeError(f"{path} has ABI {version}, want {ABI_VERSION}")
+    native.check_abi(library, path, "conveyor_int4_gemm_abi_version", ABI_VERSION)
     return Int4Gemm(library, path)
 
 
@@ -92,7 +89,8 @@ def load_int4_gemm() -> Int4Gemm | None:
     """The library, built if needed; None (logged once) where it is off or cannot be built."""
     return native.load_optional(
         logger, "int4 kernel", "4-bit linears dequantize with torch", SOURCE_PATH,
-        [SOURCE_PATH, native.SHARED_HEADERS / "amx_permission.h"], _from_library,
+        [SOURCE_PATH, *(native.SHARED_HEADERS / h for h in ("amx_permission.h", "panel_tiles.h"))],
+        _from_library,
     )  # fmt: skip
 
 
@@ -158,9 +156,7 @@ class Int4Panels:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] (+ bias) in x's dtype (float32 inside)."""
         leading = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
-            rows = rows.to(torch.float32).contiguous()
+        rows = native.float32_rows(x, self.in_features)
         if bias is not None:
             bias = bias.detach().to(torch.float32).contiguous()
         amx = (
