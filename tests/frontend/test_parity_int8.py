@@ -1,7 +1,8 @@
 """``--quantization int8`` against transformers on the same int8 weights: greedy parity.
 
-transformers runs the checkpoint with each decoder linear's weight replaced by what the engine
-computes with, ``q * scale`` from ``quantize_int8`` (one scale per output row); the engine runs
+transformers runs the checkpoint with each decoder linear's weight and the LM head's (untied from
+the embeddings, which stay float) replaced by what the engine computes with, ``q * scale`` from
+``quantize_int8`` (one scale per output row); the engine runs
 the checkpoint with ``quantization="int8"``. The engine fuses q/k/v and gate/up where HF keeps
 them apart, which changes nothing: a row's scale depends on that row alone. The
 mixture-of-experts families (Qwen3-MoE, Mixtral) quantize every expert's matrices too; the routers
@@ -61,6 +62,12 @@ def _int8_hf_model(model_dir: Path):
         for i in range(model.config.num_hidden_layers)
     )
     assert replaced == expected
+    # The LM head too, untied from the embeddings (which stay float).
+    head = model.get_output_embeddings().weight.detach().clone()
+    q, scale = quantize_int8(head)
+    dequantized = q.float() * scale[:, None]
+    model.get_output_embeddings().weight = torch.nn.Parameter(dequantized, requires_grad=False)
+    assert not torch.equal(model.get_input_embeddings().weight, dequantized)
     return model
 
 

@@ -157,7 +157,7 @@ def test_int4_at_load_quantizes_every_decoder_linear(tiny_model_dirs, tiny_moe_m
     # The LM head's logits read a 4-bit copy; the embedding lookups keep the float table.
     head = float_model.lm_head.weight
     codes, scales, zeros = quantize_int4(head, 64)
-    back = model.lm_head.int4.unpacked()
+    back = model.lm_head.quantized.unpacked()
     assert all(torch.equal(a, b) for a, b in zip(back, (codes, scales, zeros)))
     assert torch.equal(model.model.embed_tokens.weight, float_model.model.embed_tokens.weight)
     with pytest.raises(ModelLoadError, match="int4 does not quantize mixture-of-experts"):

@@ -209,6 +209,11 @@ def test_load_model_quantizes_the_decoder_linears_before_packing(tiny_model_dirs
         assert layer.weight.device.type == "meta"
     heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
     assert heads and all(h.weight.device.type == "cpu" for h in heads)
+    # The head's logits read an int8 copy (the float weight stays for a tied embedding).
+    for head in heads:
+        assert isinstance(head.quantized, Int8Weight) and head.packed_weight is None
+        hidden = torch.randn(3, head.weight.shape[1])
+        _close(head(hidden)[:, : head.weight.shape[0]], hidden, head.quantized.dequantized())
     with pytest.raises(ModelLoadError, match="runs on CPU only"):
         load_model(tiny_model_dirs["qwen2"], torch.float32, "cuda", quantization="int8")
 

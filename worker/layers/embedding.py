@@ -68,12 +68,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
         self.packed_weight: torch.Tensor | None = None
-        # ``--quantization int4``'s 4-bit copy of the head (an Int4Panels), which the logits
-        # read in place of the float weight; the embedding (if tied) keeps the float one.
-        self.int4 = None
+        # ``--quantization int4``'s 4-bit or ``int8``'s int8 copy of the head (an Int4Panels or
+        # an Int8Weight: ``linear(hidden)``), which the logits read in place of the float
+        # weight; the embedding (if tied) keeps the float one.
+        self.quantized = None
 
     def process_weights_after_loading(self) -> None:
-        if self.int4 is None:
+        if self.quantized is None:
             self.packed_weight = pack_weight(self.weight)
 
     def weight_loader(
@@ -83,8 +84,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if self.int4 is not None:
-            logits = self.all_gather(self.int4.linear(hidden, None))
+        if self.quantized is not None:
+            logits = self.all_gather(self.quantized.linear(hidden))
         else:
             logits = self.all_gather(linear(hidden, self.weight, None, self.packed_weight))
         # Drop the padding rows of the last rank's range.

@@ -12,9 +12,9 @@ Where the kernel cannot be built, or
 slower than float32.
 
 Quantized: the column- and row-parallel linears (attention q/k/v and output projections, MLP
-gate/up/down) and the mixture-of-experts experts' matrices, each tensor-parallel rank its own
-slice with its own scales. Left in the model's dtype: embeddings, the LM head, norms, biases and
-the experts' routers.
+gate/up/down), the mixture-of-experts experts' matrices and the LM head (a copy the logits
+read), each tensor-parallel rank its own slice with its own scales. Left in the model's dtype:
+embeddings (a tied one keeps the float table), norms, biases and the experts' routers.
 """
 
 from __future__ import annotations
@@ -301,6 +301,16 @@ def quantize_model(model: nn.Module, method: str) -> None:
             before += layer.weight.nbytes
             layer.quantize_int8()
             after += layer.int8.nbytes if layer.int8 else 0
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        # The LM head too, as --quantization int4 does (and llama.cpp's 8-bit files): at one
+        # request it is the largest matrix a step reads (Qwen3-0.6B's tied 151,936 x 1,024: 622
+        # MB in float32, more than all its decoder linears in int8). A tied embedding keeps the
+        # float table for its lookups.
+        head.quantized = Int8Weight(head.weight.detach(), None)
+        head.packed_weight = None
+        before += head.weight.nbytes
+        after += head.quantized.nbytes
     gemm = load_int8_gemm()
     logger.info(
         "int8 weights for %d layers: %.1f MB -> %.1f MB (%s)",

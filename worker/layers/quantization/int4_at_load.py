@@ -58,10 +58,10 @@ def quantize_model_int4(model: nn.Module) -> None:
     hidden = head.weight.shape[1] if head is not None else 0
     group = next((g for g in GROUP_SIZES if hidden and hidden % g == 0), hidden)
     if gemm is not None and head is not None and kernel_takes_groups(hidden, group):
-        head.int4 = Int4Panels(gemm, *quantize_int4(head.weight.detach(), group), group)
+        head.quantized = Int4Panels(gemm, *quantize_int4(head.weight.detach(), group), group)
         head.packed_weight = None
         before += head.weight.nbytes
-        after += head.int4.nbytes
+        after += head.quantized.nbytes
     logger.info(
         "int4 weights for %d layers: %.1f MB -> %.1f MB (%s)",
         len(layers),

@@ -153,7 +153,7 @@ class Int4Panels:
         zeros = self.zero_offsets.transpose(1, 2).reshape(-1, self.scales.shape[1]) - MAGIC
         return codes.to(torch.uint8), scales, zeros[: self.out_features]
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N] (+ bias) in x's dtype (float32 inside)."""
         leading = x.shape[:-1]
         rows = native.float32_rows(x, self.in_features)
