@@ -41,9 +41,9 @@ def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
 def decode_bytes(config: dict, name: str) -> float:
     """What one decode step reads of the weights in format ``name``: every decoder linear in
     that format (int8: a byte a weight and a float32 scale a row; int4: half a byte, a float32
-    scale and a float32 zero offset per 64 inputs), the LM head (float32, but 4-bit under int4,
-    which quantizes it too), one embedding row and the norms; the KV cache of a short request
-    is left out."""
+    scale and a float32 zero offset per 64 inputs), the LM head (in the same format: int4 and
+    int8 quantize it too), one embedding row and the norms; the KV cache of a short request is
+    left out."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
@@ -53,7 +53,7 @@ def decode_bytes(config: dict, name: str) -> float:
         sum(n * k * per_weight + (4 * n if name == "int8" else 0) for n, k in shapes)
         * config["num_hidden_layers"]
     )
-    head = config["vocab_size"] * hidden * (per_weight if name == "int4" else 4)
+    head = config["vocab_size"] * (hidden * per_weight + (4 if name == "int8" else 0))
     return linears + head + 4 * hidden * (2 * config["num_hidden_layers"] + 2)
 
 
