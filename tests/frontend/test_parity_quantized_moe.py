@@ -27,10 +27,13 @@ import torch
 from benchmarks.fixtures.model_maker import ensure_model
 from benchmarks.fixtures.quantized_maker import ensure_quantized, reference_weights
 from tests.frontend.test_parity_hf import LOGPROB_TOLERANCE, TIE_GAP, Reference
-from tests.frontend.test_parity_quantized import run_parity
+from tests.frontend.test_parity_quantized import ACTIVATION_TOLERANCE, run_parity
 
 CASES = [
     ("compressed-tensors-moe", dict(preset="W4A16", group=32), "load"),
+    ("gptq", dict(bits=8), "writer"),  # 8-bit experts: the int8 kernel's grouped path
+    ("gptq", dict(desc_act=True), "writer"),  # act-order experts, sorted by group at load
+    ("compressed-tensors-moe", dict(preset="W8A8", group=0), "load"),
     ("fp8-moe", dict(block=24), "writer"),
     ("fp8-moe", dict(), "writer"),
 ]
@@ -42,14 +45,18 @@ def _case_id(case) -> str:
 
 
 def hf_moe_with_weights(source: Path, weights: dict[str, torch.Tensor]):
-    """transformers' float model with each expert's gate, up and down weight replaced; its
-    experts are stacked, [gate; up] per expert, as ours are."""
+    """transformers' float model with each expert's gate, up and down weight replaced (its
+    experts are stacked, [gate; up] per expert, as ours are), and any other linear's weight
+    (a GPTQ checkpoint quantizes the attention and dense MLPs too)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, weight in weights.items():
+            if ".experts." not in name:
+                params[name].copy_(weight)
+                continue
             block, _, rest = name.partition(".experts.")
             expert, part, _ = rest.split(".")
             if part == "down_proj":
@@ -72,10 +79,13 @@ def quantized_reference(request) -> Reference:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     else:
         weights = reference_weights(model_dir)
-        assert weights and all(".experts." in name for name in weights)
+        assert any(".experts." in name for name in weights)
         model = hf_moe_with_weights(source, weights)
     reference = Reference(model_dir, model)
     reference.tolerance, reference.tie_gap = LOGPROB_TOLERANCE, TIE_GAP
+    if options.get("preset") == "W8A8":  # activations rounded to int8: see that module
+        reference.tolerance = reference.tie_gap = ACTIVATION_TOLERANCE
+    reference.fp8_torch_path = False
     return reference
 
 

@@ -25,6 +25,7 @@ from benchmarks.fixtures.quantized_maker import (
 )
 from conveyor.worker.layers.int8_linear import load_int8_gemm
 from conveyor.worker.layers.quantization.activations import fake_quantize
+from conveyor.worker.layers.quantization.int4_kernel import load_int4_gemm
 from conveyor.worker.layers.quantization.packing import (
     AWQ_ORDER,
     pack_int32,
@@ -251,18 +252,31 @@ def test_a_quantized_module_we_run_in_float_is_refused(qwen3, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("options", "message"),
+    ("kind", "options", "kernel"),
     [
-        (dict(desc_act=True), r"quantized experts \(int4 group 32 act-order\): act-order"),
-        (dict(bits=8), r"quantized experts \(int8 group 32\): conveyor runs 4-bit integer or FP8"),
+        ("gptq", dict(desc_act=True), "panels"),
+        ("gptq", dict(bits=8), "int8"),
+        ("compressed-tensors-moe", dict(preset="W8A8", group=0), "w8a8"),
     ],
+    ids=["act-order", "8-bit", "W8A8"],
 )
-def test_expert_variants_conveyor_does_not_run_are_refused_by_name(
-    tiny_moe_model_dirs, options, message
+def test_integer_expert_variants_run_in_the_dense_layers_kernels(
+    tiny_moe_model_dirs, kind, options, kernel
 ):
-    source = ensure_quantized(tiny_moe_model_dirs["qwen3_moe"], "gptq", **options)
-    with pytest.raises(ModelLoadError, match=message):
-        load_model(source, torch.float32, CPU)
+    """Act-order, 8-bit and W8A8 experts load as each expert's pair of quantized linears, which
+    take the kernels a dense layer of that scheme takes (where the host builds them)."""
+    model = load_model(
+        ensure_quantized(tiny_moe_model_dirs["qwen3_moe"], kind, **options), torch.float32, CPU
+    )
+    experts = next(
+        layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")
+    )
+    quant = experts.quantized_expert(0).down_proj.quant
+    runs = {"panels": load_int4_gemm(), "int8": load_int8_gemm()}
+    runs["w8a8"] = runs["int8"] and runs["int8"].w8a8
+    if not runs[kernel]:
+        pytest.skip(f"no {kernel} kernel on this host")
+    assert getattr(quant, kernel) is not None and "codes" not in quant._parameters
 
 
 @pytest.mark.parametrize(

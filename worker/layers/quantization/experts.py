@@ -5,10 +5,12 @@ column-parallel and one row-parallel linear (``QuantizedExpert``, under the expe
 checkpoint's ``mlp.experts.3.gate_proj`` lands in ``mlp.experts.3.gate_up_proj``), through the
 same loaders and tensor-parallel slicing as a dense layer's. Then, by scheme:
 
-- 4-bit integer weights (compressed-tensors W4A16, GPTQ without act-order, AWQ) stay 4-bit: each
-  expert's matrices move into the compiled kernel's panels (int4_kernel.py) and the expert
-  matmul reads 4 bits per weight, the point of a 4-bit MoE on a CPU, where a decode step reads
-  every picked expert's weights;
+- integer weights stay at their bits, each expert's pair of linears as a dense layer's would:
+  4-bit ones (compressed-tensors W4A16, GPTQ, AWQ) in the compiled 4-bit kernel's panels
+  (int4_kernel.py), 8-bit ones (GPTQ 8-bit, W8A16) in the int8 kernel's, act-order ones sorted by
+  group at load first, W8A8 with its int8 activations in the int8 kernel's VNNI path; the expert
+  matmul reads the weights' own bits, the point of a quantized MoE on a CPU, where a decode step
+  reads every picked expert's weights;
 - FP8 weights (``fp8`` per tensor or in blocks, compressed-tensors FP8) are multiplied out once
   at load into the experts' float stacks, which then take the oneDNN-packed path float experts
   have: a CPU has no FP8 matmul, and upcasting at load costs memory once instead of a dequantize
@@ -16,8 +18,7 @@ same loaders and tensor-parallel slicing as a dense layer's. Then, by scheme:
   (it dequantizes them); only a dynamic activation scheme is taken, static input scales are
   refused.
 
-Everything else (8-bit integer experts, act-order, quantized activations on integer experts) is
-refused by name at load.
+Static input scales on FP8 experts are refused by name at load.
 """
 
 from __future__ import annotations
@@ -27,19 +28,13 @@ from torch import nn
 
 from conveyor.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from conveyor.worker.layers.quantization.base import UnsupportedQuantization
-from conveyor.worker.layers.quantization.scheme import FLOAT8, INT, LinearScheme
+from conveyor.worker.layers.quantization.scheme import FLOAT8, LinearScheme
 
 
 def check_expert_scheme(scheme: LinearScheme) -> None:
     """Refuse, by name, what the experts do not run."""
     w, a = scheme.weights, scheme.activations
     what = f"quantized experts ({scheme.describe()})"
-    if w.kind == INT and w.bits != 4:
-        raise UnsupportedQuantization(f"{what}: conveyor runs 4-bit integer or FP8 experts")
-    if w.kind == INT and w.act_order:
-        raise UnsupportedQuantization(f"{what}: act-order (desc_act) experts")
-    if w.kind == INT and a is not None:
-        raise UnsupportedQuantization(f"{what}: quantized activations on integer experts")
     if w.kind == FLOAT8 and a is not None and not a.dynamic:
         raise UnsupportedQuantization(f"{what}: static input scales on FP8 experts")
 
