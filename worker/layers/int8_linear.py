@@ -262,14 +262,12 @@ class Int8Weight:
             status = self.gemm._linear_grouped(
                 rows.data_ptr(), rows.stride(0), rows.shape[0], self.in_features,
                 self.q.data_ptr(), self.scale.data_ptr(),
-                None if self.zeros is None else self.zeros.data_ptr(), None,
-                self.out_features, self.group_size, out.data_ptr(), self.out_features,
-                torch.get_num_threads(),
+                None if self.zeros is None else self.zeros.data_ptr(),
+                None if bias is None else bias.data_ptr(), self.out_features, self.group_size,
+                out.data_ptr(), self.out_features, torch.get_num_threads(),
             )  # fmt: skip
             if status != 0:
                 raise RuntimeError(f"int8 grouped linear failed with status {status}")
-            if bias is not None:
-                out += bias
         elif self.gemm is not None:
             out = self.gemm.linear(rows, self.q, self.scale, bias, self.out_features)
         else:
