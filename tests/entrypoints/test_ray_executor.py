@@ -169,3 +169,28 @@ def test_ray_places_data_parallel_engines_that_both_serve(ray_cluster, tiny_mode
         assert wait_until_gone(engine_pids, 10.0) == []
     finally:
         served.stop()
+
+
+def test_a_stop_signal_inside_rays_wait_stays_a_stop(monkeypatch):
+    """A SIGTERM that lands while the supervisor polls an engine actor runs our handler from
+    Ray's own signal check, and Ray returns the ShutdownRequested wrapped in a SystemError (seen
+    once in CI: the server then exited 1 with a traceback); the poll re-raises the stop itself."""
+    import ray
+
+    from conveyor.entrypoints.ray_engines import RayEngineProcess
+    from conveyor.runtime.signals import ShutdownRequested
+
+    def interrupted(*args, **kwargs):
+        try:
+            raise ShutdownRequested("SIGTERM")
+        except ShutdownRequested as stop:
+            raise SystemError("CoreWorker.wait returned a result with an exception set") from stop
+
+    engine = RayEngineProcess.__new__(RayEngineProcess)
+    engine._run_ref = object()
+    monkeypatch.setattr(ray, "wait", interrupted)
+    with pytest.raises(ShutdownRequested):
+        engine.exit_code()
+    monkeypatch.setattr(ray, "wait", lambda *a, **k: (_ for _ in ()).throw(SystemError("other")))
+    with pytest.raises(SystemError):
+        engine.exit_code()
