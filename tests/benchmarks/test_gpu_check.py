@@ -132,11 +132,13 @@ def test_the_time_limit_stops_a_hung_test_and_what_it_started(tmp_path):
         f"    open({str(marker)!r}, 'w').write(str(child.pid))\n"
         "    time.sleep(300)\n"
     )
+    # The limit leaves the child pytest room to start and pass test_fast on a loaded 2-core
+    # host (4 s did not once in CI: "no test finished").
     for stopped_may_pass in (False, True):
         start = time.monotonic()
-        summary, passed = run_tests((str(test_file),), None, False, 600, 4.0, stopped_may_pass)
-        assert time.monotonic() - start < 30
-        assert summary == "stopped after 4 s: 1 passed" and passed is stopped_may_pass
+        summary, passed = run_tests((str(test_file),), None, False, 600, 15.0, stopped_may_pass)
+        assert time.monotonic() - start < 60
+        assert summary == "stopped after 15 s: 1 passed" and passed is stopped_may_pass
         child = int(marker.read_text())
         deadline = time.monotonic() + 5
         while _alive(child) and time.monotonic() < deadline:
