@@ -135,7 +135,6 @@ class QuantizedWeights(nn.Module):
             triton_quant.sort_act_order_groups(self)
         if self._int8_kernel_takes_it():
             q = (self.codes.data.to(torch.int16) - w.middle_code).to(torch.int8)
-            group_size = w.group_size or self.in_features
             if w.symmetric and group_size == self.in_features:
                 self.int8 = Int8Weight.from_quantized(q, self.scales.data[:, 0])
             else:
